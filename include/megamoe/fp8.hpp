@@ -1,0 +1,38 @@
+// Blockwise FP8 (E4M3) emulation on the CPU, bit-exact with the GPU conversion
+// `cvt.rn.satfinite.e4m3x2.f32`: round to nearest even, finite values beyond 448 saturate to +-448,
+// +-inf saturate to +-448, NaN becomes 0x7F, subnormals down to 2^-9 are kept.
+//
+// Scales (DeepSeek-V3 recipe): one fp32 scale per 1x128 group of an activation row, one per 128x128
+// block of a weight matrix; scale = amax / 448 (1 when the group is all zero), q = e4m3(v / scale),
+// dequantized value = float(q) * scale.
+#pragma once
+
+#include <cstdint>
+
+namespace megamoe::fp8 {
+
+inline constexpr float kE4M3Max = 448.0f;
+inline constexpr int64_t kGroup = 128;  // scale group along a row; weight blocks are kGroup x kGroup
+
+uint8_t float_to_e4m3(float value);
+float e4m3_to_float(uint8_t bits);
+inline float round_to_e4m3(float value) { return e4m3_to_float(float_to_e4m3(value)); }
+
+// The scale of one group from its absolute maximum.
+float scale_from_amax(float amax);
+
+// Activations [rows, cols], cols a multiple of 128: q [rows, cols], scales [rows, cols / 128].
+void quantize_rows_1x128(const float* x, int64_t rows, int64_t cols, uint8_t* q, float* scales);
+void dequantize_rows_1x128(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, float* x);
+
+// Weights [rows, cols], cols a multiple of 128, rows any: q [rows, cols],
+// scales [ceil(rows / 128), cols / 128] (row-major over blocks).
+void quantize_blocks_128x128(const float* w, int64_t rows, int64_t cols, uint8_t* q, float* scales);
+void dequantize_blocks_128x128(const uint8_t* q, const float* scales, int64_t rows, int64_t cols,
+                               float* w);
+
+// Round-trip helpers (quantize then dequantize in place), what the FP8 reference layer uses.
+void fake_quantize_rows_1x128(float* x, int64_t rows, int64_t cols);
+void fake_quantize_blocks_128x128(float* w, int64_t rows, int64_t cols);
+
+}  // namespace megamoe::fp8
