@@ -5,6 +5,23 @@
 // Scales (DeepSeek-V3 recipe): one fp32 scale per 1x128 group of an activation row, one per 128x128
 // block of a weight matrix; scale = amax / 448 (1 when the group is all zero), q = e4m3(v / scale),
 // dequantized value = float(q) * scale.
+//
+// The GPU side must match these choices bit for bit:
+// - NaN converts to 0x7F whatever its sign (what cvt.rn.satfinite.e4m3x2.f32 writes); 0x7F and 0xFF decode
+//   to NaN. -0.0 converts to 0x80 and decodes to -0.0.
+// - Both divisions (amax / 448 and v / scale) are IEEE fp32 round-to-nearest divisions (__fdiv_rn, no
+//   fast-math, no multiply by a reciprocal) and denormals are not flushed. The dequantize multiply is one
+//   fp32 multiply.
+// - A group's amax ignores NaN elements (fmaxf semantics), so a NaN only makes its own element NaN.
+// - scale_from_amax(NaN) is NaN (the condition is !(amax <= 0), not amax > 0). An infinite element makes
+//   amax and the scale infinite: the group's finite values quantize to +-0 and the infinite ones to NaN,
+//   so the whole group dequantizes to NaN (0 * inf), which surfaces the overflow instead of hiding it.
+// - Edge case kept as is, not patched: amax below 448 * 2^-149 (a denormal group) gives a scale that
+//   underflows to 0; its elements then divide by zero (nonzero -> +-448, zero -> NaN) and dequantize to
+//   0 or NaN.
+//
+// The array functions throw std::invalid_argument when rows < 0 or cols is not a non-negative multiple
+// of 128.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine: build with all cores, run the GPU and CPU test suites, run every
+# benchmark, write logs and summary.json into OUTDIR, print a short table last.
+#   scripts/gpu-check.sh OUTDIR [--skip-bench] [--gtest-filter PATTERN]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu-check.sh OUTDIR [--skip-bench] [--gtest-filter PATTERN]}
+shift
+skip_bench=0
+gtest_filter='*'
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --skip-bench) skip_bench=1 ;;
+    --gtest-filter) gtest_filter=$2; shift ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+build_dir=${MEGAMOE_BUILD_DIR:-build-gpu}
+export PATH=/usr/local/cuda/bin:$PATH
+start=$(date +%s)
+note() { printf '[gpu-check %4ss] %s\n' "$(( $(date +%s) - start ))" "$*"; }
+
+gtest_args=()
+[ -f .deps/googletest/CMakeLists.txt ] && gtest_args=(-DMEGAMOE_GTEST_SOURCE="$PWD/.deps/googletest")
+note "configure + build ($(nproc) cores) -> $out/build.log"
+# Warnings are errors in CI; here a newer host compiler's new warning must not cost a GPU run.
+if ! { cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_WERROR=OFF \
+         -DMEGAMOE_PTXAS_VERBOSE=ON "${gtest_args[@]}" &&
+       cmake --build "$build_dir" -j "$(nproc)"; } >"$out/build.log" 2>&1; then
+  tail -40 "$out/build.log"
+  echo "BUILD FAILED"
+  printf '{"build": "failed"}\n' >"$out/summary.json"
+  exit 1
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader \
+  >"$out/gpu.txt" 2>&1 || true
+note "GPU: $(cat "$out/gpu.txt")"
+
+status=0
+run_suite() {  # name binary
+  local name=$1 binary=$2
+  note "tests: $name"
+  if ! "$binary" --gtest_filter="$gtest_filter" --gtest_output="json:$out/$name.json" >"$out/$name.log" 2>&1; then
+    status=1
+    grep -E '^\[  FAILED|Failure|error' "$out/$name.log" | head -30
+  fi
+}
+run_suite gpu_tests "$build_dir/megamoe_gpu_tests"
+run_suite cpu_tests "$build_dir/megamoe_cpu_tests"
+
+if [ $skip_bench -eq 0 ]; then
+  : >"$out/bench.log"
+  for bench in "$build_dir"/bench_*; do
+    [ -x "$bench" ] || continue
+    note "benchmark: $(basename "$bench")"
+    { echo "=== $(basename "$bench")"; "$bench" --json "$out/$(basename "$bench").json"; } >>"$out/bench.log" 2>&1 ||
+      { status=1; echo "benchmark $(basename "$bench") failed"; }
+  done
+  for script in benchmarks/bench_*.py; do
+    [ -f "$script" ] || continue
+    note "benchmark: $script"
+    { echo "=== $script"; PYTHONUNBUFFERED=1 python3 "$script" --json "$out/$(basename "$script" .py).json"; } \
+      >>"$out/bench.log" 2>&1 || { status=1; echo "benchmark $script failed"; }
+  done
+  cp "$out/bench.log" "$out/bench_tables.txt"
+fi
+
+python3 - "$out" "$status" <<'PY'
+import json, os, sys
+out, status = sys.argv[1], int(sys.argv[2])
+summary = {"gpu": open(os.path.join(out, "gpu.txt")).read().strip(), "suites": {}, "status": status}
+rows = []
+for suite in ("gpu_tests", "cpu_tests"):
+    path = os.path.join(out, suite + ".json")
+    if not os.path.exists(path):
+        rows.append((suite, "-", "-", "-", "no report")); continue
+    data = json.load(open(path))
+    ran = skipped = failed = 0
+    for s in data.get("testsuites", []):
+        for t in s.get("testsuite", []):
+            if t.get("result") == "SKIPPED" or t.get("status") == "NOTRUN": skipped += 1
+            elif t.get("failures"): failed += 1
+            else: ran += 1
+    summary["suites"][suite] = {"passed": ran, "failed": failed, "skipped": skipped}
+    rows.append((suite, ran, failed, skipped, ""))
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=2)
+print()
+print(f"{'suite':<12} {'passed':>7} {'failed':>7} {'skipped':>8}")
+for r in rows: print(f"{r[0]:<12} {r[1]:>7} {r[2]:>7} {r[3]:>8} {r[4]}")
+PY
+if [ $skip_bench -eq 0 ] && [ -s "$out/bench.log" ]; then
+  echo; echo "benchmark tables ($out/bench.log):"; grep -E '^(\||===|[A-Za-z].*(TFLOP|GB/s|ms))' "$out/bench.log" | tail -60
+fi
+note "done, status $status"
+exit $status

@@ -1,0 +1,72 @@
+// Shared pieces of the GPU tests: skipping without a GPU, device buffers, CUDA checks.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <vector>
+
+namespace megamoe::testing {
+
+inline bool gpu_available() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+}  // namespace megamoe::testing
+
+// GPU tests run everywhere; on a machine without a GPU they report SKIPPED, not passed or failed.
+#define MEGAMOE_SKIP_WITHOUT_GPU()                                               \
+  do {                                                                           \
+    if (!::megamoe::testing::gpu_available()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+#define MEGAMOE_ASSERT_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(cudaGetLastError())
+
+namespace megamoe::testing {
+
+// Owning device allocation; the memory is filled with 0xFF bytes on creation (NaN for fp32/bf16), so
+// anything a kernel fails to write is caught.
+template <typename T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t count) : count_(count) {
+    if (count_ == 0) return;
+    if (cudaMalloc(&ptr_, count_ * sizeof(T)) != cudaSuccess) {
+      ptr_ = nullptr;
+      ADD_FAILURE() << "cudaMalloc of " << count_ * sizeof(T) << " bytes failed";
+      return;
+    }
+    poison();
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+
+  T* get() const { return ptr_; }
+  size_t size() const { return count_; }
+
+  void poison() {
+    if (ptr_ != nullptr) EXPECT_EQ(cudaMemset(ptr_, 0xFF, count_ * sizeof(T)), cudaSuccess);
+  }
+  void upload(const std::vector<T>& host) {
+    ASSERT_EQ(host.size(), count_);
+    if (count_ > 0) ASSERT_EQ(cudaMemcpy(ptr_, host.data(), count_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(count_);
+    if (count_ > 0)
+      EXPECT_EQ(cudaMemcpy(host.data(), ptr_, count_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return host;
+  }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t count_ = 0;
+};
+
+}  // namespace megamoe::testing
