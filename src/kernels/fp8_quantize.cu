@@ -25,7 +25,8 @@ __global__ void quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ x, 
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float scale = amax > 0.0f ? amax / kE4M3Max : 1.0f;
+    // Same rule as fp8::scale_from_amax: a NaN amax (all-NaN group) gives a NaN scale, not 1.
+    const float scale = !(amax <= 0.0f) ? amax / kE4M3Max : 1.0f;
     uint32_t bytes = 0;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
