@@ -175,7 +175,7 @@ void expert_backward_row(const LayerConfig& config, const ExpertWeightsView<Scal
   const int64_t hidden = config.hidden;
   const int64_t intermediate = config.intermediate;
 
-  row->routing_weight_grad = static_cast<Scalar>(static_cast<double>(routing_weight) * dot(d_out_row.data(), forward.output.data(), hidden));
+  row->routing_weight_grad = static_cast<Scalar>(dot(d_out_row.data(), forward.output.data(), hidden));
 
   row->output_grad.assign(hidden, Scalar(0));
   for (int64_t h = 0; h < hidden; ++h)

@@ -13,6 +13,7 @@
 
 #include "megamoe/config.hpp"
 #include "megamoe/reference.hpp"
+#include "reference/layer_math.hpp"
 
 namespace megamoe::reference {
 namespace {
@@ -466,6 +467,76 @@ TEST(ReferenceLayerTest, FloatMatchesDouble) {
     EXPECT_LT(relative_error(grads[r].d_w13, expected[r].d_w13), 1e-6);
     EXPECT_LT(relative_error(grads[r].d_w2, expected[r].d_w2), 1e-6);
   }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The quantization hooks (the entry points of the FP8 reference) run where layer_math.hpp says.
+
+TEST(ReferenceLayerHooksTest, HooksRunAtTheDocumentedPointsAndTheirRoundingIsUsed) {
+  const LayerConfig config = small_config(/*num_ranks=*/2, /*num_experts=*/4, /*top_k=*/2, /*max_tokens=*/4);
+  Problem p = make_problem(config, {3, 2}, /*seed=*/21);
+  // 9 routed rows (one slot masked, one duplicate); experts 0, 1, 2 get rows, expert 3 none.
+  p.ranks[0].topk_idx = {0, -1, 1, 2, 0, 0};
+  p.ranks[1].topk_idx = {2, 1, 0, 1};
+  const int64_t routed_rows = 9;
+  const int64_t experts_with_rows = 3;
+
+  std::vector<int64_t> row_calls(8, 0);
+  std::vector<int64_t> wgrad_calls(4, 0);
+  int64_t weight_calls = 0;
+  detail::QuantizationHooks<double> counting;
+  counting.round_row = [&](detail::RowPoint point, std::span<double> row) {
+    const auto expected_width = static_cast<size_t>(
+        point == detail::RowPoint::kGateUp || point == detail::RowPoint::kGateUpGrad ? 2 * config.intermediate
+        : point == detail::RowPoint::kActivation || point == detail::RowPoint::kActivationGrad
+            ? config.intermediate
+            : config.hidden);
+    EXPECT_EQ(row.size(), expected_width) << static_cast<int>(point);
+    ++row_calls[static_cast<size_t>(point)];
+  };
+  counting.round_weight = [&](detail::WeightKind, std::span<double> matrix, int64_t rows, int64_t cols) {
+    EXPECT_EQ(static_cast<int64_t>(matrix.size()), rows * cols);
+    ++weight_calls;
+  };
+  counting.round_wgrad_operand = [&](detail::WgradOperand operand, std::span<double> matrix, int64_t channels,
+                                     int64_t rows) {
+    EXPECT_EQ(static_cast<int64_t>(matrix.size()), channels * rows);
+    ++wgrad_calls[static_cast<size_t>(operand)];
+  };
+
+  // Hooks that leave values alone change nothing.
+  std::vector<std::vector<double>> out;
+  ASSERT_TRUE(detail::forward_impl(config, p.ranks, counting, &out).is_ok());
+  EXPECT_EQ(max_abs_diff(concatenate(out), concatenate(run_forward(p))), 0.0);
+  EXPECT_EQ(weight_calls, 2 * config.num_experts);
+  for (const detail::RowPoint point : {detail::RowPoint::kTokenInput, detail::RowPoint::kGateUp,
+                                       detail::RowPoint::kActivation, detail::RowPoint::kExpertOutput})
+    EXPECT_EQ(row_calls[static_cast<size_t>(point)], routed_rows) << static_cast<int>(point);
+
+  std::fill(row_calls.begin(), row_calls.end(), 0);
+  std::vector<RankGradients<double>> grads;
+  ASSERT_TRUE(detail::backward_impl(config, p.ranks, p.d_out, counting, &grads).is_ok());
+  const std::vector<RankGradients<double>> plain = run_backward(p);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(max_abs_diff(grads[r].d_x, plain[r].d_x), 0.0);
+    EXPECT_EQ(max_abs_diff(grads[r].d_w13, plain[r].d_w13), 0.0);
+  }
+  for (int64_t calls : row_calls) EXPECT_EQ(calls, routed_rows);  // backward recomputes the forward rows
+  for (int64_t calls : wgrad_calls) EXPECT_EQ(calls, experts_with_rows);
+
+  // A weight hook acts on copies: doubling w2 doubles out and leaves the caller's weights alone.
+  detail::QuantizationHooks<double> doubling;
+  doubling.round_weight = [](detail::WeightKind kind, std::span<double> matrix, int64_t, int64_t) {
+    if (kind == detail::WeightKind::kW2)
+      for (double& v : matrix) v *= 2.0;
+  };
+  const std::vector<double> w2_before = p.ranks[1].w2;
+  std::vector<std::vector<double>> doubled;
+  ASSERT_TRUE(detail::forward_impl(config, p.ranks, doubling, &doubled).is_ok());
+  std::vector<double> twice_out = concatenate(run_forward(p));
+  for (double& v : twice_out) v *= 2.0;
+  EXPECT_LE(max_abs_diff(concatenate(doubled), twice_out), 1e-14);
+  EXPECT_EQ(p.ranks[1].w2, w2_before);
 }
 
 // ---------------------------------------------------------------------------------------------------
