@@ -1,0 +1,126 @@
+// The expert-parallel MoE layer on the GPU (BF16, modular path): one object per rank.
+//
+// Data path per call, all on the device with no host synchronisation (so forward and backward can be
+// captured in a CUDA graph):
+//   forward : layout (counts, slots) -> dispatch (each token once per destination rank) -> barrier
+//             -> expand to expert-major rows -> GEMM1 -> SwiGLU -> GEMM2 scattered into the source
+//             rank's per-slot buffer -> barrier -> weighted reduce over the K slots in a fixed order.
+//   backward: dispatch d_out with the forward's routing -> barrier -> dgrad GEMMs, SwiGLU backward,
+//             d_topk_weights on the I side -> d_x rows scattered home -> weight-gradient GEMMs (fp32)
+//             -> barrier -> reduce over the K slots.
+// Ranks meet only at device-side barriers over a symmetric workspace (same layout on every rank, peers
+// reached through a table of base addresses); every wait has a timeout.
+//
+// Errors found on the device (expert id out of range, receive capacity exceeded, barrier timeout) are
+// recorded in the workspace; the outputs of an affected call are NaN (never silently wrong), and
+// synchronize_and_check() returns the recorded Status.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "megamoe/config.hpp"
+#include "megamoe/status.hpp"
+
+namespace megamoe {
+
+struct LayerOptions {
+  // Expert-major rows a rank can receive in one call. 0 = the worst case,
+  // num_ranks * max_tokens_per_rank * min(top_k, experts_per_rank) (every token of every rank routed
+  // here with all its slots). A call that would need more reports kCapacityExceeded.
+  int64_t expert_row_capacity = 0;
+  // Bound on every device spin-wait; past it the call reports kTimeout naming the wait.
+  double wait_timeout_seconds = 20.0;
+};
+
+enum class IndexType { kInt64, kInt32 };
+
+struct ForwardArgs {
+  int64_t num_tokens = 0;                    // T <= max_tokens_per_rank, may be 0
+  const __nv_bfloat16* x = nullptr;          // [T, H]
+  const void* topk_idx = nullptr;            // [T, K], global expert ids, -1 = masked
+  IndexType topk_idx_type = IndexType::kInt64;
+  const float* topk_weights = nullptr;       // [T, K]
+  const __nv_bfloat16* w13 = nullptr;        // [E_local, 2I, H]
+  const __nv_bfloat16* w2 = nullptr;         // [E_local, H, I]
+  __nv_bfloat16* out = nullptr;              // [T, H]
+};
+
+struct BackwardArgs {
+  const __nv_bfloat16* d_out = nullptr;      // [T, H], T as in the forward
+  __nv_bfloat16* d_x = nullptr;              // [T, H]
+  float* d_topk_weights = nullptr;           // [T, K]
+  float* d_w13 = nullptr;                    // [E_local, 2I, H] fp32
+  float* d_w2 = nullptr;                     // [E_local, H, I] fp32
+  bool accumulate_weight_grads = false;      // add into d_w13 / d_w2 instead of overwriting
+};
+
+// Where a rank runs and how it reaches its peers.
+struct RankPlacement {
+  int rank = 0;
+  cudaStream_t stream = nullptr;
+  int max_blocks = 0;          // persistent blocks per kernel; 0 = all SMs (one rank per GPU)
+  char* workspace = nullptr;   // this rank's symmetric workspace (workspace_bytes() long)
+  char* const* peer_workspaces_device = nullptr;  // device array [R]: every rank's workspace base
+};
+
+class ExpertParallelLayer {
+ public:
+  ~ExpertParallelLayer();
+  ExpertParallelLayer(const ExpertParallelLayer&) = delete;
+  ExpertParallelLayer& operator=(const ExpertParallelLayer&) = delete;
+
+  // Bytes of symmetric workspace each rank needs (forward state saved for the backward included).
+  static Status workspace_bytes(const LayerConfig& config, const LayerOptions& options, int64_t* bytes);
+  // Validates the config and the placement; the workspace must be zero-initialised once
+  // (the layer leaves its counters at zero after every call).
+  static Status create(const LayerConfig& config, const LayerOptions& options, const RankPlacement& placement,
+                       std::unique_ptr<ExpertParallelLayer>* layer);
+
+  // Enqueue on the rank's stream. Every rank must make the same sequence of calls (the peers meet at
+  // device barriers). The backward uses the routing saved by the latest forward on this rank.
+  Status forward(const ForwardArgs& args);
+  Status backward(const BackwardArgs& args);
+
+  // Waits for the rank's stream, then returns the first error recorded on the device since the last
+  // check (and clears it).
+  Status synchronize_and_check();
+
+  const LayerConfig& config() const;
+  int64_t expert_row_capacity() const;
+
+ private:
+  struct Impl;
+  explicit ExpertParallelLayer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// R virtual ranks on the current GPU: one allocation in R slices, one stream per rank, each rank's
+// kernels limited to its share of the SMs so that all ranks are resident at once. For tests and
+// single-GPU runs of the multi-rank path.
+class VirtualRankGroup {
+ public:
+  ~VirtualRankGroup();
+  VirtualRankGroup(const VirtualRankGroup&) = delete;
+  VirtualRankGroup& operator=(const VirtualRankGroup&) = delete;
+
+  static Status create(const LayerConfig& config, const LayerOptions& options,
+                       std::unique_ptr<VirtualRankGroup>* group);
+
+  int num_ranks() const;
+  ExpertParallelLayer& layer(int rank);
+  cudaStream_t stream(int rank) const;
+  // Synchronises every rank's stream and returns the first error of any rank.
+  Status synchronize_and_check();
+
+ private:
+  VirtualRankGroup() = default;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace megamoe

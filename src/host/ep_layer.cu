@@ -1,0 +1,368 @@
+// Host side of the expert-parallel layer: argument checks, the kernel sequence of forward and backward,
+// error decoding, and the virtual-rank group.
+#include <algorithm>
+#include <sstream>
+#include <vector>
+
+#include "comm/ep_workspace.hpp"
+#include "kernels/cuda_check.hpp"
+#include "kernels/ep_kernels.hpp"
+#include "kernels/simple_grouped_gemm.hpp"
+#include "megamoe/layer.hpp"
+
+namespace megamoe {
+
+using kernels::GemmOperand;
+using kernels::GroupedGemmArgs;
+using kernels::GroupMode;
+using kernels::OutputType;
+
+namespace {
+
+int64_t worst_case_rows(const LayerConfig& c) {
+  return c.num_ranks * c.max_tokens_per_rank * std::min(c.top_k, c.experts_per_rank());
+}
+
+Status resolve_capacity(const LayerConfig& config, const LayerOptions& options, int64_t* capacity) {
+  MEGAMOE_RETURN_IF_ERROR(validate(config));
+  if (config.precision != Precision::kBF16)
+    return Status(StatusCode::kNotSupported, "the GPU layer runs bf16 only so far; fp8-blockwise is not implemented");
+  if (options.expert_row_capacity < 0)
+    return Status::invalid("expert_row_capacity must be >= 0 (0 = worst case), got " +
+                           std::to_string(options.expert_row_capacity));
+  if (!(options.wait_timeout_seconds > 0.0))
+    return Status::invalid("wait_timeout_seconds must be positive");
+  *capacity = options.expert_row_capacity > 0 ? options.expert_row_capacity : worst_case_rows(config);
+  if (*capacity >= (int64_t{1} << 31))
+    return Status::invalid("expert_row_capacity must stay below 2^31 rows, got " + std::to_string(*capacity) +
+                           "; lower max_tokens_per_rank or set expert_row_capacity");
+  return Status::ok();
+}
+
+ep::Shape make_shape(const LayerConfig& c, int rank, int64_t capacity) {
+  ep::Shape s{};
+  s.hidden = static_cast<int32_t>(c.hidden);
+  s.intermediate = static_cast<int32_t>(c.intermediate);
+  s.num_experts = static_cast<int32_t>(c.num_experts);
+  s.experts_per_rank = static_cast<int32_t>(c.experts_per_rank());
+  s.top_k = static_cast<int32_t>(c.top_k);
+  s.num_ranks = static_cast<int32_t>(c.num_ranks);
+  s.rank = rank;
+  s.max_tokens = static_cast<int32_t>(c.max_tokens_per_rank);
+  s.row_capacity = capacity;
+  return s;
+}
+
+std::string describe(const ep::DeviceError& e, const LayerConfig& c) {
+  std::ostringstream s;
+  switch (e.what) {
+    case ep::kErrorExpertId:
+      s << "rank " << e.rank << ": topk_idx of token " << e.a << " holds expert id " << e.b << ", outside [-1, "
+        << c.num_experts << ")";
+      break;
+    case ep::kErrorCapacity:
+      s << "rank " << e.rank << " would receive " << e.a << " expert rows but its capacity is " << e.b
+        << " (LayerOptions::expert_row_capacity)";
+      break;
+    case ep::kErrorBarrierTimeout:
+      s << "rank " << e.rank << ": barrier " << e.a << " timed out with " << e.b << " of " << c.num_ranks
+        << " ranks arrived (a peer never reached it); recreate the layer";
+      break;
+    default:
+      s << "rank " << e.rank << ": device error " << e.what;
+  }
+  s << "; this call's outputs are NaN";
+  return s.str();
+}
+
+}  // namespace
+
+struct ExpertParallelLayer::Impl {
+  LayerConfig config;
+  LayerOptions options;
+  RankPlacement placement;
+  ep::Params params{};
+  int max_blocks = 0;
+  bool has_forward = false;
+  int64_t forward_tokens = 0;
+  const __nv_bfloat16* forward_w13 = nullptr;
+  const __nv_bfloat16* forward_w2 = nullptr;
+
+  template <typename T>
+  T* buffer(int64_t offset) const {
+    return reinterpret_cast<T*>(placement.workspace + offset);
+  }
+  const int32_t* expert_offsets() const { return buffer<int32_t>(params.layout.expert_offsets); }
+
+  Status gemm(const GroupedGemmArgs& args) const {
+    return kernels::simple_grouped_gemm(args, placement.stream, max_blocks);
+  }
+};
+
+ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ExpertParallelLayer::~ExpertParallelLayer() = default;
+
+const LayerConfig& ExpertParallelLayer::config() const { return impl_->config; }
+int64_t ExpertParallelLayer::expert_row_capacity() const { return impl_->params.shape.row_capacity; }
+
+Status ExpertParallelLayer::workspace_bytes(const LayerConfig& config, const LayerOptions& options, int64_t* bytes) {
+  int64_t capacity = 0;
+  MEGAMOE_RETURN_IF_ERROR(resolve_capacity(config, options, &capacity));
+  *bytes = ep::WorkspaceLayout::make(make_shape(config, 0, capacity)).total;
+  return Status::ok();
+}
+
+Status ExpertParallelLayer::create(const LayerConfig& config, const LayerOptions& options,
+                                   const RankPlacement& placement, std::unique_ptr<ExpertParallelLayer>* layer) {
+  int64_t capacity = 0;
+  MEGAMOE_RETURN_IF_ERROR(resolve_capacity(config, options, &capacity));
+  if (placement.rank < 0 || placement.rank >= config.num_ranks)
+    return Status::invalid("rank must be in [0, num_ranks), got " + std::to_string(placement.rank));
+  if (placement.workspace == nullptr || placement.peer_workspaces_device == nullptr)
+    return Status::invalid("placement needs the rank's workspace and the device table of peer workspaces");
+  auto impl = std::make_unique<Impl>();
+  impl->config = config;
+  impl->options = options;
+  impl->placement = placement;
+  impl->params.shape = make_shape(config, placement.rank, capacity);
+  impl->params.layout = ep::WorkspaceLayout::make(impl->params.shape);
+  impl->params.local = placement.workspace;
+  impl->params.peers = placement.peer_workspaces_device;
+  impl->params.timeout_ns = static_cast<uint64_t>(options.wait_timeout_seconds * 1e9);
+  int max_blocks = placement.max_blocks;
+  if (max_blocks <= 0) {
+    int device = 0;
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&max_blocks, cudaDevAttrMultiProcessorCount, device));
+  }
+  impl->max_blocks = max_blocks;
+  layer->reset(new ExpertParallelLayer(std::move(impl)));
+  return Status::ok();
+}
+
+Status ExpertParallelLayer::forward(const ForwardArgs& args) {
+  Impl& m = *impl_;
+  const LayerConfig& c = m.config;
+  if (args.num_tokens < 0 || args.num_tokens > c.max_tokens_per_rank)
+    return Status::invalid("num_tokens must be in [0, max_tokens_per_rank=" + std::to_string(c.max_tokens_per_rank) +
+                           "], got " + std::to_string(args.num_tokens));
+  if (args.w13 == nullptr || args.w2 == nullptr) return Status::invalid("forward: w13 and w2 are required");
+  if (args.num_tokens > 0 && (args.x == nullptr || args.topk_idx == nullptr || args.topk_weights == nullptr ||
+                              args.out == nullptr))
+    return Status::invalid("forward: x, topk_idx, topk_weights and out are required when num_tokens > 0");
+  cudaStream_t stream = m.placement.stream;
+  ep::Params p = m.params;
+  p.num_tokens = args.num_tokens;
+  const bool idx64 = args.topk_idx_type == IndexType::kInt64;
+  const int64_t H = c.hidden, I = c.intermediate;
+  const int EL = static_cast<int>(c.experts_per_rank());
+
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_layout(p, args.topk_idx, idx64, stream));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch(p, args.x, args.topk_idx, idx64, args.topk_weights, stream, m.max_blocks));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierDispatched, stream));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_expert_offsets(p, stream));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_expand_rows(p, stream, m.max_blocks));
+
+  GroupedGemmArgs gemm1;  // h = x . W13^T
+  gemm1.mode = GroupMode::kM;
+  gemm1.num_groups = EL;
+  gemm1.group_offsets = m.expert_offsets();
+  gemm1.n = 2 * I;
+  gemm1.k = H;
+  gemm1.a = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.rows_x), H, true, 0};
+  gemm1.b = GemmOperand{args.w13, H, false, 2 * I * H};
+  gemm1.c = m.buffer<__nv_bfloat16>(p.layout.h);
+  gemm1.ldc = 2 * I;
+  MEGAMOE_RETURN_IF_ERROR(m.gemm(gemm1));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_forward(p, stream, m.max_blocks));
+
+  GroupedGemmArgs gemm2;  // y = a . W2^T, each row stored straight into its source's combine slot
+  gemm2.mode = GroupMode::kM;
+  gemm2.num_groups = EL;
+  gemm2.group_offsets = m.expert_offsets();
+  gemm2.n = H;
+  gemm2.k = I;
+  gemm2.a = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.a), I, true, 0};
+  gemm2.b = GemmOperand{args.w2, I, false, H * I};
+  gemm2.c = m.buffer<__nv_bfloat16>(p.layout.rows_dout);  // unused: every row has a destination
+  gemm2.ldc = H;
+  gemm2.row_destinations = m.buffer<void*>(p.layout.row_dest);
+  MEGAMOE_RETURN_IF_ERROR(m.gemm(gemm2));
+
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierCombined, stream));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_forward(p, args.topk_weights, args.out, stream, m.max_blocks));
+  m.has_forward = true;
+  m.forward_tokens = args.num_tokens;
+  m.forward_w13 = args.w13;
+  m.forward_w2 = args.w2;
+  return Status::ok();
+}
+
+Status ExpertParallelLayer::backward(const BackwardArgs& args) {
+  Impl& m = *impl_;
+  const LayerConfig& c = m.config;
+  if (!m.has_forward) return Status::invalid("backward called before any forward on this rank");
+  if (args.d_w13 == nullptr || args.d_w2 == nullptr) return Status::invalid("backward: d_w13 and d_w2 are required");
+  if (m.forward_tokens > 0 && (args.d_out == nullptr || args.d_x == nullptr || args.d_topk_weights == nullptr))
+    return Status::invalid("backward: d_out, d_x and d_topk_weights are required when num_tokens > 0");
+  cudaStream_t stream = m.placement.stream;
+  ep::Params p = m.params;
+  p.num_tokens = m.forward_tokens;
+  const int64_t H = c.hidden, I = c.intermediate;
+  const int EL = static_cast<int>(c.experts_per_rank());
+
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch(p, args.d_out, nullptr, false, nullptr, stream, m.max_blocks));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradDispatched, stream));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_gather_grad_rows(p, stream, m.max_blocks));
+
+  GroupedGemmArgs dgrad2;  // da = d_out . W2 (W2 read N-major, no transposed copy)
+  dgrad2.mode = GroupMode::kM;
+  dgrad2.num_groups = EL;
+  dgrad2.group_offsets = m.expert_offsets();
+  dgrad2.n = I;
+  dgrad2.k = H;
+  dgrad2.a = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.rows_dout), H, true, 0};
+  dgrad2.b = GemmOperand{m.forward_w2, I, true, H * I};
+  dgrad2.c = m.buffer<float>(p.layout.da);
+  dgrad2.ldc = I;
+  dgrad2.output = OutputType::kFP32;
+  MEGAMOE_RETURN_IF_ERROR(m.gemm(dgrad2));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_backward(p, stream, m.max_blocks));
+
+  GroupedGemmArgs dgrad1;  // dx rows = dh . W13, stored into the source's combine slot
+  dgrad1.mode = GroupMode::kM;
+  dgrad1.num_groups = EL;
+  dgrad1.group_offsets = m.expert_offsets();
+  dgrad1.n = H;
+  dgrad1.k = 2 * I;
+  dgrad1.a = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.dh), 2 * I, true, 0};
+  dgrad1.b = GemmOperand{m.forward_w13, H, true, 2 * I * H};
+  dgrad1.c = m.buffer<__nv_bfloat16>(p.layout.rows_dout);  // unused: every row has a destination
+  dgrad1.ldc = H;
+  dgrad1.row_destinations = m.buffer<void*>(p.layout.row_dest);
+  MEGAMOE_RETURN_IF_ERROR(m.gemm(dgrad1));
+
+  GroupedGemmArgs wgrad2;  // dW2[e] = dy^T a over expert e's rows
+  wgrad2.mode = GroupMode::kK;
+  wgrad2.num_groups = EL;
+  wgrad2.group_offsets = m.expert_offsets();
+  wgrad2.m = H;
+  wgrad2.n = I;
+  wgrad2.a = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.rows_dy), H, false, 0};
+  wgrad2.b = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.a), I, true, 0};
+  wgrad2.c = args.d_w2;
+  wgrad2.ldc = I;
+  wgrad2.c_group_stride = H * I;
+  wgrad2.output = OutputType::kFP32;
+  wgrad2.accumulate = args.accumulate_weight_grads;
+  MEGAMOE_RETURN_IF_ERROR(m.gemm(wgrad2));
+
+  GroupedGemmArgs wgrad13;  // dW13[e] = dh^T x over expert e's rows
+  wgrad13.mode = GroupMode::kK;
+  wgrad13.num_groups = EL;
+  wgrad13.group_offsets = m.expert_offsets();
+  wgrad13.m = 2 * I;
+  wgrad13.n = H;
+  wgrad13.a = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.dh), 2 * I, false, 0};
+  wgrad13.b = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.rows_x), H, true, 0};
+  wgrad13.c = args.d_w13;
+  wgrad13.ldc = H;
+  wgrad13.c_group_stride = 2 * I * H;
+  wgrad13.output = OutputType::kFP32;
+  wgrad13.accumulate = args.accumulate_weight_grads;
+  MEGAMOE_RETURN_IF_ERROR(m.gemm(wgrad13));
+
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradCombined, stream));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_backward(p, args.d_x, args.d_topk_weights, stream, m.max_blocks));
+  return Status::ok();
+}
+
+Status ExpertParallelLayer::synchronize_and_check() {
+  Impl& m = *impl_;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.placement.stream));
+  ep::DeviceError error{};
+  ep::DeviceError* record = m.buffer<ep::DeviceError>(m.params.layout.error);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(&error, record, sizeof(error), cudaMemcpyDeviceToHost));
+  if (error.code == 0) return Status::ok();
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemset(record, 0, sizeof(error)));
+  return Status(static_cast<StatusCode>(error.code), describe(error, m.config));
+}
+
+// ---- virtual ranks ----
+
+struct VirtualRankGroup::Impl {
+  LayerConfig config;
+  char* slab = nullptr;
+  char** peer_table = nullptr;
+  std::vector<cudaStream_t> streams;
+  std::vector<std::unique_ptr<ExpertParallelLayer>> layers;
+
+  ~Impl() {
+    layers.clear();
+    for (cudaStream_t s : streams) cudaStreamDestroy(s);
+    if (peer_table != nullptr) cudaFree(peer_table);
+    if (slab != nullptr) cudaFree(slab);
+  }
+};
+
+VirtualRankGroup::~VirtualRankGroup() = default;
+
+Status VirtualRankGroup::create(const LayerConfig& config, const LayerOptions& options,
+                                std::unique_ptr<VirtualRankGroup>* group) {
+  int64_t bytes = 0;
+  MEGAMOE_RETURN_IF_ERROR(ExpertParallelLayer::workspace_bytes(config, options, &bytes));
+  int device = 0, sms = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int R = static_cast<int>(config.num_ranks);
+  if (R > sms)
+    return Status(StatusCode::kNotSupported, "virtual ranks need at least one SM each: R=" + std::to_string(R) +
+                                                 " > " + std::to_string(sms) + " SMs");
+  std::unique_ptr<VirtualRankGroup> g(new VirtualRankGroup());
+  g->impl_ = std::make_unique<Impl>();
+  Impl& m = *g->impl_;
+  m.config = config;
+  const cudaError_t alloc = cudaMalloc(&m.slab, static_cast<size_t>(bytes) * R);
+  if (alloc != cudaSuccess) {
+    m.slab = nullptr;
+    return Status(StatusCode::kCudaError, "cannot allocate the virtual ranks' workspace: " + std::to_string(R) +
+                                              " x " + std::to_string(bytes) + " bytes (" + cudaGetErrorString(alloc) +
+                                              "); lower max_tokens_per_rank or set expert_row_capacity");
+  }
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemset(m.slab, 0, static_cast<size_t>(bytes) * R));
+  std::vector<char*> bases(R);
+  for (int r = 0; r < R; ++r) bases[r] = m.slab + static_cast<int64_t>(r) * bytes;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMalloc(&m.peer_table, sizeof(char*) * R));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(m.peer_table, bases.data(), sizeof(char*) * R, cudaMemcpyHostToDevice));
+  for (int r = 0; r < R; ++r) {
+    cudaStream_t s = nullptr;
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    m.streams.push_back(s);
+    RankPlacement placement;
+    placement.rank = r;
+    placement.stream = s;
+    placement.max_blocks = std::max(1, sms / R);
+    placement.workspace = bases[r];
+    placement.peer_workspaces_device = m.peer_table;
+    std::unique_ptr<ExpertParallelLayer> layer;
+    MEGAMOE_RETURN_IF_ERROR(ExpertParallelLayer::create(config, options, placement, &layer));
+    m.layers.push_back(std::move(layer));
+  }
+  *group = std::move(g);
+  return Status::ok();
+}
+
+int VirtualRankGroup::num_ranks() const { return static_cast<int>(impl_->layers.size()); }
+ExpertParallelLayer& VirtualRankGroup::layer(int rank) { return *impl_->layers.at(rank); }
+cudaStream_t VirtualRankGroup::stream(int rank) const { return impl_->streams.at(rank); }
+
+Status VirtualRankGroup::synchronize_and_check() {
+  Status first;
+  for (auto& layer : impl_->layers) {
+    Status s = layer->synchronize_and_check();
+    if (!s.is_ok() && first.is_ok()) first = s;
+  }
+  return first;
+}
+
+}  // namespace megamoe

@@ -1,0 +1,74 @@
+// Combine on the source rank: the K rows a token's slots sent home are summed in slot order (0..K-1),
+// in fp32, so the result is bitwise reproducible. A recorded error turns the call's outputs into NaN.
+#include <cmath>
+
+#include "comm/device_sync.cuh"
+#include "kernels/cuda_check.hpp"
+#include "kernels/ep_kernels.hpp"
+#include "kernels/ep_row_copy.cuh"
+
+namespace megamoe::ep {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+
+template <bool kWeighted>
+__global__ void combine_kernel(Params p, const float* __restrict__ topk_weights, __nv_bfloat16* __restrict__ out,
+                               float* __restrict__ d_topk_weights) {
+  const Shape& s = p.shape;
+  const int K = s.top_k;
+  const int64_t H = s.hidden;
+  const bool failed = has_error(p);
+  const int32_t* dest_slot = at<int32_t>(p.local, p.layout.pair_dest_slot);
+  const __nv_bfloat16* combine = at<__nv_bfloat16>(p.local, p.layout.combine);
+  const float* slot_dw = at<float>(p.local, p.layout.slot_dw);
+  const int lane = threadIdx.x % 32;
+  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t t = first_warp; t < p.num_tokens; t += num_warps) {
+    for (int64_t i = lane * 8; i < H; i += 32 * 8) {
+      Bf16x8 acc;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc.v[k] = failed ? NAN : 0.0f;
+      for (int j = 0; j < K && !failed; ++j) {
+        if (dest_slot[t * K + j] < 0) continue;
+        Bf16x8 y;
+        y.load(combine + (t * K + j) * H + i);
+        const float w = kWeighted ? topk_weights[t * K + j] : 1.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc.v[k] += w * y.v[k];
+      }
+      acc.store(out + t * H + i);
+    }
+    if (!kWeighted)
+      for (int j = lane; j < K; j += 32)
+        d_topk_weights[t * K + j] = failed ? NAN : (dest_slot[t * K + j] < 0 ? 0.0f : slot_dw[t * K + j]);
+  }
+}
+
+int grid_for(int64_t warps_needed, int max_blocks) {
+  const int64_t blocks = (warps_needed + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  return static_cast<int>(blocks < 1 ? 1 : (blocks < max_blocks ? blocks : max_blocks));
+}
+
+}  // namespace
+
+Status launch_combine_forward(const Params& p, const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream,
+                              int max_blocks) {
+  if (p.num_tokens == 0) return Status::ok();
+  combine_kernel<true><<<grid_for(p.num_tokens, max_blocks), kWarpsPerBlock * 32, 0, stream>>>(p, topk_weights, out,
+                                                                                                nullptr);
+  MEGAMOE_CHECK_LAUNCH(stream, "combine_forward_kernel");
+  return Status::ok();
+}
+
+Status launch_combine_backward(const Params& p, __nv_bfloat16* d_x, float* d_topk_weights, cudaStream_t stream,
+                               int max_blocks) {
+  if (p.num_tokens == 0) return Status::ok();
+  combine_kernel<false><<<grid_for(p.num_tokens, max_blocks), kWarpsPerBlock * 32, 0, stream>>>(p, nullptr, d_x,
+                                                                                                 d_topk_weights);
+  MEGAMOE_CHECK_LAUNCH(stream, "combine_backward_kernel");
+  return Status::ok();
+}
+
+}  // namespace megamoe::ep

@@ -1,0 +1,67 @@
+// Dispatch: each token's row goes once to every rank that owns one of its experts, into the slot the
+// layout step gave it in that rank's receive slab for this source. The forward also sends the routing
+// (local expert and row index per top-k slot, and the weights); the backward reuses it.
+#include "comm/device_sync.cuh"
+#include "kernels/cuda_check.hpp"
+#include "kernels/ep_kernels.hpp"
+#include "kernels/ep_row_copy.cuh"
+
+namespace megamoe::ep {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+
+template <typename Index>
+__global__ void dispatch_kernel(Params p, const __nv_bfloat16* __restrict__ rows, const Index* __restrict__ idx,
+                                const float* __restrict__ weights) {
+  if (has_error(p)) return;
+  const Shape& s = p.shape;
+  const int K = s.top_k, EL = s.experts_per_rank;
+  const int lane = threadIdx.x % 32;
+  const int32_t* send_rank = at<int32_t>(p.local, p.layout.pair_send_rank);
+  const int32_t* dest_slot = at<int32_t>(p.local, p.layout.pair_dest_slot);
+  const int32_t* row_index = at<int32_t>(p.local, p.layout.pair_row_index);
+  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t t = first_warp; t < p.num_tokens; t += num_warps) {
+    for (int j = 0; j < K; ++j) {
+      const int d = send_rank[t * K + j];
+      if (d < 0) continue;
+      const int64_t recv = static_cast<int64_t>(s.rank) * s.max_tokens + dest_slot[t * K + j];
+      char* peer = p.peers[d];
+      warp_copy_row(rows + t * s.hidden, at<__nv_bfloat16>(peer, p.layout.recv_x) + recv * s.hidden, s.hidden, lane);
+      if (weights == nullptr) continue;
+      if (lane == 0) at<int32_t>(peer, p.layout.recv_token)[recv] = static_cast<int32_t>(t);
+      for (int jj = lane; jj < K; jj += 32) {
+        const int e = static_cast<int>(idx[t * K + jj]);
+        SlotRoute route{-1, 0};
+        if (e >= 0 && e / EL == d) route = SlotRoute{e % EL, row_index[t * K + jj]};
+        at<SlotRoute>(peer, p.layout.recv_routes)[recv * K + jj] = route;
+        at<float>(peer, p.layout.recv_weights)[recv * K + jj] = weights[t * K + jj];
+      }
+    }
+  }
+}
+
+int blocks_for(int64_t warps_needed, int max_blocks) {
+  const int64_t blocks = (warps_needed + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  return static_cast<int>(blocks < 1 ? 1 : (blocks < max_blocks ? blocks : max_blocks));
+}
+
+}  // namespace
+
+Status launch_dispatch(const Params& p, const __nv_bfloat16* rows, const void* topk_idx, bool idx_is_int64,
+                       const float* weights, cudaStream_t stream, int max_blocks) {
+  if (p.num_tokens == 0) return Status::ok();
+  const int blocks = blocks_for(p.num_tokens, max_blocks);
+  if (idx_is_int64)
+    dispatch_kernel<int64_t><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(p, rows, static_cast<const int64_t*>(topk_idx),
+                                                                          weights);
+  else
+    dispatch_kernel<int32_t><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(p, rows, static_cast<const int32_t*>(topk_idx),
+                                                                          weights);
+  MEGAMOE_CHECK_LAUNCH(stream, "dispatch_kernel");
+  return Status::ok();
+}
+
+}  // namespace megamoe::ep
