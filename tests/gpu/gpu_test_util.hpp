@@ -43,6 +43,17 @@ class DeviceBuffer {
   }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = static_cast<DeviceBuffer&&>(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    if (this != &other) {
+      if (ptr_ != nullptr) cudaFree(ptr_);
+      ptr_ = other.ptr_;
+      count_ = other.count_;
+      other.ptr_ = nullptr;
+      other.count_ = 0;
+    }
+    return *this;
+  }
   ~DeviceBuffer() {
     if (ptr_ != nullptr) cudaFree(ptr_);
   }

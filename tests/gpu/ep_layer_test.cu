@@ -1,0 +1,546 @@
+// The expert-parallel layer on the GPU against the CPU reference, on virtual ranks.
+//
+// Inputs are fresh random values every run (the seed is printed), outputs are poisoned with NaN before
+// each run, and every rank's out, d_x, d_topk_weights, d_w13 and d_w2 must be within 1e-2 relative
+// error of the reference. The reference runs on a compact single-rank copy of the problem that holds
+// only the experts some token uses (partition invariance of the reference, tested on the CPU, makes
+// this the same function), so the DeepSeek-V3 shape needs no 40 GB host copy of its weights.
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.hpp"
+#include "kernels/hashed_fill.hpp"
+#include "megamoe/layer.hpp"
+#include "megamoe/reference.hpp"
+
+namespace megamoe {
+namespace {
+
+using testing::DeviceBuffer;
+
+enum class Routing {
+  kRandom,           // K distinct experts from a pool spread over all ranks
+  kMaskedAndRagged,  // random with masked slots (one token fully masked), T = 0 on rank 0
+  kAllToOneExpert,   // every token: slot 0 -> one expert, the other slots masked
+};
+
+struct Scenario {
+  std::string name;
+  LayerConfig shape;  // H, I, E, K
+  int ranks;
+  std::vector<int64_t> tokens;  // per rank
+  Routing routing;
+  int pool = 16;  // distinct experts used (the rest stay empty)
+};
+
+std::string scenario_name(const ::testing::TestParamInfo<Scenario>& info) { return info.param.name; }
+
+double relative_error(const std::vector<float>& got, const std::vector<float>& want, int64_t* nans) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::isnan(got[i])) ++*nans;
+    const double d = static_cast<double>(got[i]) - want[i];
+    num += d * d;
+    den += static_cast<double>(want[i]) * want[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+std::vector<float> to_float(const std::vector<__nv_bfloat16>& v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = __bfloat162float(v[i]);
+  return f;
+}
+
+// One rank's device tensors.
+struct RankTensors {
+  DeviceBuffer<__nv_bfloat16> x, w13, w2, out, d_out, d_x;
+  DeviceBuffer<int64_t> idx;
+  DeviceBuffer<float> weights, d_weights, d_w13, d_w2;
+};
+
+struct Outputs {  // what a run produced, per rank, downloaded
+  std::vector<std::vector<float>> out, d_x, d_weights;
+  std::map<int64_t, std::vector<float>> d_w13, d_w2;  // by global expert (the routed ones + a probe)
+};
+
+class EpLayerTest : public ::testing::TestWithParam<Scenario> {};
+
+struct Problem {
+  LayerConfig config;
+  uint64_t seed = 0;
+  float x_scale = 1.0f, w13_scale = 0, w2_scale = 0;
+  std::vector<std::vector<int64_t>> idx;
+  std::vector<std::vector<float>> weights;
+  std::vector<std::vector<float>> x, d_out;  // bf16-exact values
+  std::vector<int64_t> routed;                // distinct global experts used, ascending
+  int64_t probe_expert = -1;                  // an unused expert whose gradients must be exactly 0
+
+  uint64_t seed_of(int what) const { return seed * 16 + static_cast<uint64_t>(what); }
+  float w13_value(int64_t expert, int64_t i) const {
+    return kernels::hashed_bf16_value(seed_of(1), static_cast<uint64_t>(expert * 2 * config.intermediate * config.hidden + i),
+                                      w13_scale);
+  }
+  float w2_value(int64_t expert, int64_t i) const {
+    return kernels::hashed_bf16_value(seed_of(2), static_cast<uint64_t>(expert * config.hidden * config.intermediate + i),
+                                      w2_scale);
+  }
+};
+
+Problem make_problem(const Scenario& sc, uint64_t seed) {
+  Problem p;
+  p.seed = seed;
+  p.config = sc.shape;
+  p.config.num_ranks = sc.ranks;
+  p.config.max_tokens_per_rank = std::max<int64_t>(1, *std::max_element(sc.tokens.begin(), sc.tokens.end()));
+  const LayerConfig& c = p.config;
+  // Scales keep h, a and y of order one, as in a trained layer.
+  p.w13_scale = static_cast<float>(std::sqrt(3.0 / static_cast<double>(c.hidden)));
+  p.w2_scale = static_cast<float>(std::sqrt(3.0 / static_cast<double>(c.intermediate)));
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> pool(c.num_experts);
+  for (int64_t e = 0; e < c.num_experts; ++e) pool[e] = e;
+  std::shuffle(pool.begin(), pool.end(), rng);
+  pool.resize(std::min<int64_t>(sc.pool, c.num_experts));
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  p.idx.resize(sc.ranks);
+  p.weights.resize(sc.ranks);
+  p.x.resize(sc.ranks);
+  p.d_out.resize(sc.ranks);
+  const int64_t K = c.top_k, H = c.hidden;
+  for (int r = 0; r < sc.ranks; ++r) {
+    const int64_t T = sc.tokens[r];
+    p.idx[r].assign(T * K, -1);
+    p.weights[r].assign(T * K, 0.0f);
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<int64_t> choice = pool;
+      std::shuffle(choice.begin(), choice.end(), rng);
+      for (int64_t j = 0; j < K; ++j) {
+        p.weights[r][t * K + j] = 0.1f + unit(rng);
+        switch (sc.routing) {
+          case Routing::kRandom: p.idx[r][t * K + j] = choice[j]; break;
+          case Routing::kMaskedAndRagged:
+            p.idx[r][t * K + j] = (t == 1 || unit(rng) < 0.25f) ? -1 : choice[j];
+            break;
+          case Routing::kAllToOneExpert: p.idx[r][t * K + j] = j == 0 ? pool[0] : -1; break;
+        }
+      }
+    }
+    p.x[r].resize(T * H);
+    p.d_out[r].resize(T * H);
+    for (int64_t i = 0; i < T * H; ++i) {
+      p.x[r][i] = kernels::hashed_bf16_value(p.seed_of(3 + 2 * r), static_cast<uint64_t>(i), 1.0f);
+      p.d_out[r][i] = kernels::hashed_bf16_value(p.seed_of(4 + 2 * r), static_cast<uint64_t>(i), 1.0f);
+    }
+  }
+  std::vector<bool> used(c.num_experts, false);
+  for (auto& v : p.idx)
+    for (int64_t e : v)
+      if (e >= 0) used[e] = true;
+  for (int64_t e = 0; e < c.num_experts; ++e)
+    if (used[e]) p.routed.push_back(e);
+    else if (p.probe_expert < 0) p.probe_expert = e;
+  return p;
+}
+
+// The reference on a compact single-rank problem holding the routed experts only.
+struct Expected {
+  std::vector<std::vector<float>> out, d_x, d_weights;  // per rank
+  std::map<int64_t, std::vector<float>> d_w13, d_w2;    // by global expert
+};
+
+Expected run_reference(const Problem& p) {
+  const LayerConfig& c = p.config;
+  const int64_t H = c.hidden, I = c.intermediate, K = c.top_k;
+  const int64_t R = c.num_ranks;
+  LayerConfig compact = c;
+  compact.num_ranks = 1;
+  compact.num_experts = std::max<int64_t>(K, static_cast<int64_t>(p.routed.size()));
+  int64_t total_tokens = 0;
+  for (auto& x : p.x) total_tokens += static_cast<int64_t>(x.size()) / H;
+  compact.max_tokens_per_rank = std::max<int64_t>(1, total_tokens);
+  std::map<int64_t, int64_t> compact_id;
+  for (size_t i = 0; i < p.routed.size(); ++i) compact_id[p.routed[i]] = static_cast<int64_t>(i);
+
+  std::vector<reference::RankInputs<float>> in(1);
+  auto& r0 = in[0];
+  r0.num_tokens = total_tokens;
+  for (int64_t r = 0; r < R; ++r) {
+    r0.x.insert(r0.x.end(), p.x[r].begin(), p.x[r].end());
+    for (int64_t e : p.idx[r]) r0.topk_idx.push_back(e < 0 ? -1 : compact_id[e]);
+    r0.topk_weights.insert(r0.topk_weights.end(), p.weights[r].begin(), p.weights[r].end());
+  }
+  r0.w13.assign(compact.num_experts * 2 * I * H, 0.0f);
+  r0.w2.assign(compact.num_experts * H * I, 0.0f);
+  for (size_t i = 0; i < p.routed.size(); ++i) {
+    for (int64_t k = 0; k < 2 * I * H; ++k) r0.w13[i * 2 * I * H + k] = p.w13_value(p.routed[i], k);
+    for (int64_t k = 0; k < H * I; ++k) r0.w2[i * H * I + k] = p.w2_value(p.routed[i], k);
+  }
+  std::vector<std::vector<float>> out, d_out(1);
+  for (int64_t r = 0; r < R; ++r) d_out[0].insert(d_out[0].end(), p.d_out[r].begin(), p.d_out[r].end());
+  std::vector<reference::RankGradients<float>> grads;
+  const Status forward_status = reference::forward(compact, in, &out);
+  EXPECT_TRUE(forward_status.is_ok()) << forward_status.to_string();
+  const Status backward_status = reference::backward(compact, in, d_out, &grads);
+  EXPECT_TRUE(backward_status.is_ok()) << backward_status.to_string();
+  Expected e;
+  int64_t token0 = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t T = static_cast<int64_t>(p.x[r].size()) / H;
+    e.out.emplace_back(out[0].begin() + token0 * H, out[0].begin() + (token0 + T) * H);
+    e.d_x.emplace_back(grads[0].d_x.begin() + token0 * H, grads[0].d_x.begin() + (token0 + T) * H);
+    e.d_weights.emplace_back(grads[0].d_topk_weights.begin() + token0 * K,
+                             grads[0].d_topk_weights.begin() + (token0 + T) * K);
+    token0 += T;
+  }
+  for (size_t i = 0; i < p.routed.size(); ++i) {
+    e.d_w13[p.routed[i]].assign(grads[0].d_w13.begin() + i * 2 * I * H, grads[0].d_w13.begin() + (i + 1) * 2 * I * H);
+    e.d_w2[p.routed[i]].assign(grads[0].d_w2.begin() + i * H * I, grads[0].d_w2.begin() + (i + 1) * H * I);
+  }
+  return e;
+}
+
+// Uploads the problem, runs forward + backward on every rank, downloads. Outputs are poisoned first.
+void run_gpu(const Problem& p, VirtualRankGroup& group, std::vector<RankTensors>& t, Outputs* o, int repetitions = 1) {
+  const LayerConfig& c = p.config;
+  const int64_t H = c.hidden, I = c.intermediate, EL = c.experts_per_rank();
+  const int R = static_cast<int>(c.num_ranks);
+  for (int rep = 0; rep < repetitions; ++rep) {
+    for (int r = 0; r < R; ++r) {
+      t[r].out.poison();
+      t[r].d_x.poison();
+      t[r].d_weights.poison();
+      t[r].d_w13.poison();
+      t[r].d_w2.poison();
+    }
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    for (int r = 0; r < R; ++r) {
+      ForwardArgs f;
+      f.num_tokens = static_cast<int64_t>(p.x[r].size()) / H;
+      f.x = t[r].x.get();
+      f.topk_idx = t[r].idx.get();
+      f.topk_weights = t[r].weights.get();
+      f.w13 = t[r].w13.get();
+      f.w2 = t[r].w2.get();
+      f.out = t[r].out.get();
+      const Status s = group.layer(r).forward(f);
+      ASSERT_TRUE(s.is_ok()) << s.to_string();
+    }
+    for (int r = 0; r < R; ++r) {
+      BackwardArgs b;
+      b.d_out = t[r].d_out.get();
+      b.d_x = t[r].d_x.get();
+      b.d_topk_weights = t[r].d_weights.get();
+      b.d_w13 = t[r].d_w13.get();
+      b.d_w2 = t[r].d_w2.get();
+      const Status s = group.layer(r).backward(b);
+      ASSERT_TRUE(s.is_ok()) << s.to_string();
+    }
+    const Status s = group.synchronize_and_check();
+    ASSERT_TRUE(s.is_ok()) << s.to_string();
+  }
+  o->out.assign(R, {});
+  o->d_x.assign(R, {});
+  o->d_weights.assign(R, {});
+  for (int r = 0; r < R; ++r) {
+    o->out[r] = to_float(t[r].out.download());
+    o->d_x[r] = to_float(t[r].d_x.download());
+    o->d_weights[r] = t[r].d_weights.download();
+  }
+  std::vector<int64_t> experts = p.routed;
+  if (p.probe_expert >= 0) experts.push_back(p.probe_expert);
+  for (int64_t e : experts) {
+    const int r = static_cast<int>(e / EL);
+    const int64_t l = e % EL;
+    std::vector<float> w13(2 * I * H), w2(H * I);
+    MEGAMOE_ASSERT_CUDA(cudaMemcpy(w13.data(), t[r].d_w13.get() + l * 2 * I * H, w13.size() * 4, cudaMemcpyDeviceToHost));
+    MEGAMOE_ASSERT_CUDA(cudaMemcpy(w2.data(), t[r].d_w2.get() + l * H * I, w2.size() * 4, cudaMemcpyDeviceToHost));
+    o->d_w13[e] = std::move(w13);
+    o->d_w2[e] = std::move(w2);
+  }
+}
+
+std::vector<RankTensors> upload(const Problem& p) {
+  const LayerConfig& c = p.config;
+  const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, EL = c.experts_per_rank();
+  std::vector<RankTensors> t(c.num_ranks);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    const int64_t T = static_cast<int64_t>(p.x[r].size()) / H;
+    auto& rt = t[r];
+    rt.x = DeviceBuffer<__nv_bfloat16>(T * H);
+    rt.d_out = DeviceBuffer<__nv_bfloat16>(T * H);
+    std::vector<__nv_bfloat16> xb(T * H), db(T * H);
+    for (int64_t i = 0; i < T * H; ++i) {
+      xb[i] = __float2bfloat16(p.x[r][i]);
+      db[i] = __float2bfloat16(p.d_out[r][i]);
+    }
+    rt.x.upload(xb);
+    rt.d_out.upload(db);
+    rt.idx = DeviceBuffer<int64_t>(T * K);
+    rt.idx.upload(p.idx[r]);
+    rt.weights = DeviceBuffer<float>(T * K);
+    rt.weights.upload(p.weights[r]);
+    rt.w13 = DeviceBuffer<__nv_bfloat16>(EL * 2 * I * H);
+    rt.w2 = DeviceBuffer<__nv_bfloat16>(EL * H * I);
+    const uint64_t first = static_cast<uint64_t>(r * EL);
+    EXPECT_TRUE(kernels::fill_hashed_bf16(rt.w13.get(), EL * 2 * I * H, p.seed_of(1), first * 2 * I * H, p.w13_scale));
+    EXPECT_TRUE(kernels::fill_hashed_bf16(rt.w2.get(), EL * H * I, p.seed_of(2), first * H * I, p.w2_scale));
+    rt.out = DeviceBuffer<__nv_bfloat16>(T * H);
+    rt.d_x = DeviceBuffer<__nv_bfloat16>(T * H);
+    rt.d_weights = DeviceBuffer<float>(T * K);
+    rt.d_w13 = DeviceBuffer<float>(EL * 2 * I * H);
+    rt.d_w2 = DeviceBuffer<float>(EL * H * I);
+  }
+  return t;
+}
+
+TEST_P(EpLayerTest, MatchesReferenceAndIsDeterministic) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const Scenario& sc = GetParam();
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Problem p = make_problem(sc, seed);
+  std::unique_ptr<VirtualRankGroup> group;
+  const Status created = VirtualRankGroup::create(p.config, LayerOptions{}, &group);
+  ASSERT_TRUE(created.is_ok()) << created.to_string();
+  std::vector<RankTensors> tensors = upload(p);
+  Outputs first, second;
+  run_gpu(p, *group, tensors, &first);
+  if (HasFatalFailure()) return;
+  run_gpu(p, *group, tensors, &second);
+  if (HasFatalFailure()) return;
+  const Expected e = run_reference(p);
+
+  double worst = 0;
+  for (int r = 0; r < sc.ranks; ++r) {
+    const char* names[3] = {"out", "d_x", "d_topk_weights"};
+    const std::vector<float>* got[3] = {&first.out[r], &first.d_x[r], &first.d_weights[r]};
+    const std::vector<float>* want[3] = {&e.out[r], &e.d_x[r], &e.d_weights[r]};
+    for (int k = 0; k < 3; ++k) {
+      int64_t nans = 0;
+      const double err = relative_error(*got[k], *want[k], &nans);
+      worst = std::max(worst, err);
+      EXPECT_EQ(nans, 0) << "rank " << r << " " << names[k];
+      EXPECT_LE(err, 1e-2) << "rank " << r << " " << names[k];
+    }
+    EXPECT_EQ(0, std::memcmp(first.out[r].data(), second.out[r].data(), first.out[r].size() * 4)) << "rank " << r;
+    EXPECT_EQ(0, std::memcmp(first.d_x[r].data(), second.d_x[r].data(), first.d_x[r].size() * 4)) << "rank " << r;
+    EXPECT_EQ(0, std::memcmp(first.d_weights[r].data(), second.d_weights[r].data(), first.d_weights[r].size() * 4));
+  }
+  for (int64_t expert : p.routed) {
+    int64_t nans = 0;
+    const double e13 = relative_error(first.d_w13.at(expert), e.d_w13.at(expert), &nans);
+    const double e2 = relative_error(first.d_w2.at(expert), e.d_w2.at(expert), &nans);
+    worst = std::max({worst, e13, e2});
+    EXPECT_EQ(nans, 0) << "expert " << expert;
+    EXPECT_LE(e13, 1e-2) << "d_w13 of expert " << expert;
+    EXPECT_LE(e2, 1e-2) << "d_w2 of expert " << expert;
+    EXPECT_EQ(0, std::memcmp(first.d_w13.at(expert).data(), second.d_w13.at(expert).data(),
+                             first.d_w13.at(expert).size() * 4));
+    EXPECT_EQ(0, std::memcmp(first.d_w2.at(expert).data(), second.d_w2.at(expert).data(),
+                             first.d_w2.at(expert).size() * 4));
+  }
+  if (p.probe_expert >= 0) {  // an expert no token chose: its gradients are written, and zero
+    for (float v : first.d_w13.at(p.probe_expert)) ASSERT_EQ(v, 0.0f) << "unused expert " << p.probe_expert;
+    for (float v : first.d_w2.at(p.probe_expert)) ASSERT_EQ(v, 0.0f) << "unused expert " << p.probe_expert;
+  }
+  RecordProperty("worst_relative_error", std::to_string(worst));
+  std::printf("[ scenario ] %s: worst relative error %.3e over out, d_x, d_topk_weights, d_w13, d_w2\n",
+              sc.name.c_str(), worst);
+}
+
+LayerConfig qwen() { return LayerConfig::qwen3_30b_a3b(); }
+LayerConfig deepseek() { return LayerConfig::deepseek_v3(); }
+
+INSTANTIATE_TEST_SUITE_P(
+    Layer, EpLayerTest,
+    ::testing::Values(Scenario{"Qwen30B_R1", qwen(), 1, {37}, Routing::kRandom},
+                      Scenario{"Qwen30B_R2", qwen(), 2, {19, 13}, Routing::kRandom},
+                      Scenario{"Qwen30B_R4", qwen(), 4, {7, 11, 5, 9}, Routing::kRandom},
+                      Scenario{"Qwen30B_R8", qwen(), 8, {3, 5, 1, 4, 6, 2, 5, 3}, Routing::kRandom, 24},
+                      Scenario{"Qwen30B_R4_MaskedT0", qwen(), 4, {0, 13, 6, 9}, Routing::kMaskedAndRagged},
+                      Scenario{"Qwen30B_R8_MaskedT0", qwen(), 8, {0, 3, 5, 1, 4, 6, 2, 3}, Routing::kMaskedAndRagged},
+                      Scenario{"Qwen30B_R4_AllToOneExpert", qwen(), 4, {21, 17, 0, 30}, Routing::kAllToOneExpert},
+                      Scenario{"DeepSeekV3_R8", deepseek(), 8, {1, 0, 2, 1, 0, 1, 1, 0}, Routing::kRandom, 12},
+                      Scenario{"DeepSeekV3_R2_Masked", deepseek(), 2, {3, 2}, Routing::kMaskedAndRagged, 10}),
+    scenario_name);
+
+// ---- failures: each gives its error, names the cause, and never hangs ----
+
+LayerConfig small_config(int ranks) {
+  LayerConfig c;
+  c.hidden = 256;
+  c.intermediate = 128;
+  c.num_experts = 8;
+  c.top_k = 2;
+  c.num_ranks = ranks;
+  c.max_tokens_per_rank = 16;
+  return c;
+}
+
+struct SmallRun {
+  std::vector<RankTensors> t;
+  Problem p;
+};
+
+SmallRun small_problem(int ranks, Routing routing) {
+  Scenario sc{"small", small_config(ranks), ranks, std::vector<int64_t>(ranks, 16), routing, 8};
+  SmallRun run;
+  run.p = make_problem(sc, std::random_device{}());
+  run.t = upload(run.p);
+  return run;
+}
+
+Status forward_all(VirtualRankGroup& group, SmallRun& run) {
+  for (int r = 0; r < group.num_ranks(); ++r) {
+    ForwardArgs f;
+    f.num_tokens = 16;
+    f.x = run.t[r].x.get();
+    f.topk_idx = run.t[r].idx.get();
+    f.topk_weights = run.t[r].weights.get();
+    f.w13 = run.t[r].w13.get();
+    f.w2 = run.t[r].w2.get();
+    f.out = run.t[r].out.get();
+    MEGAMOE_RETURN_IF_ERROR(group.layer(r).forward(f));
+  }
+  return group.synchronize_and_check();
+}
+
+TEST(EpLayerErrorsTest, ExpertIdOutOfRangeIsReportedAndOutputsAreNaN) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  SmallRun run = small_problem(2, Routing::kRandom);
+  run.p.idx[1][5] = 8;  // E = 8: one past the last expert
+  run.t[1].idx.upload(run.p.idx[1]);
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, LayerOptions{}, &group).is_ok());
+  const Status s = forward_all(*group, run);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("expert id 8"), std::string::npos) << s.message();
+  for (int r = 0; r < 2; ++r)
+    for (float v : to_float(run.t[r].out.download())) ASSERT_TRUE(std::isnan(v)) << "rank " << r;
+  // The error was consumed by the check: a correct call afterwards succeeds.
+  run.p.idx[1][5] = 0;
+  run.t[1].idx.upload(run.p.idx[1]);
+  const Status again = forward_all(*group, run);
+  EXPECT_TRUE(again.is_ok()) << again.to_string();
+  for (float v : to_float(run.t[0].out.download())) ASSERT_FALSE(std::isnan(v));
+}
+
+TEST(EpLayerErrorsTest, CapacityExceededIsReported) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  SmallRun run = small_problem(2, Routing::kRandom);
+  LayerOptions options;
+  options.expert_row_capacity = 10;  // 2 ranks x 16 tokens x 2 slots = 64 rows over 2 ranks
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, options, &group).is_ok());
+  const Status s = forward_all(*group, run);
+  EXPECT_EQ(s.code(), StatusCode::kCapacityExceeded) << s.to_string();
+  EXPECT_NE(s.message().find("capacity is 10"), std::string::npos) << s.message();
+  for (float v : to_float(run.t[0].out.download())) ASSERT_TRUE(std::isnan(v));
+}
+
+TEST(EpLayerErrorsTest, MissingPeerTimesOutInsteadOfHanging) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  SmallRun run = small_problem(2, Routing::kRandom);
+  LayerOptions options;
+  options.wait_timeout_seconds = 0.2;
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, options, &group).is_ok());
+  ForwardArgs f;  // rank 1 never calls forward
+  f.num_tokens = 16;
+  f.x = run.t[0].x.get();
+  f.topk_idx = run.t[0].idx.get();
+  f.topk_weights = run.t[0].weights.get();
+  f.w13 = run.t[0].w13.get();
+  f.w2 = run.t[0].w2.get();
+  f.out = run.t[0].out.get();
+  ASSERT_TRUE(group->layer(0).forward(f).is_ok());
+  const Status s = group->layer(0).synchronize_and_check();
+  EXPECT_EQ(s.code(), StatusCode::kTimeout) << s.to_string();
+  EXPECT_NE(s.message().find("barrier"), std::string::npos) << s.message();
+}
+
+TEST(EpLayerErrorsTest, HostSideArgumentChecks) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  std::unique_ptr<VirtualRankGroup> group;
+  LayerConfig bad = small_config(3);  // E = 8 not divisible by R = 3
+  const Status indivisible = VirtualRankGroup::create(bad, LayerOptions{}, &group);
+  EXPECT_EQ(indivisible.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(indivisible.message().find("divisible"), std::string::npos) << indivisible.message();
+  ASSERT_TRUE(VirtualRankGroup::create(small_config(1), LayerOptions{}, &group).is_ok());
+  ForwardArgs f;
+  f.num_tokens = 17;  // > max_tokens_per_rank = 16
+  const Status too_many = group->layer(0).forward(f);
+  EXPECT_EQ(too_many.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(too_many.message().find("max_tokens_per_rank"), std::string::npos) << too_many.message();
+  BackwardArgs b;
+  const Status early = group->layer(0).backward(b);
+  EXPECT_EQ(early.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(early.message().find("before any forward"), std::string::npos) << early.message();
+}
+
+// The whole forward + backward of one rank captured in a CUDA graph: no host synchronisation inside,
+// and replays give the same bits as direct calls.
+TEST(EpLayerGraphTest, ForwardBackwardCaptureAndReplay) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  Scenario sc{"graph", small_config(1), 1, {16}, Routing::kMaskedAndRagged, 8};
+  sc.shape.hidden = 512;
+  const Problem p = make_problem(sc, std::random_device{}());
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(p.config, LayerOptions{}, &group).is_ok());
+  std::vector<RankTensors> t = upload(p);
+  Outputs direct;
+  run_gpu(p, *group, t, &direct);
+  if (HasFatalFailure()) return;
+  t[0].out.poison();
+  t[0].d_x.poison();
+  t[0].d_w13.poison();
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+
+  cudaStream_t stream = group->stream(0);
+  cudaGraph_t graph = nullptr;
+  MEGAMOE_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  ForwardArgs f;
+  f.num_tokens = 16;
+  f.x = t[0].x.get();
+  f.topk_idx = t[0].idx.get();
+  f.topk_weights = t[0].weights.get();
+  f.w13 = t[0].w13.get();
+  f.w2 = t[0].w2.get();
+  f.out = t[0].out.get();
+  BackwardArgs b;
+  b.d_out = t[0].d_out.get();
+  b.d_x = t[0].d_x.get();
+  b.d_topk_weights = t[0].d_weights.get();
+  b.d_w13 = t[0].d_w13.get();
+  b.d_w2 = t[0].d_w2.get();
+  const Status fs = group->layer(0).forward(f);
+  const Status bs = group->layer(0).backward(b);
+  MEGAMOE_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(fs.is_ok()) << fs.to_string();
+  ASSERT_TRUE(bs.is_ok()) << bs.to_string();
+  cudaGraphExec_t exec = nullptr;
+  MEGAMOE_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) MEGAMOE_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+  const Status checked = group->synchronize_and_check();
+  EXPECT_TRUE(checked.is_ok()) << checked.to_string();
+  const std::vector<float> out = to_float(t[0].out.download());
+  const std::vector<float> d_x = to_float(t[0].d_x.download());
+  EXPECT_EQ(0, std::memcmp(out.data(), direct.out[0].data(), out.size() * 4));
+  EXPECT_EQ(0, std::memcmp(d_x.data(), direct.d_x[0].data(), d_x.size() * 4));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+}  // namespace
+}  // namespace megamoe
