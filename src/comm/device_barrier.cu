@@ -35,4 +35,10 @@ Status launch_barrier(const Params& p, BarrierId id, cudaStream_t stream) {
   return Status::ok();
 }
 
+Status load_barrier_kernels() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, barrier_kernel));
+  return Status::ok();
+}
+
 }  // namespace megamoe::ep

@@ -112,6 +112,20 @@ Status ExpertParallelLayer::workspace_bytes(const LayerConfig& config, const Lay
   return Status::ok();
 }
 
+namespace ep {
+
+Status preload_kernels() {
+  MEGAMOE_RETURN_IF_ERROR(load_barrier_kernels());
+  MEGAMOE_RETURN_IF_ERROR(load_layout_kernels());
+  MEGAMOE_RETURN_IF_ERROR(load_dispatch_kernels());
+  MEGAMOE_RETURN_IF_ERROR(load_expand_kernels());
+  MEGAMOE_RETURN_IF_ERROR(load_swiglu_kernels());
+  MEGAMOE_RETURN_IF_ERROR(load_combine_kernels());
+  return kernels::simple_grouped_gemm_preload();
+}
+
+}  // namespace ep
+
 Status ExpertParallelLayer::create(const LayerConfig& config, const LayerOptions& options,
                                    const RankPlacement& placement, std::unique_ptr<ExpertParallelLayer>* layer) {
   int64_t capacity = 0;
@@ -120,6 +134,7 @@ Status ExpertParallelLayer::create(const LayerConfig& config, const LayerOptions
     return Status::invalid("rank must be in [0, num_ranks), got " + std::to_string(placement.rank));
   if (placement.workspace == nullptr || placement.peer_workspaces_device == nullptr)
     return Status::invalid("placement needs the rank's workspace and the device table of peer workspaces");
+  MEGAMOE_RETURN_IF_ERROR(ep::preload_kernels());
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   impl->options = options;

@@ -71,4 +71,11 @@ Status launch_combine_backward(const Params& p, __nv_bfloat16* d_x, float* d_top
   return Status::ok();
 }
 
+Status load_combine_kernels() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_kernel<true>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, combine_kernel<false>));
+  return Status::ok();
+}
+
 }  // namespace megamoe::ep

@@ -64,4 +64,11 @@ Status launch_dispatch(const Params& p, const __nv_bfloat16* rows, const void* t
   return Status::ok();
 }
 
+Status load_dispatch_kernels() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_kernel<int64_t>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, dispatch_kernel<int32_t>));
+  return Status::ok();
+}
+
 }  // namespace megamoe::ep

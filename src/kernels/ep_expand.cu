@@ -142,4 +142,12 @@ Status launch_gather_grad_rows(const Params& p, cudaStream_t stream, int max_blo
   return Status::ok();
 }
 
+Status load_expand_kernels() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, expert_offsets_kernel));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, expand_rows_kernel));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, gather_grad_rows_kernel));
+  return Status::ok();
+}
+
 }  // namespace megamoe::ep

@@ -10,6 +10,15 @@
 
 namespace megamoe::ep {
 
+// Loads every kernel of the layer (see simple_grouped_gemm_preload for why); once per process is enough.
+Status preload_kernels();
+Status load_barrier_kernels();
+Status load_layout_kernels();
+Status load_dispatch_kernels();
+Status load_expand_kernels();
+Status load_swiglu_kernels();
+Status load_combine_kernels();
+
 // Cross-rank barrier `id` with timeout (comm/device_barrier.cu).
 Status launch_barrier(const Params& p, BarrierId id, cudaStream_t stream);
 

@@ -156,4 +156,11 @@ Status launch_layout(const Params& p, const void* topk_idx, bool idx_is_int64, c
   return Status::ok();
 }
 
+Status load_layout_kernels() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, layout_kernel<int64_t>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, layout_kernel<int32_t>));
+  return Status::ok();
+}
+
 }  // namespace megamoe::ep

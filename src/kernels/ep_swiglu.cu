@@ -99,4 +99,11 @@ Status launch_swiglu_backward(const Params& p, cudaStream_t stream, int max_bloc
   return Status::ok();
 }
 
+Status load_swiglu_kernels() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, swiglu_forward_kernel));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, swiglu_backward_kernel));
+  return Status::ok();
+}
+
 }  // namespace megamoe::ep

@@ -420,6 +420,15 @@ Status check_operand(const GemmOperand& op, const char* name, int64_t known_exte
 
 }  // namespace
 
+Status simple_grouped_gemm_preload() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, simple_grouped_gemm_kernel<false, false>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, simple_grouped_gemm_kernel<false, true>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, simple_grouped_gemm_kernel<true, false>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, simple_grouped_gemm_kernel<true, true>));
+  return Status::ok();
+}
+
 Status simple_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, int max_blocks) {
   constexpr int64_t kMaxDim = INT32_MAX - kBM;
   const bool k_grouped = args.mode == GroupMode::kK;

@@ -61,4 +61,9 @@ struct GroupedGemmArgs {
 // stay co-resident. Asynchronous; no host synchronisation.
 Status simple_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream, int max_blocks = 0);
 
+// Loads every instantiation of the kernel now. Under CUDA's lazy module loading the first launch loads
+// the kernel, and a load waits for running kernels: with virtual ranks spinning at a barrier that is a
+// deadlock, so layers load what they launch when they are created.
+Status simple_grouped_gemm_preload();
+
 }  // namespace megamoe::kernels
