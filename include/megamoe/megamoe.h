@@ -1,0 +1,118 @@
+/* The C ABI of megamoe: what bindings (the Python package loads it with ctypes) call.
+ *
+ * Why C: a plain C surface lets Python reach the library without compiling anything against PyTorch
+ * or the Python headers, so the C++ core stays framework-free and one build of libmegamoe serves any
+ * Python or torch version. Only fixed-width types and opaque handles cross it; nothing throws.
+ *
+ * Errors: every call returns an int32 status (MEGAMOE_OK or one of the codes below, the same numbers as
+ * megamoe::StatusCode); on failure megamoe_last_error() holds the message for the calling thread until
+ * its next megamoe call.
+ *
+ * Streams: a virtual-rank group runs each rank on a stream of its own (the ranks must run at the same
+ * time: they meet at device barriers). The forward/backward calls take the caller's stream (torch's
+ * current stream, as void* so this header needs no CUDA headers) and join it both ways with events: the
+ * ranks' work starts after everything already enqueued on the caller's stream, and work enqueued on the
+ * caller's stream afterwards waits for every rank. The call does not synchronise the host, and under
+ * CUDA stream capture the fork/join becomes part of the captured graph. Because the ranks must be
+ * enqueued together, one call takes every rank's arguments (an array of num_ranks). */
+#ifndef MEGAMOE_MEGAMOE_H_
+#define MEGAMOE_MEGAMOE_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped whenever a signature or a struct below changes; bindings refuse a library of another version. */
+#define MEGAMOE_ABI_VERSION 1
+
+#define MEGAMOE_OK 0
+#define MEGAMOE_INVALID_ARGUMENT 1
+#define MEGAMOE_CAPACITY_EXCEEDED 2
+#define MEGAMOE_TIMEOUT 3
+#define MEGAMOE_CUDA_ERROR 4
+#define MEGAMOE_NOT_SUPPORTED 5
+#define MEGAMOE_INTERNAL 6
+
+#define MEGAMOE_PRECISION_BF16 0
+#define MEGAMOE_PRECISION_FP8_BLOCKWISE 1
+
+/* megamoe::LayerConfig. */
+typedef struct megamoe_config {
+  int64_t hidden;
+  int64_t intermediate;
+  int64_t num_experts;
+  int64_t top_k;
+  int64_t num_ranks;
+  int64_t max_tokens_per_rank;
+  int32_t precision; /* MEGAMOE_PRECISION_* */
+  int32_t reserved;  /* 0 */
+} megamoe_config;
+
+/* megamoe::LayerOptions; megamoe_default_options() fills the library's defaults. */
+typedef struct megamoe_options {
+  int64_t expert_row_capacity; /* 0 = worst case */
+  double wait_timeout_seconds;
+} megamoe_options;
+
+/* One rank's forward (DESIGN.md section 3): device pointers, bf16 unless stated. */
+typedef struct megamoe_forward_args {
+  int64_t num_tokens;          /* T, 0 <= T <= max_tokens_per_rank */
+  const void* x;               /* [T, H] */
+  const void* topk_idx;        /* [T, K] global expert ids, -1 = masked; int64, or int32 (below) */
+  int32_t topk_idx_is_int32;   /* 0: int64, 1: int32 */
+  int32_t reserved;            /* 0 */
+  const float* topk_weights;   /* [T, K] fp32 */
+  const void* w13;             /* [E_local, 2I, H] */
+  const void* w2;              /* [E_local, H, I] */
+  void* out;                   /* [T, H] */
+} megamoe_forward_args;
+
+/* One rank's backward; uses the routing of the latest forward of the same group. */
+typedef struct megamoe_backward_args {
+  const void* d_out;              /* [T, H] */
+  void* d_x;                      /* [T, H] */
+  float* d_topk_weights;          /* [T, K] fp32 */
+  float* d_w13;                   /* [E_local, 2I, H] fp32 */
+  float* d_w2;                    /* [E_local, H, I] fp32 */
+  int32_t accumulate_weight_grads; /* 1: add into d_w13/d_w2 */
+  int32_t reserved;                /* 0 */
+} megamoe_backward_args;
+
+typedef struct megamoe_vgroup megamoe_vgroup; /* R virtual ranks on one GPU */
+
+int32_t megamoe_abi_version(void);
+/* 1 when the library was built with CUDA (the GPU layer exists), 0 otherwise. */
+int32_t megamoe_built_with_cuda(void);
+/* The calling thread's message for its latest failed call ("" after a success); never NULL. */
+const char* megamoe_last_error(void);
+/* "ok", "invalid argument", ...; never NULL. */
+const char* megamoe_status_name(int32_t code);
+
+int32_t megamoe_default_options(megamoe_options* options);
+int32_t megamoe_validate_config(const megamoe_config* config);
+/* Symmetric workspace bytes per rank. options may be NULL (defaults). Needs a CUDA build. */
+int32_t megamoe_workspace_bytes(const megamoe_config* config, const megamoe_options* options, int64_t* bytes);
+
+/* On the current CUDA device; config->num_ranks virtual ranks. options may be NULL (defaults).
+ * *group is NULL on failure. */
+int32_t megamoe_vgroup_create(const megamoe_config* config, const megamoe_options* options,
+                              megamoe_vgroup** group);
+void megamoe_vgroup_destroy(megamoe_vgroup* group); /* NULL is fine */
+int32_t megamoe_vgroup_num_ranks(const megamoe_vgroup* group, int32_t* num_ranks);
+/* Rows each rank can receive per call (the options' capacity after defaults). */
+int32_t megamoe_vgroup_expert_row_capacity(const megamoe_vgroup* group, int64_t* rows);
+
+/* args: num_ranks entries, rank r at args[r]. stream: the caller's cudaStream_t (NULL = legacy default
+ * stream), joined with the ranks' streams as described at the top. */
+int32_t megamoe_vgroup_forward(megamoe_vgroup* group, const megamoe_forward_args* args, void* stream);
+int32_t megamoe_vgroup_backward(megamoe_vgroup* group, const megamoe_backward_args* args, void* stream);
+/* Waits for every rank, then returns (and clears) the first error recorded on the device by any rank. */
+int32_t megamoe_vgroup_synchronize_and_check(megamoe_vgroup* group);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* MEGAMOE_MEGAMOE_H_ */

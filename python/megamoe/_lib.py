@@ -1,0 +1,206 @@
+"""ctypes binding of the C ABI (include/megamoe/megamoe.h).
+
+Why ctypes over a C ABI rather than a torch C++ extension: the C++ core stays free of PyTorch and of the
+Python ABI, so one libmegamoe build serves every Python and torch version, the package needs no torch
+headers at build time, and a torch upgrade never forces a rebuild. The price is that tensors cross as
+raw device pointers, so ops.py checks every tensor before a pointer leaves Python.
+
+The library is loaded lazily: `import megamoe` (and megamoe.reference) works without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import threading
+
+ABI_VERSION = 1
+
+OK = 0
+INVALID_ARGUMENT = 1
+CAPACITY_EXCEEDED = 2
+TIMEOUT = 3
+CUDA_ERROR = 4
+NOT_SUPPORTED = 5
+INTERNAL = 6
+
+PRECISION_BF16 = 0
+PRECISION_FP8_BLOCKWISE = 1
+
+
+class MegaMoEError(RuntimeError):
+    """A non-OK status from libmegamoe; `code` is the MEGAMOE_* status code."""
+
+    def __init__(self, code: int, name: str, message: str):
+        super().__init__(f"{name}: {message}" if message else name)
+        self.code = code
+
+
+class Config(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("num_experts", ctypes.c_int64),
+        ("top_k", ctypes.c_int64),
+        ("num_ranks", ctypes.c_int64),
+        ("max_tokens_per_rank", ctypes.c_int64),
+        ("precision", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+class Options(ctypes.Structure):
+    _fields_ = [
+        ("expert_row_capacity", ctypes.c_int64),
+        ("wait_timeout_seconds", ctypes.c_double),
+    ]
+
+
+class ForwardArgs(ctypes.Structure):
+    _fields_ = [
+        ("num_tokens", ctypes.c_int64),
+        ("x", ctypes.c_void_p),
+        ("topk_idx", ctypes.c_void_p),
+        ("topk_idx_is_int32", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("topk_weights", ctypes.c_void_p),
+        ("w13", ctypes.c_void_p),
+        ("w2", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+    ]
+
+
+class BackwardArgs(ctypes.Structure):
+    _fields_ = [
+        ("d_out", ctypes.c_void_p),
+        ("d_x", ctypes.c_void_p),
+        ("d_topk_weights", ctypes.c_void_p),
+        ("d_w13", ctypes.c_void_p),
+        ("d_w2", ctypes.c_void_p),
+        ("accumulate_weight_grads", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+_P = ctypes.POINTER
+_SIGNATURES = {
+    "megamoe_abi_version": (ctypes.c_int32, []),
+    "megamoe_built_with_cuda": (ctypes.c_int32, []),
+    "megamoe_last_error": (ctypes.c_char_p, []),
+    "megamoe_status_name": (ctypes.c_char_p, [ctypes.c_int32]),
+    "megamoe_default_options": (ctypes.c_int32, [_P(Options)]),
+    "megamoe_validate_config": (ctypes.c_int32, [_P(Config)]),
+    "megamoe_workspace_bytes": (ctypes.c_int32, [_P(Config), _P(Options), _P(ctypes.c_int64)]),
+    "megamoe_vgroup_create": (ctypes.c_int32, [_P(Config), _P(Options), _P(ctypes.c_void_p)]),
+    "megamoe_vgroup_destroy": (None, [ctypes.c_void_p]),
+    "megamoe_vgroup_num_ranks": (ctypes.c_int32, [ctypes.c_void_p, _P(ctypes.c_int32)]),
+    "megamoe_vgroup_expert_row_capacity": (ctypes.c_int32, [ctypes.c_void_p, _P(ctypes.c_int64)]),
+    "megamoe_vgroup_forward": (ctypes.c_int32, [ctypes.c_void_p, _P(ForwardArgs), ctypes.c_void_p]),
+    "megamoe_vgroup_backward": (ctypes.c_int32, [ctypes.c_void_p, _P(BackwardArgs), ctypes.c_void_p]),
+    "megamoe_vgroup_synchronize_and_check": (ctypes.c_int32, [ctypes.c_void_p]),
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def library_candidates() -> list[pathlib.Path]:
+    """Where libmegamoe is looked for: $MEGAMOE_LIBRARY, then the copy installed inside the package."""
+    found = []
+    env = os.environ.get("MEGAMOE_LIBRARY")
+    if env:
+        found.append(pathlib.Path(env))
+    found.append(pathlib.Path(__file__).resolve().parent / "lib" / "libmegamoe.so")
+    return found
+
+
+def lib() -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        # torch first: its CUDA runtime is then the one libmegamoe binds to (same soname), not a second copy.
+        import torch  # noqa: F401
+
+        candidates = library_candidates()
+        path = next((p for p in candidates if p.is_file()), None)
+        if path is None:
+            raise ImportError(
+                "libmegamoe.so not found (looked at: " + ", ".join(str(p) for p in candidates) + "); install the "
+                "package with `pip install --no-build-isolation --no-deps .` or set MEGAMOE_LIBRARY"
+            )
+        handle = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(handle, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        version = handle.megamoe_abi_version()
+        if version != ABI_VERSION:
+            raise ImportError(f"{path} has C ABI version {version}, this package needs {ABI_VERSION}; reinstall")
+        _lib = handle
+        return handle
+
+
+def check(code: int) -> None:
+    if code == OK:
+        return
+    handle = lib()
+    message = handle.megamoe_last_error().decode(errors="replace")
+    name = handle.megamoe_status_name(code).decode(errors="replace")
+    raise MegaMoEError(code, name, message)
+
+
+def built_with_cuda() -> bool:
+    return bool(lib().megamoe_built_with_cuda())
+
+
+def validate_config(config: Config) -> None:
+    check(lib().megamoe_validate_config(ctypes.byref(config)))
+
+
+def default_options() -> Options:
+    options = Options()
+    check(lib().megamoe_default_options(ctypes.byref(options)))
+    return options
+
+
+class VirtualRankGroup:
+    """Owns a megamoe_vgroup: R virtual ranks on the current CUDA device, with their symmetric workspace."""
+
+    def __init__(self, config: Config, options: Options | None = None):
+        handle = ctypes.c_void_p()
+        check(lib().megamoe_vgroup_create(ctypes.byref(config), ctypes.byref(options) if options else None,
+                                          ctypes.byref(handle)))
+        self._handle = handle
+        self.config = config
+
+    def close(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle and _lib is not None:
+            _lib.megamoe_vgroup_destroy(handle)
+
+    __del__ = close
+
+    @property
+    def num_ranks(self) -> int:
+        n = ctypes.c_int32()
+        check(lib().megamoe_vgroup_num_ranks(self._handle, ctypes.byref(n)))
+        return n.value
+
+    @property
+    def expert_row_capacity(self) -> int:
+        rows = ctypes.c_int64()
+        check(lib().megamoe_vgroup_expert_row_capacity(self._handle, ctypes.byref(rows)))
+        return rows.value
+
+    def forward(self, args: list[ForwardArgs], stream: int) -> None:
+        array = (ForwardArgs * len(args))(*args)
+        check(lib().megamoe_vgroup_forward(self._handle, array, ctypes.c_void_p(stream)))
+
+    def backward(self, args: list[BackwardArgs], stream: int) -> None:
+        array = (BackwardArgs * len(args))(*args)
+        check(lib().megamoe_vgroup_backward(self._handle, array, ctypes.c_void_p(stream)))
+
+    def synchronize_and_check(self) -> None:
+        check(lib().megamoe_vgroup_synchronize_and_check(self._handle))

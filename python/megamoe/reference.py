@@ -1,0 +1,84 @@
+"""The MoE layer in plain PyTorch (DESIGN.md sections 2-3): the test oracle (at fp32 or fp64) and the
+baseline of the benchmark (bf16 on CUDA, where it uses torch._grouped_mm).
+
+Steps: permute the routed (token, slot) pairs into expert-major order, GEMM1 (gate+up), SwiGLU, GEMM2
+(down), weighted combine with index_add. Gradients come from autograd.
+
+Virtual ranks: rank r holds tokens xs[r] and the experts [r*E_local, (r+1)*E_local). Dispatch and combine
+only move rows, so the multi-rank layer equals one layer over all ranks' tokens and all experts; the
+reference computes exactly that and splits the result, which keeps it free of any communication code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["moe", "moe_ranks", "check_ids"]
+
+
+def check_ids(topk_idx: torch.Tensor, num_experts: int, what: str = "topk_idx") -> None:
+    """Raises ValueError when an id is neither -1 (masked) nor in [0, num_experts). Syncs the host."""
+    if topk_idx.numel() == 0:
+        return
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    if bool(bad.any()):
+        value = int(topk_idx[bad][0])
+        raise ValueError(f"{what} holds expert id {value}, outside [0, {num_experts}) and not -1 (masked)")
+
+
+def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+def _expert_matmul(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] in expert-major order (counts[e] rows for expert e) times weight[e]^T ([E, out, in])."""
+    if _use_grouped_mm(rows, weight) and rows.shape[0] > 0:
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+    pieces = [chunk @ weight[e].transpose(0, 1) for e, chunk in enumerate(torch.split(rows, counts.tolist()))]
+    return torch.cat(pieces) if pieces else rows.new_zeros(0, weight.shape[1])
+
+
+def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+        w2: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+    """One rank holding every expert: x [T, H], topk_idx [T, K] (-1 = masked), topk_weights [T, K],
+    w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I] -> out [T, H] in x's dtype.
+
+    The combine accumulates in fp32 whatever the input dtype, as the GPU layer does."""
+    num_tokens, top_k = topk_idx.shape
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    if check:
+        check_ids(topk_idx, num_experts)
+
+    expert = topk_idx.reshape(-1).long()
+    routed = expert >= 0
+    token = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
+    # Permute: stable sort by expert, masked slots (key E) last and then dropped.
+    order = torch.argsort(torch.where(routed, expert, num_experts), stable=True)
+    counts = torch.bincount(expert[routed], minlength=num_experts)
+    order = order[: int(counts.sum())]
+    rows_token = token[order]
+
+    h = _expert_matmul(x[rows_token], w13, counts)
+    a = F.silu(h[:, :inter]) * h[:, inter:]
+    y = _expert_matmul(a, w2, counts)
+
+    weights = topk_weights.reshape(-1)[order]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = torch.zeros(num_tokens, hidden, dtype=acc, device=x.device)
+    out = out.index_add(0, rows_token, y.to(acc) * weights.to(acc).unsqueeze(1))
+    return out.to(x.dtype)
+
+
+def moe_ranks(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
+              w13: list[torch.Tensor], w2: list[torch.Tensor], *, check: bool = True) -> list[torch.Tensor]:
+    """R virtual ranks as lists of per-rank tensors (DESIGN.md section 3 shapes; ids are global, expert e
+    lives on rank e // E_local). Returns every rank's out; autograd reaches every rank's inputs."""
+    num_ranks = len(xs)
+    if not (len(topk_idx) == len(topk_weights) == len(w13) == len(w2) == num_ranks) or num_ranks == 0:
+        raise ValueError("moe_ranks needs one tensor per rank in every list, and at least one rank")
+    out = moe(torch.cat(xs), torch.cat(topk_idx), torch.cat(topk_weights), torch.cat(w13), torch.cat(w2),
+              check=check)
+    return list(torch.split(out, [x.shape[0] for x in xs]))

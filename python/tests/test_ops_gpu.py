@@ -1,0 +1,213 @@
+"""The GPU layer through the torch ops, against the fp32 reference (DESIGN.md section 8): forward and every
+gradient for 1, 2 and 4 virtual ranks and adversarial routing, torch.compile, CUDA graphs, input errors."""
+
+import pytest
+import torch
+
+import megamoe
+from megamoe import ops, reference
+
+
+def _gpu_layer_available():
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    try:
+        from megamoe import _lib
+        if not _lib.built_with_cuda():
+            return False, "libmegamoe was built without CUDA"
+    except ImportError as e:
+        return False, str(e)
+    return True, ""
+
+
+_available, _why = _gpu_layer_available()
+pytestmark = pytest.mark.skipif(not _available, reason=_why)
+
+H, I, E, K = 256, 256, 16, 4
+MAX_TOKENS = 384
+TOL = 1e-2
+
+
+def rel_err(got, want):
+    got, want = got.double(), want.double()
+    assert torch.isfinite(got).all(), "non-finite values in the output"
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def routing(kind, tokens, gen):
+    if kind == "random":
+        return torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)])
+    if kind == "one expert":  # every token's slot 0 to expert 0: one expert gets everything
+        idx = torch.stack([torch.randperm(E - 1, generator=gen)[:K] + 1 for _ in range(tokens)])
+        idx[:, 0] = 0
+        return idx
+    if kind == "masked":
+        idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)])
+        idx[torch.rand(tokens, K, generator=gen) < 0.4] = -1
+        return idx
+    if kind == "empty experts":  # only experts 0..K-1: the others (whole ranks when R > 1) get nothing
+        return torch.stack([torch.randperm(K, generator=gen) for _ in range(tokens)])
+    raise ValueError(kind)
+
+
+def make(ranks, tokens, kind, seed=0, device="cuda"):
+    gen = torch.Generator().manual_seed(seed)
+    per = E // ranks
+    x = [torch.randn(t, H, generator=gen).bfloat16().to(device) for t in tokens]
+    idx = [routing(kind, t, gen).to(device) if t else torch.zeros(0, K, dtype=torch.int64, device=device)
+           for t in tokens]
+    w = [torch.rand(t, K, generator=gen).to(device) for t in tokens]
+    w13 = [(torch.randn(per, 2 * I, H, generator=gen) / H ** 0.5).bfloat16().to(device) for _ in range(ranks)]
+    w2 = [(torch.randn(per, H, I, generator=gen) / I ** 0.5).bfloat16().to(device) for _ in range(ranks)]
+    d_out = [torch.randn(t, H, generator=gen).bfloat16().to(device) for t in tokens]
+    return x, idx, w, w13, w2, d_out
+
+
+def run(fn, x, idx, w, w13, w2, d_out, up=False):
+    leaves = [[t.detach().clone().float() if up else t.detach().clone() for t in ts] for ts in (x, w, w13, w2)]
+    for t in (t for ts in leaves for t in ts):
+        t.requires_grad_()
+    outs = fn(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+    flat = [t for ts in leaves for t in ts]
+    grads = torch.autograd.grad(outs, flat, [g.float() if up else g for g in d_out], allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, flat)]
+    return list(outs), grads
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["random", "one expert", "masked", "empty experts"])
+def test_matches_fp32_reference(ranks, kind):
+    tokens = [333, 0, 129, 7][:ranks] if ranks > 1 else [333]  # not tile multiples; T = 0 on a rank
+    data = make(ranks, tokens, kind, seed=ranks)
+    cfg = ops.LayerConfig(H, I, E, K, MAX_TOKENS, num_ranks=ranks)
+    got_out, got_g = run(lambda *a: ops.moe_ranks(*a, config=cfg), *data)
+    want_out, want_g = run(reference.moe_ranks, *data, up=True)
+    names = ["out"] * ranks + ["d_x"] * ranks + ["d_topk_weights"] * ranks + ["d_w13"] * ranks + ["d_w2"] * ranks
+    for name, a, b in zip(names, got_out + got_g, want_out + want_g):
+        assert a.dtype == (torch.float32 if name == "d_topk_weights" else torch.bfloat16), name
+        if b.numel() and b.norm() > 0:
+            assert rel_err(a, b) <= TOL, f"{name}: rel err {rel_err(a, b):.3g}"
+        else:
+            assert torch.all(a == 0), f"{name} must be zero"
+
+
+def test_int32_ids_give_the_same_result():
+    x, idx, w, w13, w2, _ = make(2, [100, 50], "masked")
+    cfg = ops.LayerConfig(H, I, E, K, MAX_TOKENS, num_ranks=2)
+    a = ops.moe_ranks(x, idx, w, w13, w2, config=cfg)
+    b = ops.moe_ranks(x, [i.int() for i in idx], w, w13, w2, config=cfg)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_module_matches_reference_and_torchtitan_layout(ranks):
+    torch.manual_seed(0)
+    model = megamoe.MegaMoE(H, I, E, K, MAX_TOKENS, virtual_ranks=ranks, device="cuda")
+    x, idx, w, _, _, d_out = make(1, [200], "random")
+    out = model(x[0], idx[0], w[0])
+    want = reference.moe(x[0].float(), idx[0], w[0], model.w13.float(), model.w2.float())
+    assert rel_err(out, want) <= TOL
+    w1, w2_, w3 = model.w1_w2_w3()
+    other = megamoe.MegaMoE(H, I, E, K, MAX_TOKENS, virtual_ranks=ranks, device="cuda")
+    other.load_w1_w2_w3(w1, w2_, w3)
+    assert torch.equal(other.w13, model.w13) and torch.equal(other.w2, model.w2)
+
+
+def test_torch_compile_without_graph_breaks():
+    model = megamoe.MegaMoE(H, I, E, K, MAX_TOKENS, device="cuda")
+    x, idx, w, _, _, d_out = make(1, [256], "random")
+    x0 = x[0].requires_grad_()
+
+    def step(a, b, c):
+        return model(a, b, c)
+
+    explanation = torch._dynamo.explain(step)(x0, idx[0], w[0])
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    out_c = compiled(x0, idx[0], w[0])
+    g_c = torch.autograd.grad(out_c, [x0, model.w13, model.w2], d_out[0])
+    out_e = step(x0, idx[0], w[0])
+    g_e = torch.autograd.grad(out_e, [x0, model.w13, model.w2], d_out[0])
+    assert torch.equal(out_c, out_e)
+    for a, b in zip(g_c, g_e):
+        assert rel_err(a, b) <= 1e-3
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_cuda_graph_replays_give_the_same_results(ranks):
+    cfg = ops.LayerConfig(H, I, E, K, MAX_TOKENS, num_ranks=ranks)
+    key = ops.new_key()
+    x, idx, w, w13, w2, d_out = make(ranks, [160] * ranks, "masked", seed=5)
+    leaves = [t.requires_grad_() for t in (*x, *w, *w13, *w2)]
+
+    def step():
+        outs = ops.moe_ranks(x, idx, w, w13, w2, config=cfg, key=key)
+        return outs, torch.autograd.grad(outs, leaves, d_out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture: creates the workspace, checks the ids
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_outs, static_grads = step()
+
+    for seed in (11, 12):
+        nx, nidx, nw, _, _, nd = make(ranks, [160] * ranks, "random", seed=seed)
+        with torch.no_grad():
+            for dst, src in zip([*x, *idx, *w, *d_out], [*nx, *nidx, *nw, *nd]):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_outs, want_grads = step()
+        for a, b in zip([*static_outs, *static_grads], [*want_outs, *want_grads]):
+            assert torch.equal(a, b) or rel_err(a, b) <= 1e-3
+    ops.synchronize_and_check(cfg, key)
+
+
+def _inputs_for_errors():
+    x, idx, w, w13, w2, _ = make(1, [32], "random")
+    return ops.LayerConfig(H, I, E, K, MAX_TOKENS), [x[0], idx[0], w[0], w13[0], w2[0]]
+
+
+@pytest.mark.parametrize("position, change, error, match", [
+    (0, lambda t: t.float(), TypeError, "x must be torch.bfloat16"),
+    (1, lambda t: t.float(), TypeError, "topk_idx must be torch.int64 or torch.int32"),
+    (2, lambda t: t.bfloat16(), TypeError, "topk_weights must be torch.float32"),
+    (3, lambda t: t.float(), TypeError, "w13 must be torch.bfloat16"),
+    (0, lambda t: t.cpu(), ValueError, "runs on CUDA tensors|on cpu"),
+    (4, lambda t: t.cpu(), ValueError, "w2 is on cpu"),
+    (0, lambda t: t[:, :128], ValueError, "x must have shape"),
+    (1, lambda t: t[:, :2], ValueError, "topk_idx must have shape"),
+    (4, lambda t: t[:, :, :128], ValueError, "w2 must have shape"),
+    (0, lambda t: t.t().contiguous().t(), ValueError, "x must be contiguous"),
+    (3, lambda t: t.transpose(1, 2).contiguous().transpose(1, 2), ValueError, "w13 must be contiguous"),
+    (1, lambda t: torch.where(t == 3, E, t), ValueError, "expert id 16"),
+    (1, lambda t: torch.where(t == 3, -5, t), ValueError, "expert id -5"),
+])
+def test_bad_inputs_raise_python_errors(position, change, error, match):
+    cfg, args = _inputs_for_errors()
+    args[position] = change(args[position])
+    with pytest.raises(error, match=match):
+        ops.moe(*args, config=cfg)
+    # The layer is still usable afterwards.
+    cfg, args = _inputs_for_errors()
+    assert torch.isfinite(ops.moe(*args, config=cfg)).all()
+
+
+def test_bad_config_raises():
+    with pytest.raises(megamoe.MegaMoEError, match="hidden \\(H\\) must be a multiple of 128"):
+        megamoe.MegaMoE(100, I, E, K, MAX_TOKENS)
+    with pytest.raises(megamoe.MegaMoEError, match="divisible by num_ranks"):
+        megamoe.MegaMoE(H, I, 6, 2, MAX_TOKENS, virtual_ranks=4)
+
+
+def test_too_many_tokens_raise():
+    cfg, args = _inputs_for_errors()
+    x, idx, w, _, _, _ = make(1, [MAX_TOKENS + 1], "random")
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        ops.moe(x[0], idx[0], w[0], args[3], args[4], config=cfg)

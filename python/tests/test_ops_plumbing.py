@@ -1,0 +1,152 @@
+"""The torch side of megamoe.ops on the CPU: op registration, autograd, input checks, the "latest forward"
+rule and torch.compile, with the library swapped for a backend that computes with the reference and keeps
+the routing of its latest forward exactly as the GPU layer does. The GPU layer itself: test_ops_gpu.py."""
+
+import concurrent.futures
+
+import pytest
+import torch
+
+from megamoe import ops, reference
+
+
+class ReferenceBackend:
+    def __init__(self):
+        self.forwards = 0
+        self.latest = None  # what the library keeps: the routing of the latest forward
+
+    def supports(self, device):
+        return True
+
+    def forward(self, state, x, idx, w, w13, w2, out):
+        self.forwards += 1
+        self.latest = [t.float() for t in x], list(idx), [t.float() for t in w], [t.float() for t in w13], \
+            [t.float() for t in w2]
+        for o, r in zip(out, reference.moe_ranks(*self.latest)):
+            o.copy_(r)
+
+    def backward(self, state, d_out, d_x, d_w, d_w13, d_w2):
+        def reference_grads():
+            x, idx, w, w13, w2 = [[t.detach().clone().requires_grad_(t.is_floating_point()) for t in ts]
+                                  for ts in self.latest]
+            outs = reference.moe_ranks(x, idx, w, w13, w2)
+            return torch.autograd.grad(outs, [*x, *w, *w13, *w2], [g.float() for g in d_out])
+
+        # An op implementation runs below the autograd dispatch keys (thread-local): use a fresh thread.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            grads = pool.submit(reference_grads).result()
+        r = len(d_out)
+        for dst, src in zip([*d_x, *d_w, *d_w13, *d_w2], grads):
+            dst.copy_(src)
+        assert len(grads) == 4 * r
+
+    def synchronize_and_check(self, state, device):
+        pass
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    b = ReferenceBackend()
+    monkeypatch.setattr(ops, "_backend", b)
+    return b
+
+
+def inputs(ranks=2, tokens=(5, 3), hidden=128, inter=128, experts=4, top_k=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cfg = ops.LayerConfig(hidden=hidden, intermediate=inter, num_experts=experts, top_k=top_k,
+                          max_tokens_per_rank=16, num_ranks=ranks)
+    per = experts // ranks
+    x = [torch.randn(t, hidden, generator=g).bfloat16().requires_grad_() for t in tokens[:ranks]]
+    idx = [torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(t)]) if t else
+           torch.zeros(0, top_k, dtype=torch.int64) for t in tokens[:ranks]]
+    w = [torch.rand(t, top_k, generator=g).requires_grad_() for t in tokens[:ranks]]
+    w13 = [(torch.randn(per, 2 * inter, hidden, generator=g) / hidden ** 0.5).bfloat16().requires_grad_()
+           for _ in range(ranks)]
+    w2 = [(torch.randn(per, hidden, inter, generator=g) / inter ** 0.5).bfloat16().requires_grad_()
+          for _ in range(ranks)]
+    return cfg, x, idx, w, w13, w2
+
+
+def grads_of(fn, x, idx, w, w13, w2, d_out):
+    leaves = [*x, *w, *w13, *w2]
+    outs = fn(x, idx, w, w13, w2)
+    return [o.float() for o in outs], torch.autograd.grad(outs, leaves, d_out)
+
+
+def test_op_matches_reference_with_gradients(backend):
+    cfg, x, idx, w, w13, w2 = inputs()
+    d_out = [torch.randn_like(t) for t in x]
+    got, got_g = grads_of(lambda *a: ops.moe_ranks(*a, config=cfg, key=ops.new_key()), x, idx, w, w13, w2, d_out)
+    up = [[t.detach().float().requires_grad_() for t in ts] for ts in (x, w, w13, w2)]
+    want, want_g = grads_of(reference.moe_ranks, up[0], idx, up[1], up[2], up[3], [g.float() for g in d_out])
+    assert [g.dtype for g in got_g] == [t.dtype for t in (*x, *w, *w13, *w2)]
+    for a, b in zip(got + list(got_g), want + list(want_g)):
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
+
+
+def test_backward_of_an_older_forward_recomputes_it(backend):
+    cfg, x, idx, w, w13, w2 = inputs(seed=1)
+    _, x2, idx2, w_2, _, _ = inputs(seed=2)
+    key = ops.new_key()
+    first = ops.moe_ranks(x, idx, w, w13, w2, config=cfg, key=key)
+    second = ops.moe_ranks(x2, idx2, w_2, w13, w2, config=cfg, key=key)
+    assert backend.forwards == 2
+    d = [torch.ones_like(t) for t in first]
+    g_first = torch.autograd.grad(first, x, d, retain_graph=True)
+    assert backend.forwards == 3  # first's routing was no longer the latest
+    g_second = torch.autograd.grad(second, x2, d[:1] + [torch.ones_like(second[1])])
+    assert backend.forwards == 4
+    _, want = grads_of(reference.moe_ranks, x, idx, w, w13, w2, d)
+    for a, b in zip(g_first, want[:2]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    assert all(g.shape == t.shape for g, t in zip(g_second, x2))
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda a: a[0].__setitem__(0, a[0][0].float()), TypeError, "x\\[0\\] must be torch.bfloat16"),
+    (lambda a: a[1].__setitem__(1, a[1][1].float()), TypeError, "topk_idx\\[1\\] must be"),
+    (lambda a: a[2].__setitem__(0, a[2][0].double()), TypeError, "topk_weights\\[0\\] must be torch.float32"),
+    (lambda a: a[3].__setitem__(0, a[3][0][:, :10]), ValueError, "w13\\[0\\] must have shape"),
+    (lambda a: a[4].__setitem__(1, a[4][1].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
+     "w2\\[1\\] must be contiguous"),
+    (lambda a: a[0].__setitem__(0, a[0][0].t().contiguous().t()), ValueError, "x\\[0\\] must be contiguous"),
+    (lambda a: a[1].__setitem__(0, a[1][0] + 4), ValueError, "topk_idx\\[0\\] holds expert id"),
+    (lambda a: a[0].pop(), ValueError, "one tensor per rank"),
+])
+def test_bad_inputs_raise_clear_errors(backend, bad, error, match):
+    cfg, *lists = inputs()
+    lists = [list(t) for t in lists]
+    bad(lists)
+    with pytest.raises(error, match=match):
+        ops.moe_ranks(*lists, config=cfg)
+
+
+def test_too_many_tokens(backend):
+    cfg, x, idx, w, w13, w2 = inputs(ranks=1, tokens=(17,))
+    with pytest.raises(ValueError, match="max_tokens_per_rank=16"):
+        ops.moe_ranks(x, idx, w, w13, w2, config=cfg)
+
+
+def test_compile_has_no_graph_break_and_matches_eager(backend):
+    cfg, x, idx, w, w13, w2 = inputs(ranks=1, tokens=(6,))
+    key = ops.new_key()
+
+    def step(x0, idx0, w0, a, b):
+        return ops.moe_ranks([x0], [idx0], [w0], [a], [b], config=cfg, key=key)[0].float().square().sum()
+
+    explanation = torch._dynamo.explain(step)(x[0], idx[0], w[0], w13[0], w2[0])
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    leaves = [x[0], w[0], w13[0], w2[0]]
+    got = torch.autograd.grad(compiled(x[0], idx[0], w[0], w13[0], w2[0]), leaves)
+    want = torch.autograd.grad(step(x[0], idx[0], w[0], w13[0], w2[0]), leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_opcheck(backend):
+    cfg, x, idx, w, w13, w2 = inputs()
+    args = (ops.new_key(), cfg.as_list(), x, idx, w, w13, w2)
+    torch.library.opcheck(torch.ops.megamoe.moe_forward.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

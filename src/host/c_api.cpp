@@ -1,0 +1,368 @@
+// The C ABI (include/megamoe/megamoe.h) over the C++ API. Every entry point catches everything: an
+// exception crossing a C boundary into ctypes would abort the Python process.
+#include "megamoe/megamoe.h"
+
+#include <exception>
+#include <new>
+#include <string>
+#include <utility>
+
+#include "megamoe/config.hpp"
+#include "megamoe/status.hpp"
+
+#if MEGAMOE_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <vector>
+
+#include "megamoe/layer.hpp"
+#endif
+
+namespace {
+
+using megamoe::Status;
+using megamoe::StatusCode;
+
+static_assert(MEGAMOE_OK == static_cast<int>(StatusCode::kOk));
+static_assert(MEGAMOE_INVALID_ARGUMENT == static_cast<int>(StatusCode::kInvalidArgument));
+static_assert(MEGAMOE_CAPACITY_EXCEEDED == static_cast<int>(StatusCode::kCapacityExceeded));
+static_assert(MEGAMOE_TIMEOUT == static_cast<int>(StatusCode::kTimeout));
+static_assert(MEGAMOE_CUDA_ERROR == static_cast<int>(StatusCode::kCudaError));
+static_assert(MEGAMOE_NOT_SUPPORTED == static_cast<int>(StatusCode::kNotSupported));
+static_assert(MEGAMOE_INTERNAL == static_cast<int>(StatusCode::kInternal));
+static_assert(MEGAMOE_PRECISION_BF16 == static_cast<int>(megamoe::Precision::kBF16));
+static_assert(MEGAMOE_PRECISION_FP8_BLOCKWISE == static_cast<int>(megamoe::Precision::kFP8Blockwise));
+
+thread_local std::string g_last_error;
+
+int32_t report(const Status& status) {
+  if (status.is_ok()) {
+    g_last_error.clear();
+  } else {
+    g_last_error = status.message();
+  }
+  return static_cast<int32_t>(status.code());
+}
+
+// Runs body (returning Status) with every exception turned into kInternal.
+template <typename Body>
+int32_t guarded(Body&& body) {
+  try {
+    return report(std::forward<Body>(body)());
+  } catch (const std::bad_alloc&) {
+    return report(Status(StatusCode::kInternal, "out of host memory"));
+  } catch (const std::exception& e) {
+    return report(Status(StatusCode::kInternal, std::string("unexpected exception: ") + e.what()));
+  } catch (...) {
+    return report(Status(StatusCode::kInternal, "unexpected exception"));
+  }
+}
+
+Status null_argument(const char* function, const char* argument) {
+  return Status::invalid(std::string(function) + ": " + argument + " must not be NULL");
+}
+
+Status to_config(const megamoe_config* in, megamoe::LayerConfig* out) {
+  if (in->reserved != 0) return Status::invalid("megamoe_config.reserved must be 0");
+  out->hidden = in->hidden;
+  out->intermediate = in->intermediate;
+  out->num_experts = in->num_experts;
+  out->top_k = in->top_k;
+  out->num_ranks = in->num_ranks;
+  out->max_tokens_per_rank = in->max_tokens_per_rank;
+  // Out-of-range values are carried through on purpose: validate() names them.
+  out->precision = static_cast<megamoe::Precision>(in->precision);
+  return megamoe::validate(*out);
+}
+
+#if MEGAMOE_WITH_CUDA
+
+Status cuda_status(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status::ok();
+  return Status(StatusCode::kCudaError,
+                std::string(what) + " failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+}
+
+megamoe::LayerOptions to_options(const megamoe_options* in) {
+  megamoe::LayerOptions options;
+  if (in != nullptr) {
+    options.expert_row_capacity = in->expert_row_capacity;
+    options.wait_timeout_seconds = in->wait_timeout_seconds;
+  }
+  return options;
+}
+
+// Makes the group's device current for the scope of a call and restores the caller's afterwards:
+// Python may call from any device context, and events and streams belong to one device.
+class DeviceScope {
+ public:
+  Status enter(int device) {
+    MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&previous_), "cudaGetDevice"));
+    if (previous_ != device) {
+      MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaSetDevice(device), "cudaSetDevice"));
+      restore_ = true;
+    }
+    return Status::ok();
+  }
+  ~DeviceScope() {
+    if (restore_) (void)cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+#else
+
+Status not_built_with_cuda(const char* function) {
+  return Status(StatusCode::kNotSupported, std::string(function) +
+                                               ": megamoe was built without CUDA (MEGAMOE_ENABLE_CUDA=OFF); "
+                                               "the GPU layer is not available");
+}
+
+#endif  // MEGAMOE_WITH_CUDA
+
+}  // namespace
+
+#if MEGAMOE_WITH_CUDA
+struct megamoe_vgroup {
+  int device = 0;
+  std::unique_ptr<megamoe::VirtualRankGroup> group;
+  cudaEvent_t caller_ready = nullptr;      // recorded on the caller's stream, waited on by every rank
+  std::vector<cudaEvent_t> rank_done;      // one per rank, waited on by the caller's stream
+
+  ~megamoe_vgroup() {
+    DeviceScope scope;
+    (void)scope.enter(device);
+    if (group) (void)group->synchronize_and_check();
+    if (caller_ready != nullptr) (void)cudaEventDestroy(caller_ready);
+    for (cudaEvent_t e : rank_done) (void)cudaEventDestroy(e);
+  }
+
+  // fork: every rank's stream waits for what the caller enqueued so far.
+  Status fork(cudaStream_t caller) {
+    MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaEventRecord(caller_ready, caller), "cudaEventRecord"));
+    for (int r = 0; r < group->num_ranks(); ++r)
+      MEGAMOE_RETURN_IF_ERROR(
+          cuda_status(cudaStreamWaitEvent(group->stream(r), caller_ready, 0), "cudaStreamWaitEvent"));
+    return Status::ok();
+  }
+
+  // join: the caller's stream waits for every rank. Run even after a failed enqueue, so that a capture
+  // never ends with a forked stream left unjoined.
+  Status join(cudaStream_t caller) {
+    Status first;
+    for (int r = 0; r < group->num_ranks(); ++r) {
+      Status s = cuda_status(cudaEventRecord(rank_done[static_cast<size_t>(r)], group->stream(r)), "cudaEventRecord");
+      if (s.is_ok())
+        s = cuda_status(cudaStreamWaitEvent(caller, rank_done[static_cast<size_t>(r)], 0), "cudaStreamWaitEvent");
+      if (first.is_ok() && !s.is_ok()) first = std::move(s);
+    }
+    return first;
+  }
+
+  template <typename Call>
+  Status run_all_ranks(void* stream, Call&& call) {
+    DeviceScope scope;
+    MEGAMOE_RETURN_IF_ERROR(scope.enter(device));
+    auto caller = static_cast<cudaStream_t>(stream);
+    Status first = fork(caller);
+    for (int r = 0; r < group->num_ranks() && first.is_ok(); ++r) {
+      Status s = call(group->layer(r), r);
+      if (!s.is_ok()) first = Status(s.code(), "rank " + std::to_string(r) + ": " + s.message());
+    }
+    Status joined = join(caller);
+    return first.is_ok() ? joined : first;
+  }
+};
+#else
+struct megamoe_vgroup {};
+#endif
+
+extern "C" {
+
+int32_t megamoe_abi_version(void) { return MEGAMOE_ABI_VERSION; }
+
+int32_t megamoe_built_with_cuda(void) { return MEGAMOE_WITH_CUDA ? 1 : 0; }
+
+const char* megamoe_last_error(void) { return g_last_error.c_str(); }
+
+const char* megamoe_status_name(int32_t code) {
+  if (code < MEGAMOE_OK || code > MEGAMOE_INTERNAL) return "unknown status";
+  return megamoe::status_code_name(static_cast<StatusCode>(code));
+}
+
+int32_t megamoe_default_options(megamoe_options* options) {
+  return guarded([&]() -> Status {
+    if (options == nullptr) return null_argument("megamoe_default_options", "options");
+    // Mirrors megamoe::LayerOptions' defaults without needing layer.hpp (a CUDA header) here.
+    options->expert_row_capacity = 0;
+    options->wait_timeout_seconds = 20.0;
+    return Status::ok();
+  });
+}
+
+int32_t megamoe_validate_config(const megamoe_config* config) {
+  return guarded([&]() -> Status {
+    if (config == nullptr) return null_argument("megamoe_validate_config", "config");
+    megamoe::LayerConfig c;
+    return to_config(config, &c);
+  });
+}
+
+int32_t megamoe_workspace_bytes(const megamoe_config* config, const megamoe_options* options, int64_t* bytes) {
+  return guarded([&]() -> Status {
+    if (config == nullptr) return null_argument("megamoe_workspace_bytes", "config");
+    if (bytes == nullptr) return null_argument("megamoe_workspace_bytes", "bytes");
+    *bytes = 0;
+    megamoe::LayerConfig c;
+    MEGAMOE_RETURN_IF_ERROR(to_config(config, &c));
+#if MEGAMOE_WITH_CUDA
+    return megamoe::ExpertParallelLayer::workspace_bytes(c, to_options(options), bytes);
+#else
+    (void)options;
+    return not_built_with_cuda("megamoe_workspace_bytes");
+#endif
+  });
+}
+
+int32_t megamoe_vgroup_create(const megamoe_config* config, const megamoe_options* options,
+                              megamoe_vgroup** group) {
+  if (group != nullptr) *group = nullptr;
+  return guarded([&]() -> Status {
+    if (config == nullptr) return null_argument("megamoe_vgroup_create", "config");
+    if (group == nullptr) return null_argument("megamoe_vgroup_create", "group");
+    megamoe::LayerConfig c;
+    MEGAMOE_RETURN_IF_ERROR(to_config(config, &c));
+#if MEGAMOE_WITH_CUDA
+    int device_count = 0;
+    cudaError_t err = cudaGetDeviceCount(&device_count);
+    if (err != cudaSuccess || device_count == 0) {
+      (void)cudaGetLastError();  // leave no sticky error behind for the caller's next CUDA call
+      return Status(StatusCode::kNotSupported,
+                    std::string("megamoe_vgroup_create: no usable CUDA device (") +
+                        (err == cudaSuccess ? "none found" : cudaGetErrorString(err)) + ")");
+    }
+    auto handle = std::make_unique<megamoe_vgroup>();
+    MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&handle->device), "cudaGetDevice"));
+    MEGAMOE_RETURN_IF_ERROR(megamoe::VirtualRankGroup::create(c, to_options(options), &handle->group));
+    MEGAMOE_RETURN_IF_ERROR(cuda_status(
+        cudaEventCreateWithFlags(&handle->caller_ready, cudaEventDisableTiming), "cudaEventCreateWithFlags"));
+    handle->rank_done.reserve(static_cast<size_t>(handle->group->num_ranks()));
+    for (int r = 0; r < handle->group->num_ranks(); ++r) {
+      cudaEvent_t e = nullptr;
+      MEGAMOE_RETURN_IF_ERROR(
+          cuda_status(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags"));
+      handle->rank_done.push_back(e);
+    }
+    *group = handle.release();
+    return Status::ok();
+#else
+    (void)options;
+    return not_built_with_cuda("megamoe_vgroup_create");
+#endif
+  });
+}
+
+void megamoe_vgroup_destroy(megamoe_vgroup* group) {
+  try {
+    delete group;
+  } catch (...) {
+    // Destruction has no status to report to; never let it reach the caller.
+  }
+}
+
+int32_t megamoe_vgroup_num_ranks(const megamoe_vgroup* group, int32_t* num_ranks) {
+  return guarded([&]() -> Status {
+    if (group == nullptr) return null_argument("megamoe_vgroup_num_ranks", "group");
+    if (num_ranks == nullptr) return null_argument("megamoe_vgroup_num_ranks", "num_ranks");
+#if MEGAMOE_WITH_CUDA
+    *num_ranks = group->group->num_ranks();
+    return Status::ok();
+#else
+    return not_built_with_cuda("megamoe_vgroup_num_ranks");
+#endif
+  });
+}
+
+int32_t megamoe_vgroup_expert_row_capacity(const megamoe_vgroup* group, int64_t* rows) {
+  return guarded([&]() -> Status {
+    if (group == nullptr) return null_argument("megamoe_vgroup_expert_row_capacity", "group");
+    if (rows == nullptr) return null_argument("megamoe_vgroup_expert_row_capacity", "rows");
+#if MEGAMOE_WITH_CUDA
+    *rows = group->group->layer(0).expert_row_capacity();
+    return Status::ok();
+#else
+    return not_built_with_cuda("megamoe_vgroup_expert_row_capacity");
+#endif
+  });
+}
+
+int32_t megamoe_vgroup_forward(megamoe_vgroup* group, const megamoe_forward_args* args, void* stream) {
+  return guarded([&]() -> Status {
+    if (group == nullptr) return null_argument("megamoe_vgroup_forward", "group");
+    if (args == nullptr) return null_argument("megamoe_vgroup_forward", "args");
+#if MEGAMOE_WITH_CUDA
+    return group->run_all_ranks(stream, [&](megamoe::ExpertParallelLayer& layer, int r) -> Status {
+      const megamoe_forward_args& a = args[r];
+      if (a.reserved != 0) return Status::invalid("megamoe_forward_args.reserved must be 0");
+      if (a.topk_idx_is_int32 != 0 && a.topk_idx_is_int32 != 1)
+        return Status::invalid("megamoe_forward_args.topk_idx_is_int32 must be 0 or 1");
+      megamoe::ForwardArgs f;
+      f.num_tokens = a.num_tokens;
+      f.x = static_cast<const __nv_bfloat16*>(a.x);
+      f.topk_idx = a.topk_idx;
+      f.topk_idx_type = a.topk_idx_is_int32 ? megamoe::IndexType::kInt32 : megamoe::IndexType::kInt64;
+      f.topk_weights = a.topk_weights;
+      f.w13 = static_cast<const __nv_bfloat16*>(a.w13);
+      f.w2 = static_cast<const __nv_bfloat16*>(a.w2);
+      f.out = static_cast<__nv_bfloat16*>(a.out);
+      return layer.forward(f);
+    });
+#else
+    (void)stream;
+    return not_built_with_cuda("megamoe_vgroup_forward");
+#endif
+  });
+}
+
+int32_t megamoe_vgroup_backward(megamoe_vgroup* group, const megamoe_backward_args* args, void* stream) {
+  return guarded([&]() -> Status {
+    if (group == nullptr) return null_argument("megamoe_vgroup_backward", "group");
+    if (args == nullptr) return null_argument("megamoe_vgroup_backward", "args");
+#if MEGAMOE_WITH_CUDA
+    return group->run_all_ranks(stream, [&](megamoe::ExpertParallelLayer& layer, int r) -> Status {
+      const megamoe_backward_args& a = args[r];
+      if (a.reserved != 0) return Status::invalid("megamoe_backward_args.reserved must be 0");
+      megamoe::BackwardArgs b;
+      b.d_out = static_cast<const __nv_bfloat16*>(a.d_out);
+      b.d_x = static_cast<__nv_bfloat16*>(a.d_x);
+      b.d_topk_weights = a.d_topk_weights;
+      b.d_w13 = a.d_w13;
+      b.d_w2 = a.d_w2;
+      b.accumulate_weight_grads = a.accumulate_weight_grads != 0;
+      return layer.backward(b);
+    });
+#else
+    (void)stream;
+    return not_built_with_cuda("megamoe_vgroup_backward");
+#endif
+  });
+}
+
+int32_t megamoe_vgroup_synchronize_and_check(megamoe_vgroup* group) {
+  return guarded([&]() -> Status {
+    if (group == nullptr) return null_argument("megamoe_vgroup_synchronize_and_check", "group");
+#if MEGAMOE_WITH_CUDA
+    DeviceScope scope;
+    MEGAMOE_RETURN_IF_ERROR(scope.enter(group->device));
+    return group->group->synchronize_and_check();
+#else
+    return not_built_with_cuda("megamoe_vgroup_synchronize_and_check");
+#endif
+  });
+}
+
+}  // extern "C"
