@@ -1,0 +1,214 @@
+// Times the expert-parallel layer (R = 1, T = 16384, 16 local experts, top-8; DESIGN.md section 7):
+// forward and forward+backward, median of many runs with CUDA events, two input sets alternating.
+// The PyTorch baseline of the same configs runs in benchmarks/bench_layer_torch.py in the same
+// gpu-check call and reads this program's JSON to print the ratio.
+//   bench_layer [--json PATH] [--iters N]
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/hashed_fill.hpp"
+#include "megamoe/layer.hpp"
+
+namespace {
+
+#define CHECK_CUDA(call)                                                                  \
+  do {                                                                                    \
+    cudaError_t e_ = (call);                                                              \
+    if (e_ != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+#define CHECK_OK(expr)                                                    \
+  do {                                                                    \
+    megamoe::Status s_ = (expr);                                          \
+    if (!s_.is_ok()) {                                                    \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.to_string().c_str()); \
+      std::exit(1);                                                       \
+    }                                                                     \
+  } while (0)
+
+template <typename T>
+T* device_alloc(int64_t count) {
+  T* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, sizeof(T) * std::max<int64_t>(count, 1)));
+  return p;
+}
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Result {
+  int64_t hidden, intermediate;
+  float forward_ms, total_ms;
+  double forward_tflops, total_tflops;
+};
+
+Result run(int64_t H, int64_t I, int iters) {
+  megamoe::LayerConfig c;
+  c.hidden = H;
+  c.intermediate = I;
+  c.num_experts = 16;
+  c.top_k = 8;
+  c.num_ranks = 1;
+  c.max_tokens_per_rank = 16384;
+  const int64_t T = c.max_tokens_per_rank, K = c.top_k, E = c.num_experts;
+  std::unique_ptr<megamoe::VirtualRankGroup> group;
+  CHECK_OK(megamoe::VirtualRankGroup::create(c, megamoe::LayerOptions{}, &group));
+  cudaStream_t stream = group->stream(0);
+
+  constexpr int kSets = 2;  // alternate two token sets so x and d_out are not L2-resident between runs
+  __nv_bfloat16 *x[kSets], *d_out[kSets];
+  int64_t* idx[kSets];
+  float* weights[kSets];
+  std::mt19937_64 rng(1234);
+  for (int s = 0; s < kSets; ++s) {
+    x[s] = device_alloc<__nv_bfloat16>(T * H);
+    d_out[s] = device_alloc<__nv_bfloat16>(T * H);
+    if (!megamoe::kernels::fill_hashed_bf16(x[s], T * H, 10 + s, 0, 1.0f) ||
+        !megamoe::kernels::fill_hashed_bf16(d_out[s], T * H, 20 + s, 0, 1.0f))
+      std::exit(1);
+    std::vector<int64_t> h_idx(T * K);
+    std::vector<float> h_w(T * K);
+    std::vector<int64_t> experts(E);
+    for (int64_t e = 0; e < E; ++e) experts[e] = e;
+    for (int64_t t = 0; t < T; ++t) {
+      std::shuffle(experts.begin(), experts.end(), rng);
+      for (int64_t j = 0; j < K; ++j) {
+        h_idx[t * K + j] = experts[j];
+        h_w[t * K + j] = 1.0f / static_cast<float>(K);
+      }
+    }
+    idx[s] = device_alloc<int64_t>(T * K);
+    weights[s] = device_alloc<float>(T * K);
+    CHECK_CUDA(cudaMemcpy(idx[s], h_idx.data(), 8 * T * K, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(weights[s], h_w.data(), 4 * T * K, cudaMemcpyHostToDevice));
+  }
+  auto* w13 = device_alloc<__nv_bfloat16>(E * 2 * I * H);
+  auto* w2 = device_alloc<__nv_bfloat16>(E * H * I);
+  if (!megamoe::kernels::fill_hashed_bf16(w13, E * 2 * I * H, 30, 0, 0.03f) ||
+      !megamoe::kernels::fill_hashed_bf16(w2, E * H * I, 31, 0, 0.03f))
+    std::exit(1);
+  auto* out = device_alloc<__nv_bfloat16>(T * H);
+  auto* d_x = device_alloc<__nv_bfloat16>(T * H);
+  auto* d_weights = device_alloc<float>(T * K);
+  auto* d_w13 = device_alloc<float>(E * 2 * I * H);
+  auto* d_w2 = device_alloc<float>(E * H * I);
+  CHECK_CUDA(cudaDeviceSynchronize());
+
+  auto forward = [&](int s) {
+    megamoe::ForwardArgs f;
+    f.num_tokens = T;
+    f.x = x[s];
+    f.topk_idx = idx[s];
+    f.topk_weights = weights[s];
+    f.w13 = w13;
+    f.w2 = w2;
+    f.out = out;
+    CHECK_OK(group->layer(0).forward(f));
+  };
+  auto backward = [&](int s) {
+    megamoe::BackwardArgs b;
+    b.d_out = d_out[s];
+    b.d_x = d_x;
+    b.d_topk_weights = d_weights;
+    b.d_w13 = d_w13;
+    b.d_w2 = d_w2;
+    CHECK_OK(group->layer(0).backward(b));
+  };
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<float> fwd, total;
+  for (int it = -3; it < iters; ++it) {
+    const int s = (it + 3) % kSets;
+    float ms = 0;
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    forward(s);
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    if (it >= 0) fwd.push_back(ms);
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    forward(s);
+    backward(s);
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    if (it >= 0) total.push_back(ms);
+  }
+  CHECK_OK(group->synchronize_and_check());
+  Result r{H, I, median(fwd), median(total), 0, 0};
+  const double pairs = static_cast<double>(T * K);
+  r.forward_tflops = c.forward_flops(static_cast<int64_t>(pairs)) / (r.forward_ms * 1e-3) / 1e12;
+  r.total_tflops = (c.forward_flops(static_cast<int64_t>(pairs)) + c.backward_flops(static_cast<int64_t>(pairs))) /
+                   (r.total_ms * 1e-3) / 1e12;
+  for (int s = 0; s < kSets; ++s) {
+    cudaFree(x[s]);
+    cudaFree(d_out[s]);
+    cudaFree(idx[s]);
+    cudaFree(weights[s]);
+  }
+  cudaFree(w13);
+  cudaFree(w2);
+  cudaFree(out);
+  cudaFree(d_x);
+  cudaFree(d_weights);
+  cudaFree(d_w13);
+  cudaFree(d_w2);
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* json_path = nullptr;
+  int iters = 20;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
+  }
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    std::printf("bench_layer: no CUDA device, nothing to time\n");
+    return 0;
+  }
+  std::vector<Result> results;
+  for (auto [H, I] : {std::pair<int64_t, int64_t>{2048, 768}, {4096, 1536}}) {
+    std::printf("bench_layer: H=%lld I=%lld E=16 K=8 T=16384 R=1 ...\n", static_cast<long long>(H),
+                static_cast<long long>(I));
+    std::fflush(stdout);
+    results.push_back(run(H, I, iters));
+  }
+  std::printf("| layer (megamoe modular, bf16) | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n");
+  for (const Result& r : results)
+    std::printf("| H=%lld I=%lld | %.3f | %.1f | %.3f | %.1f |\n", static_cast<long long>(r.hidden),
+                static_cast<long long>(r.intermediate), r.forward_ms, r.forward_tflops, r.total_ms, r.total_tflops);
+  if (json_path != nullptr) {
+    FILE* f = std::fopen(json_path, "w");
+    if (f == nullptr) return 1;
+    std::fprintf(f, "[");
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Result& r = results[i];
+      std::fprintf(f,
+                   "%s{\"hidden\": %lld, \"intermediate\": %lld, \"forward_ms\": %.4f, \"total_ms\": %.4f, "
+                   "\"forward_tflops\": %.2f, \"total_tflops\": %.2f}",
+                   i ? ", " : "", static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate),
+                   r.forward_ms, r.total_ms, r.forward_tflops, r.total_tflops);
+    }
+    std::fprintf(f, "]\n");
+    std::fclose(f);
+  }
+  return 0;
+}
