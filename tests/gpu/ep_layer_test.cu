@@ -21,6 +21,7 @@
 #include "gpu_test_util.hpp"
 #include "kernels/hashed_fill.hpp"
 #include "megamoe/layer.hpp"
+#include "megamoe/process_group.hpp"
 #include "megamoe/reference.hpp"
 
 namespace megamoe {
@@ -44,6 +45,7 @@ struct Scenario {
 };
 
 std::string scenario_name(const ::testing::TestParamInfo<Scenario>& info) { return info.param.name; }
+void PrintTo(const Scenario& s, std::ostream* os) { *os << s.name; }
 
 double relative_error(const std::vector<float>& got, const std::vector<float>& want, int64_t* nans) {
   double num = 0, den = 0;
@@ -210,8 +212,12 @@ Expected run_reference(const Problem& p) {
   return e;
 }
 
+ExpertParallelLayer& layer_of(VirtualRankGroup& group, int rank) { return group.layer(rank); }
+ExpertParallelLayer& layer_of(ProcessRankGroup& group, int) { return group.layer(); }
+
 // Uploads the problem, runs forward + backward on every rank, downloads. Outputs are poisoned first.
-void run_gpu(const Problem& p, VirtualRankGroup& group, std::vector<RankTensors>& t, Outputs* o, int repetitions = 1) {
+template <typename Group>
+void run_gpu(const Problem& p, Group& group, std::vector<RankTensors>& t, Outputs* o, int repetitions = 1) {
   const LayerConfig& c = p.config;
   const int64_t H = c.hidden, I = c.intermediate, EL = c.experts_per_rank();
   const int R = static_cast<int>(c.num_ranks);
@@ -233,7 +239,7 @@ void run_gpu(const Problem& p, VirtualRankGroup& group, std::vector<RankTensors>
       f.w13 = t[r].w13.get();
       f.w2 = t[r].w2.get();
       f.out = t[r].out.get();
-      const Status s = group.layer(r).forward(f);
+      const Status s = layer_of(group, r).forward(f);
       ASSERT_TRUE(s.is_ok()) << s.to_string();
     }
     for (int r = 0; r < R; ++r) {
@@ -243,7 +249,7 @@ void run_gpu(const Problem& p, VirtualRankGroup& group, std::vector<RankTensors>
       b.d_topk_weights = t[r].d_weights.get();
       b.d_w13 = t[r].d_w13.get();
       b.d_w2 = t[r].d_w2.get();
-      const Status s = group.layer(r).backward(b);
+      const Status s = layer_of(group, r).backward(b);
       ASSERT_TRUE(s.is_ok()) << s.to_string();
     }
     const Status s = group.synchronize_and_check();
@@ -540,6 +546,48 @@ TEST(EpLayerGraphTest, ForwardBackwardCaptureAndReplay) {
   EXPECT_EQ(0, std::memcmp(d_x.data(), direct.d_x[0].data(), d_x.size() * 4));
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+}
+
+// The multi-process path's bootstrap (NCCL unique id, IPC handle exchange, peer table) with one rank:
+// the only multi-process test one GPU allows (NCCL refuses two ranks on one device). Its results must
+// be bitwise those of the virtual-rank path, which shares every kernel.
+TEST(ProcessRankGroupTest, SingleRankBootstrapMatchesVirtualRanks) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  Scenario sc{"process", small_config(1), 1, {13}, Routing::kMaskedAndRagged, 8};
+  const Problem p = make_problem(sc, std::random_device{}());
+  BootstrapId id{};
+  const Status made_id = ProcessRankGroup::create_bootstrap_id(&id);
+  if (made_id.code() == StatusCode::kNotSupported) GTEST_SKIP() << made_id.message();
+  ASSERT_TRUE(made_id.is_ok()) << made_id.to_string();
+  std::unique_ptr<ProcessRankGroup> process;
+  const Status created = ProcessRankGroup::create(p.config, LayerOptions{}, 0, id, &process);
+  ASSERT_TRUE(created.is_ok()) << created.to_string();
+  std::unique_ptr<VirtualRankGroup> virtual_ranks;
+  ASSERT_TRUE(VirtualRankGroup::create(p.config, LayerOptions{}, &virtual_ranks).is_ok());
+  std::vector<RankTensors> t = upload(p);
+  Outputs a, b;
+  run_gpu(p, *process, t, &a);
+  if (HasFatalFailure()) return;
+  run_gpu(p, *virtual_ranks, t, &b);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(0, std::memcmp(a.out[0].data(), b.out[0].data(), a.out[0].size() * 4));
+  EXPECT_EQ(0, std::memcmp(a.d_x[0].data(), b.d_x[0].data(), a.d_x[0].size() * 4));
+  EXPECT_EQ(0, std::memcmp(a.d_weights[0].data(), b.d_weights[0].data(), a.d_weights[0].size() * 4));
+  for (int64_t e : p.routed) EXPECT_EQ(0, std::memcmp(a.d_w13[e].data(), b.d_w13[e].data(), a.d_w13[e].size() * 4));
+  const Expected e = run_reference(p);
+  int64_t nans = 0;
+  EXPECT_LE(relative_error(a.out[0], e.out[0], &nans), 1e-2);
+  EXPECT_EQ(nans, 0);
+}
+
+TEST(ProcessRankGroupTest, RejectsBadRank) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  BootstrapId id{};
+  std::unique_ptr<ProcessRankGroup> group;
+  const Status s = ProcessRankGroup::create(small_config(2), LayerOptions{}, 2, id, &group);
+  if (s.code() == StatusCode::kNotSupported) GTEST_SKIP() << s.message();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("rank must be in"), std::string::npos) << s.message();
 }
 
 }  // namespace
