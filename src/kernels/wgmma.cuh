@@ -65,6 +65,20 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uin
                : "memory");
 }
 
+// Arrive (release, cluster scope) on the mbarrier at the same shared-memory offset in CTA `cta_rank` of the
+// cluster. cuda::ptx has the arrive but no `mapa`, and its shared::cluster overload converts a generic
+// pointer; translating the 32-bit CTA-local address with mapa keeps the address space explicit.
+__device__ __forceinline__ void mbarrier_arrive_cluster_peer(uint32_t local_smem_addr, uint32_t cta_rank) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(local_smem_addr),
+      "r"(cta_rank)
+      : "memory");
+}
+
 // Named barrier over a subset of the block's warps (id 0 is __syncthreads).
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

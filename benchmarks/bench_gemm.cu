@@ -1,0 +1,366 @@
+// Grouped-GEMM engine vs cuBLAS (and torch._grouped_mm, read from a CSV that
+// benchmarks/bench_grouped_mm_torch.py writes in the same device session), side by side.
+//
+//   bench_gemm [torch_results.csv]
+//
+// Shapes: 16 experts x 8192 rows (balanced) and a skewed split with the same total (4 experts empty, one
+// with 4x the mean rows), (N, K) in {(1536,2048), (2048,768), (3072,4096), (4096,1536)}; dense 8192^3.
+// Timing: CUDA events around each launch, 5 warm-ups, median of 30. Every engine result is compared with
+// cuBLAS on the device (rel err ||C - C_cublas|| / ||C_cublas||).
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/grouped_gemm.hpp"
+
+using bf16 = __nv_bfloat16;
+using megamoe::kernels::GemmActivation;
+using megamoe::kernels::GemmEpilogue;
+using megamoe::kernels::GemmTuning;
+
+#define CK(call)                                                                                 \
+  do {                                                                                           \
+    cudaError_t e_ = (call);                                                                     \
+    if (e_ != cudaSuccess) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                              \
+    }                                                                                            \
+  } while (0)
+#define CB(call)                                                                         \
+  do {                                                                                   \
+    cublasStatus_t s_ = (call);                                                          \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                   \
+      std::fprintf(stderr, "%s:%d %s: cublas %d\n", __FILE__, __LINE__, #call, int(s_)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+#define CS(expr)                                                                       \
+  do {                                                                                 \
+    megamoe::Status st_ = (expr);                                                      \
+    if (!st_.is_ok()) {                                                                \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, st_.to_string().c_str()); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+namespace {
+
+__global__ void fill_random(bf16* p, size_t n, uint64_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    const float u = float(x >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    p[i] = __float2bfloat16((2.0f * u - 1.0f) * scale);
+  }
+}
+
+template <typename T>
+__device__ double to_d(T v) {
+  if constexpr (sizeof(T) == 2) {
+    return double(__bfloat162float(v));
+  } else {
+    return double(v);
+  }
+}
+
+template <typename T>
+__global__ void diff_norms(const T* a, const T* ref, size_t n, double* out) {
+  double num = 0, den = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const double x = to_d(a[i]), y = to_d(ref[i]);
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    num += __shfl_down_sync(0xffffffffu, num, o);
+    den += __shfl_down_sync(0xffffffffu, den, o);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    atomicAdd(&out[0], num);
+    atomicAdd(&out[1], den);
+  }
+}
+
+template <typename T>
+double rel_err(const T* a, const T* ref, size_t n) {
+  double* d;
+  CK(cudaMalloc(&d, 2 * sizeof(double)));
+  CK(cudaMemset(d, 0, 2 * sizeof(double)));
+  diff_norms<<<1024, 256>>>(a, ref, n, d);
+  CK(cudaGetLastError());
+  double h[2];
+  CK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
+  CK(cudaFree(d));
+  std::printf("  check: ||C - C_cublas||^2 = %.6e, ||C_cublas||^2 = %.6e over %zu values\n", h[0], h[1], n);
+  return std::sqrt(h[0] / std::max(h[1], 1e-300));
+}
+
+double median_ms(const std::function<void()>& fn, int warmup = 5, int iters = 30) {
+  for (int i = 0; i < warmup; ++i) fn();
+  CK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> t(iters);
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(a));
+    fn();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    CK(cudaEventElapsedTime(&t[i], a, b));
+  }
+  CK(cudaGetLastError());
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(t.begin(), t.end());
+  return t[iters / 2];
+}
+
+std::vector<int32_t> offsets_of(const std::vector<int>& sizes) {
+  std::vector<int32_t> off(sizes.size() + 1, 0);
+  for (size_t i = 0; i < sizes.size(); ++i) off[i + 1] = off[i] + sizes[i];
+  return off;
+}
+
+std::vector<int> skewed_sizes(int E, int mean) {
+  std::vector<int> s(E, 0);
+  const int total = E * mean;
+  s[0] = 4 * mean;          // one expert with 4x the mean
+  const int empty = E / 4;  // a quarter empty: the last E/4
+  const int rest = E - 1 - empty;
+  int left = total - s[0];
+  for (int e = 1; e <= rest; ++e) {
+    s[e] = (e == rest) ? left : left / (rest - e + 1);
+    left -= s[e];
+  }
+  return s;
+}
+
+std::map<std::string, double> read_torch_csv(const char* path) {
+  std::map<std::string, double> m;  // key "form,N,K,groups" -> ms
+  if (path == nullptr) return m;
+  std::ifstream f(path);
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::stringstream ss(line);
+    std::string form, n, k, groups, ms;
+    if (!std::getline(ss, form, ',') || !std::getline(ss, n, ',') || !std::getline(ss, k, ',') ||
+        !std::getline(ss, groups, ',') || !std::getline(ss, ms, ','))
+      continue;
+    m[form + "," + n + "," + k + "," + groups] = std::atof(ms.c_str());
+  }
+  return m;
+}
+
+struct Row {
+  std::string what;
+  double flops;
+  double engine_ms, cublas_ms, torch_ms;
+  double err;
+};
+
+void print_rows(const std::vector<Row>& rows) {
+  std::printf("\n%-44s %9s %8s %9s %8s %9s %8s %7s %7s %9s\n", "case", "engine_ms", "TFLOP/s", "cublas_ms", "TFLOP/s",
+              "torch_ms", "TFLOP/s", "x_cubl", "x_torch", "rel_err");
+  for (const auto& r : rows) {
+    auto tf = [&](double ms) { return ms > 0 ? r.flops / (ms * 1e-3) / 1e12 : 0.0; };
+    std::printf("%-44s %9.3f %8.1f %9.3f %8.1f %9.3f %8.1f %7.3f %7.3f %9.2e\n", r.what.c_str(), r.engine_ms,
+                tf(r.engine_ms), r.cublas_ms, tf(r.cublas_ms), r.torch_ms, tf(r.torch_ms),
+                r.cublas_ms > 0 ? r.cublas_ms / r.engine_ms : 0.0, r.torch_ms > 0 ? r.torch_ms / r.engine_ms : 0.0,
+                r.err);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto torch = read_torch_csv(argc > 1 ? argv[1] : nullptr);
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  cublasHandle_t h;
+  CB(cublasCreate(&h));
+  const float one = 1.0f, zero = 0.0f;
+
+  const int E = 16, rows_per = 8192, T = E * rows_per;
+  const int shapes[4][2] = {{1536, 2048}, {2048, 768}, {3072, 4096}, {4096, 1536}};
+  size_t max_elems_a = 0, max_elems_b = 0, max_elems_c = 0;
+  for (auto& s : shapes) {
+    max_elems_a = std::max(max_elems_a, size_t(T) * std::max(s[0], s[1]));
+    max_elems_b = std::max(max_elems_b, size_t(E) * s[0] * s[1]);
+    max_elems_c = std::max(max_elems_c, size_t(T) * std::max(s[0], s[1]));
+  }
+  max_elems_a = std::max(max_elems_a, size_t(8192) * 8192);
+  bf16 *A, *B, *C, *Cref;
+  float *C32, *C32ref;
+  int32_t *off_bal, *off_skew, *off_dense;
+  CK(cudaMalloc(&A, max_elems_a * 2));
+  CK(cudaMalloc(&B, std::max(max_elems_b, size_t(T) * 4096) * 2));  // form 3 uses B as [T, N]
+  CK(cudaMalloc(&C, max_elems_c * 2));
+  CK(cudaMalloc(&Cref, max_elems_c * 2));
+  CK(cudaMalloc(&C32, size_t(E) * 4096 * 4096 * 4));
+  CK(cudaMalloc(&C32ref, size_t(E) * 4096 * 4096 * 4));
+  CK(cudaMalloc(&off_bal, (E + 1) * 4));
+  CK(cudaMalloc(&off_skew, (E + 1) * 4));
+  CK(cudaMalloc(&off_dense, 2 * 4));
+  fill_random<<<4096, 256>>>(A, max_elems_a, 1, 1.0f);
+  fill_random<<<4096, 256>>>(B, std::max(max_elems_b, size_t(T) * 4096), 2, 1.0f);
+  CK(cudaGetLastError());
+  const auto ob = offsets_of(std::vector<int>(E, rows_per));
+  const auto skew = skewed_sizes(E, rows_per);
+  const auto os = offsets_of(skew);
+  const int32_t od[2] = {0, 8192};
+  CK(cudaMemcpy(off_bal, ob.data(), ob.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(off_skew, os.data(), os.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(off_dense, od, sizeof(od), cudaMemcpyHostToDevice));
+  std::printf("skewed sizes:");
+  for (int s : skew) std::printf(" %d", s);
+  std::printf(" (total %d)\n", os[E]);
+
+  std::vector<Row> rows;
+  auto torch_ms = [&](const char* form, int n, int k, const char* groups) {
+    auto it = torch.find(std::string(form) + "," + std::to_string(n) + "," + std::to_string(k) + "," + groups);
+    return it == torch.end() ? 0.0 : it->second;
+  };
+
+  for (auto& s : shapes) {
+    const int N = s[0], K = s[1];
+    const double flops = 2.0 * T * double(N) * K;
+    char name[128];
+    // ---- form 1: C[T, N] = A[T, K] . B[e][N, K]^T
+    auto cublas_nt = [&] {
+      CB(cublasGemmStridedBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, rows_per, K, &one, B, CUDA_R_16BF, K,
+                                    int64_t(N) * K, A, CUDA_R_16BF, K, int64_t(rows_per) * K, &zero, Cref, CUDA_R_16BF,
+                                    N, int64_t(rows_per) * N, E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    };
+    auto eng_nt = [&](const int32_t* off) {
+      CS(megamoe::kernels::grouped_gemm_nt(A, B, C, off, E, T, N, K, GemmEpilogue{}, nullptr));
+    };
+    const double t_cub = median_ms(cublas_nt);
+    const double t_eng = median_ms([&] { eng_nt(off_bal); });
+    const double err = rel_err(C, Cref, size_t(T) * N);
+    std::snprintf(name, sizeof(name), "fwd NT  N=%d K=%d balanced", N, K);
+    rows.push_back({name, flops, t_eng, t_cub, torch_ms("nt", N, K, "balanced"), err});
+    const double t_skew = median_ms([&] { eng_nt(off_skew); });
+    std::snprintf(name, sizeof(name), "fwd NT  N=%d K=%d skewed", N, K);
+    rows.push_back({name, flops, t_skew, 0, torch_ms("nt", N, K, "skewed"), 0});
+    {
+      const double t1 = median_ms([&] {
+        CS(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr, GemmTuning{2}));
+      });
+      std::snprintf(name, sizeof(name), "fwd NT  N=%d K=%d balanced, cluster 2", N, K);
+      rows.push_back({name, flops, t1, t_cub, torch_ms("nt", N, K, "balanced"), rel_err(C, Cref, size_t(T) * N)});
+    }
+
+    // ---- form 1 + SwiGLU (N = 2I interleaved), a written N/2 wide
+    {
+      GemmEpilogue epi;
+      epi.activation = GemmActivation::kSwiGLU;
+      const double t =
+          median_ms([&] { CS(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, epi, nullptr)); });
+      std::snprintf(name, sizeof(name), "fwd NT+SwiGLU N=%d K=%d", N, K);
+      rows.push_back({name, flops, t, 0, 0, 0});
+    }
+
+    // ---- form 2: C[T, N] = A[T, K] . B[e][K, N]
+    auto cublas_nn = [&] {
+      CB(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_N, N, rows_per, K, &one, B, CUDA_R_16BF, N,
+                                    int64_t(N) * K, A, CUDA_R_16BF, K, int64_t(rows_per) * K, &zero, Cref, CUDA_R_16BF,
+                                    N, int64_t(rows_per) * N, E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    };
+    {
+      const double tc = median_ms(cublas_nn);
+      const double te = median_ms(
+          [&] { CS(megamoe::kernels::grouped_gemm_nn(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr)); });
+      const double e2 = rel_err(C, Cref, size_t(T) * N);
+      std::snprintf(name, sizeof(name), "dgrad NN N=%d K=%d balanced", N, K);
+      rows.push_back({name, flops, te, tc, torch_ms("nn", N, K, "balanced"), e2});
+    }
+
+    // ---- form 3: C[e][N, K] = A[rows_e, N]^T . B[rows_e, K]  (fp32 out; M = N, N = K)
+    {
+      const int Mw = N, Nw = K;
+      auto cublas_tn = [&] {
+        CB(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_T, Nw, Mw, rows_per, &one, B, CUDA_R_16BF, Nw,
+                                      int64_t(rows_per) * Nw, A, CUDA_R_16BF, Mw, int64_t(rows_per) * Mw, &zero, C32ref,
+                                      CUDA_R_32F, Nw, int64_t(Mw) * Nw, E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      };
+      const double tc = median_ms(cublas_tn);
+      const double te =
+          median_ms([&] { CS(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, false, nullptr)); });
+      const double e3 = rel_err(C32, C32ref, size_t(E) * Mw * Nw);
+      std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d balanced", Mw, Nw);
+      rows.push_back({name, flops, te, tc, torch_ms("tn", N, K, "balanced"), e3});
+      const double ts =
+          median_ms([&] { CS(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_skew, E, T, Mw, Nw, false, nullptr)); });
+      std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d skewed", Mw, Nw);
+      rows.push_back({name, flops, ts, 0, torch_ms("tn", N, K, "skewed"), 0});
+      const double t1 = median_ms([&] {
+        CS(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, false, nullptr, GemmTuning{2}));
+      });
+      std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d balanced, cluster 2", Mw, Nw);
+      rows.push_back(
+          {name, flops, t1, tc, torch_ms("tn", N, K, "balanced"), rel_err(C32, C32ref, size_t(E) * Mw * Nw)});
+      const double ta =
+          median_ms([&] { CS(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, true, nullptr)); });
+      std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d accumulate", Mw, Nw);
+      rows.push_back({name, flops, ta, 0, 0, 0});
+    }
+  }
+
+  // ---- dense 8192^3 through the same engine (one group)
+  {
+    const int n = 8192;
+    const double flops = 2.0 * n * double(n) * n;
+    auto cub = [&] {
+      CB(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, B, CUDA_R_16BF, n, A, CUDA_R_16BF, n, &zero, Cref,
+                      CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    };
+    const double tc = median_ms(cub);
+    const double te = median_ms(
+        [&] { CS(megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr)); });
+    const double err = rel_err(C, Cref, size_t(n) * n);
+    rows.push_back({"dense NT 8192^3", flops, te, tc, torch_ms("dense", n, n, "1"), err});
+    const double te1 = median_ms([&] {
+      CS(megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr, GemmTuning{2}));
+    });
+    rows.push_back(
+        {"dense NT 8192^3, cluster 2", flops, te1, tc, torch_ms("dense", n, n, "1"), rel_err(C, Cref, size_t(n) * n)});
+    // The same product through forms 2 and 3 (B N-major; both operands MN-major, fp32 out).
+    auto cub_nn = [&] {
+      CB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, B, CUDA_R_16BF, n, A, CUDA_R_16BF, n, &zero, Cref,
+                      CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    };
+    const double tc2 = median_ms(cub_nn);
+    const double te2 = median_ms(
+        [&] { CS(megamoe::kernels::grouped_gemm_nn(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr)); });
+    const double err2 = rel_err(C, Cref, size_t(n) * n);
+    rows.push_back({"dense NN 8192^3", flops, te2, tc2, 0, err2});
+    auto cub_tn = [&] {
+      CB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, n, n, n, &one, B, CUDA_R_16BF, n, A, CUDA_R_16BF, n, &zero, C32ref,
+                      CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    };
+    const double tc3 = median_ms(cub_tn);
+    const double te3 =
+        median_ms([&] { CS(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_dense, 1, n, n, n, false, nullptr)); });
+    const double err3 = rel_err(C32, C32ref, size_t(n) * n);
+    rows.push_back({"dense TN 8192^3 (fp32 out)", flops, te3, tc3, 0, err3});
+  }
+  print_rows(rows);
+  CB(cublasDestroy(h));
+  return 0;
+}
