@@ -28,6 +28,10 @@
 
 namespace megamoe {
 
+// Which GEMM kernels the modular layer runs: the Hopper engine (TMA + wgmma, the default) or the simple
+// WMMA engine, kept as an independent correctness twin.
+enum class GemmEngine { kHopper, kSimple };
+
 struct LayerOptions {
   // Expert-major rows a rank can receive in one call. 0 = the worst case,
   // num_ranks * max_tokens_per_rank * min(top_k, experts_per_rank) (every token of every rank routed
@@ -35,6 +39,7 @@ struct LayerOptions {
   int64_t expert_row_capacity = 0;
   // Bound on every device spin-wait; past it the call reports kTimeout naming the wait.
   double wait_timeout_seconds = 20.0;
+  GemmEngine gemm_engine = GemmEngine::kHopper;
 };
 
 enum class IndexType { kInt64, kInt32 };

@@ -7,6 +7,7 @@
 #include "comm/ep_workspace.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/ep_kernels.hpp"
+#include "kernels/grouped_gemm.hpp"
 #include "kernels/simple_grouped_gemm.hpp"
 #include "megamoe/layer.hpp"
 
@@ -93,11 +94,150 @@ struct ExpertParallelLayer::Impl {
     return reinterpret_cast<T*>(placement.workspace + offset);
   }
   const int32_t* expert_offsets() const { return buffer<int32_t>(params.layout.expert_offsets); }
+  // Virtual ranks share a GPU: the engine's persistent grid is capped at the rank's share of SMs.
+  kernels::GemmTuning gemm_tuning() const {
+    kernels::GemmTuning tuning;
+    tuning.max_ctas = max_blocks;
+    return tuning;
+  }
 
   Status gemm(const GroupedGemmArgs& args) const {
     return kernels::simple_grouped_gemm(args, placement.stream, max_blocks);
   }
+
+  // GEMM1 -> SwiGLU -> GEMM2, y rows delivered to the sources' combine slots.
+  Status expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2) const;
+  // dgrad GEMMs, SwiGLU backward (with d_topk_weights), d_x rows home, weight-gradient GEMMs.
+  Status expert_mlp_backward(const ep::Params& p, const BackwardArgs& args) const;
 };
+
+Status ExpertParallelLayer::Impl::expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13,
+                                                     const __nv_bfloat16* w2) const {
+  const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
+  const int EL = static_cast<int>(config.experts_per_rank());
+  cudaStream_t stream = placement.stream;
+  auto* rows_x = buffer<__nv_bfloat16>(p.layout.rows_x);
+  auto* h = buffer<__nv_bfloat16>(p.layout.h);
+  auto* a = buffer<__nv_bfloat16>(p.layout.a);
+  if (options.gemm_engine == GemmEngine::kHopper) {
+    // y rows are staged in the rows_dout buffer (free during the forward) and then sent home: the
+    // engine scatters by row index within one buffer, not to per-row peer addresses.
+    auto* y = buffer<__nv_bfloat16>(p.layout.rows_dout);
+    const kernels::GemmEpilogue plain;
+    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nt(rows_x, w13, h, expert_offsets(), EL, C, static_cast<int>(2 * I),
+                                                     static_cast<int>(H), plain, stream, gemm_tuning()));
+    MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_forward(p, stream, max_blocks));
+    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nt(a, w2, y, expert_offsets(), EL, C, static_cast<int>(H),
+                                                     static_cast<int>(I), plain, stream, gemm_tuning()));
+    return ep::launch_send_rows(p, y, stream, max_blocks);
+  }
+  GroupedGemmArgs gemm1;  // h = x . W13^T
+  gemm1.mode = GroupMode::kM;
+  gemm1.num_groups = EL;
+  gemm1.group_offsets = expert_offsets();
+  gemm1.n = 2 * I;
+  gemm1.k = H;
+  gemm1.a = GemmOperand{rows_x, H, true, 0};
+  gemm1.b = GemmOperand{w13, H, false, 2 * I * H};
+  gemm1.c = h;
+  gemm1.ldc = 2 * I;
+  MEGAMOE_RETURN_IF_ERROR(gemm(gemm1));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_forward(p, stream, max_blocks));
+  GroupedGemmArgs gemm2;  // y = a . W2^T, each row stored straight into its source's combine slot
+  gemm2.mode = GroupMode::kM;
+  gemm2.num_groups = EL;
+  gemm2.group_offsets = expert_offsets();
+  gemm2.n = H;
+  gemm2.k = I;
+  gemm2.a = GemmOperand{a, I, true, 0};
+  gemm2.b = GemmOperand{w2, I, false, H * I};
+  gemm2.row_destinations = buffer<void*>(p.layout.row_dest);
+  return gemm(gemm2);
+}
+
+Status ExpertParallelLayer::Impl::expert_mlp_backward(const ep::Params& p, const BackwardArgs& args) const {
+  const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
+  const int EL = static_cast<int>(config.experts_per_rank());
+  cudaStream_t stream = placement.stream;
+  auto* rows_x = buffer<__nv_bfloat16>(p.layout.rows_x);
+  auto* rows_dout = buffer<__nv_bfloat16>(p.layout.rows_dout);
+  auto* rows_dy = buffer<__nv_bfloat16>(p.layout.rows_dy);
+  auto* a = buffer<__nv_bfloat16>(p.layout.a);
+  auto* dh = buffer<__nv_bfloat16>(p.layout.dh);
+  if (options.gemm_engine == GemmEngine::kHopper) {
+    const kernels::GemmEpilogue plain;
+    auto* da = buffer<__nv_bfloat16>(p.layout.da);
+    // da = d_out . W2 (W2 read N-major, no transposed copy), in bf16
+    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nn(rows_dout, forward_w2, da, expert_offsets(), EL, C,
+                                                     static_cast<int>(I), static_cast<int>(H), plain, stream,
+                                                     gemm_tuning()));
+    MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_backward(p, true, stream, max_blocks));
+    // dx rows = dh . W13, staged in rows_dout (no longer needed) and sent home
+    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nn(dh, forward_w13, rows_dout, expert_offsets(), EL, C,
+                                                     static_cast<int>(H), static_cast<int>(2 * I), plain, stream,
+                                                     gemm_tuning()));
+    MEGAMOE_RETURN_IF_ERROR(ep::launch_send_rows(p, rows_dout, stream, max_blocks));
+    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_tn(rows_dy, a, args.d_w2, expert_offsets(), EL, C,
+                                                     static_cast<int>(H), static_cast<int>(I),
+                                                     args.accumulate_weight_grads, stream, gemm_tuning()));
+    return kernels::grouped_gemm_tn(dh, rows_x, args.d_w13, expert_offsets(), EL, C, static_cast<int>(2 * I),
+                                    static_cast<int>(H), args.accumulate_weight_grads, stream, gemm_tuning());
+  }
+  GroupedGemmArgs dgrad2;  // da = d_out . W2 (W2 read N-major, no transposed copy)
+  dgrad2.mode = GroupMode::kM;
+  dgrad2.num_groups = EL;
+  dgrad2.group_offsets = expert_offsets();
+  dgrad2.n = I;
+  dgrad2.k = H;
+  dgrad2.a = GemmOperand{rows_dout, H, true, 0};
+  dgrad2.b = GemmOperand{forward_w2, I, true, H * I};
+  dgrad2.c = buffer<float>(p.layout.da);
+  dgrad2.ldc = I;
+  dgrad2.output = OutputType::kFP32;
+  MEGAMOE_RETURN_IF_ERROR(gemm(dgrad2));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_backward(p, false, stream, max_blocks));
+
+  GroupedGemmArgs dgrad1;  // dx rows = dh . W13, stored into the source's combine slot
+  dgrad1.mode = GroupMode::kM;
+  dgrad1.num_groups = EL;
+  dgrad1.group_offsets = expert_offsets();
+  dgrad1.n = H;
+  dgrad1.k = 2 * I;
+  dgrad1.a = GemmOperand{dh, 2 * I, true, 0};
+  dgrad1.b = GemmOperand{forward_w13, H, true, 2 * I * H};
+  dgrad1.row_destinations = buffer<void*>(p.layout.row_dest);
+  MEGAMOE_RETURN_IF_ERROR(gemm(dgrad1));
+
+  GroupedGemmArgs wgrad2;  // dW2[e] = dy^T a over expert e's rows
+  wgrad2.mode = GroupMode::kK;
+  wgrad2.num_groups = EL;
+  wgrad2.group_offsets = expert_offsets();
+  wgrad2.m = H;
+  wgrad2.n = I;
+  wgrad2.a = GemmOperand{rows_dy, H, false, 0};
+  wgrad2.b = GemmOperand{a, I, true, 0};
+  wgrad2.c = args.d_w2;
+  wgrad2.ldc = I;
+  wgrad2.c_group_stride = H * I;
+  wgrad2.output = OutputType::kFP32;
+  wgrad2.accumulate = args.accumulate_weight_grads;
+  MEGAMOE_RETURN_IF_ERROR(gemm(wgrad2));
+
+  GroupedGemmArgs wgrad13;  // dW13[e] = dh^T x over expert e's rows
+  wgrad13.mode = GroupMode::kK;
+  wgrad13.num_groups = EL;
+  wgrad13.group_offsets = expert_offsets();
+  wgrad13.m = 2 * I;
+  wgrad13.n = H;
+  wgrad13.a = GemmOperand{dh, 2 * I, false, 0};
+  wgrad13.b = GemmOperand{rows_x, H, true, 0};
+  wgrad13.c = args.d_w13;
+  wgrad13.ldc = H;
+  wgrad13.c_group_stride = 2 * I * H;
+  wgrad13.output = OutputType::kFP32;
+  wgrad13.accumulate = args.accumulate_weight_grads;
+  return gemm(wgrad13);
+}
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ExpertParallelLayer::~ExpertParallelLayer() = default;
@@ -121,6 +261,8 @@ Status preload_kernels() {
   MEGAMOE_RETURN_IF_ERROR(load_expand_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_swiglu_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_combine_kernels());
+  MEGAMOE_RETURN_IF_ERROR(load_send_rows_kernels());
+  MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_preload());
   return kernels::simple_grouped_gemm_preload();
 }
 
@@ -169,8 +311,6 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
   ep::Params p = m.params;
   p.num_tokens = args.num_tokens;
   const bool idx64 = args.topk_idx_type == IndexType::kInt64;
-  const int64_t H = c.hidden, I = c.intermediate;
-  const int EL = static_cast<int>(c.experts_per_rank());
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_layout(p, args.topk_idx, idx64, stream));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch(p, args.x, args.topk_idx, idx64, args.topk_weights, stream, m.max_blocks));
@@ -178,31 +318,7 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
   MEGAMOE_RETURN_IF_ERROR(ep::launch_expert_offsets(p, stream));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_expand_rows(p, stream, m.max_blocks));
 
-  GroupedGemmArgs gemm1;  // h = x . W13^T
-  gemm1.mode = GroupMode::kM;
-  gemm1.num_groups = EL;
-  gemm1.group_offsets = m.expert_offsets();
-  gemm1.n = 2 * I;
-  gemm1.k = H;
-  gemm1.a = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.rows_x), H, true, 0};
-  gemm1.b = GemmOperand{args.w13, H, false, 2 * I * H};
-  gemm1.c = m.buffer<__nv_bfloat16>(p.layout.h);
-  gemm1.ldc = 2 * I;
-  MEGAMOE_RETURN_IF_ERROR(m.gemm(gemm1));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_forward(p, stream, m.max_blocks));
-
-  GroupedGemmArgs gemm2;  // y = a . W2^T, each row stored straight into its source's combine slot
-  gemm2.mode = GroupMode::kM;
-  gemm2.num_groups = EL;
-  gemm2.group_offsets = m.expert_offsets();
-  gemm2.n = H;
-  gemm2.k = I;
-  gemm2.a = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.a), I, true, 0};
-  gemm2.b = GemmOperand{args.w2, I, false, H * I};
-  gemm2.c = m.buffer<__nv_bfloat16>(p.layout.rows_dout);  // unused: every row has a destination
-  gemm2.ldc = H;
-  gemm2.row_destinations = m.buffer<void*>(p.layout.row_dest);
-  MEGAMOE_RETURN_IF_ERROR(m.gemm(gemm2));
+  MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward(p, args.w13, args.w2));
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierCombined, stream));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_forward(p, args.topk_weights, args.out, stream, m.max_blocks));
@@ -215,7 +331,6 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
 
 Status ExpertParallelLayer::backward(const BackwardArgs& args) {
   Impl& m = *impl_;
-  const LayerConfig& c = m.config;
   if (!m.has_forward) return Status::invalid("backward called before any forward on this rank");
   if (args.d_w13 == nullptr || args.d_w2 == nullptr) return Status::invalid("backward: d_w13 and d_w2 are required");
   if (m.forward_tokens > 0 && (args.d_out == nullptr || args.d_x == nullptr || args.d_topk_weights == nullptr))
@@ -223,69 +338,12 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
   cudaStream_t stream = m.placement.stream;
   ep::Params p = m.params;
   p.num_tokens = m.forward_tokens;
-  const int64_t H = c.hidden, I = c.intermediate;
-  const int EL = static_cast<int>(c.experts_per_rank());
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch(p, args.d_out, nullptr, false, nullptr, stream, m.max_blocks));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradDispatched, stream));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_gather_grad_rows(p, stream, m.max_blocks));
 
-  GroupedGemmArgs dgrad2;  // da = d_out . W2 (W2 read N-major, no transposed copy)
-  dgrad2.mode = GroupMode::kM;
-  dgrad2.num_groups = EL;
-  dgrad2.group_offsets = m.expert_offsets();
-  dgrad2.n = I;
-  dgrad2.k = H;
-  dgrad2.a = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.rows_dout), H, true, 0};
-  dgrad2.b = GemmOperand{m.forward_w2, I, true, H * I};
-  dgrad2.c = m.buffer<float>(p.layout.da);
-  dgrad2.ldc = I;
-  dgrad2.output = OutputType::kFP32;
-  MEGAMOE_RETURN_IF_ERROR(m.gemm(dgrad2));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_backward(p, stream, m.max_blocks));
-
-  GroupedGemmArgs dgrad1;  // dx rows = dh . W13, stored into the source's combine slot
-  dgrad1.mode = GroupMode::kM;
-  dgrad1.num_groups = EL;
-  dgrad1.group_offsets = m.expert_offsets();
-  dgrad1.n = H;
-  dgrad1.k = 2 * I;
-  dgrad1.a = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.dh), 2 * I, true, 0};
-  dgrad1.b = GemmOperand{m.forward_w13, H, true, 2 * I * H};
-  dgrad1.c = m.buffer<__nv_bfloat16>(p.layout.rows_dout);  // unused: every row has a destination
-  dgrad1.ldc = H;
-  dgrad1.row_destinations = m.buffer<void*>(p.layout.row_dest);
-  MEGAMOE_RETURN_IF_ERROR(m.gemm(dgrad1));
-
-  GroupedGemmArgs wgrad2;  // dW2[e] = dy^T a over expert e's rows
-  wgrad2.mode = GroupMode::kK;
-  wgrad2.num_groups = EL;
-  wgrad2.group_offsets = m.expert_offsets();
-  wgrad2.m = H;
-  wgrad2.n = I;
-  wgrad2.a = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.rows_dy), H, false, 0};
-  wgrad2.b = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.a), I, true, 0};
-  wgrad2.c = args.d_w2;
-  wgrad2.ldc = I;
-  wgrad2.c_group_stride = H * I;
-  wgrad2.output = OutputType::kFP32;
-  wgrad2.accumulate = args.accumulate_weight_grads;
-  MEGAMOE_RETURN_IF_ERROR(m.gemm(wgrad2));
-
-  GroupedGemmArgs wgrad13;  // dW13[e] = dh^T x over expert e's rows
-  wgrad13.mode = GroupMode::kK;
-  wgrad13.num_groups = EL;
-  wgrad13.group_offsets = m.expert_offsets();
-  wgrad13.m = 2 * I;
-  wgrad13.n = H;
-  wgrad13.a = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.dh), 2 * I, false, 0};
-  wgrad13.b = GemmOperand{m.buffer<__nv_bfloat16>(p.layout.rows_x), H, true, 0};
-  wgrad13.c = args.d_w13;
-  wgrad13.ldc = H;
-  wgrad13.c_group_stride = 2 * I * H;
-  wgrad13.output = OutputType::kFP32;
-  wgrad13.accumulate = args.accumulate_weight_grads;
-  MEGAMOE_RETURN_IF_ERROR(m.gemm(wgrad13));
+  MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_backward(p, args));
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradCombined, stream));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_backward(p, args.d_x, args.d_topk_weights, stream, m.max_blocks));

@@ -18,6 +18,7 @@ Status load_dispatch_kernels();
 Status load_expand_kernels();
 Status load_swiglu_kernels();
 Status load_combine_kernels();
+Status load_send_rows_kernels();
 
 // Cross-rank barrier `id` with timeout (comm/device_barrier.cu).
 Status launch_barrier(const Params& p, BarrierId id, cudaStream_t stream);
@@ -41,8 +42,10 @@ Status launch_gather_grad_rows(const Params& p, cudaStream_t stream, int max_blo
 
 // a = silu(h[:, :I]) * h[:, I:] over the received rows (ep_swiglu.cu).
 Status launch_swiglu_forward(const Params& p, cudaStream_t stream, int max_blocks);
-// From da_unweighted (fp32): d_topk_weights = <da_unweighted, a> sent home, dh = SwiGLU'(w * da).
-Status launch_swiglu_backward(const Params& p, cudaStream_t stream, int max_blocks);
+// From da_unweighted (fp32 or bf16): d_topk_weights = <da_unweighted, a> sent home, dh = SwiGLU'(w * da).
+Status launch_swiglu_backward(const Params& p, bool da_is_bf16, cudaStream_t stream, int max_blocks);
+// Copies expert-major rows [C, H] (bf16) to their combine slots on the source ranks (row_dest).
+Status launch_send_rows(const Params& p, const __nv_bfloat16* rows, cudaStream_t stream, int max_blocks);
 
 // Source: out[t] = sum_j w_j * y_j in slot order (ep_combine.cu); NaN rows if an error was recorded.
 Status launch_combine_forward(const Params& p, const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream,

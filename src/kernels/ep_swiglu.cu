@@ -35,6 +35,7 @@ __global__ void swiglu_forward_kernel(Params p) {
 
 // da holds d_out . W2 for each row, before the routing weight: d_topk_weights = <da, a> (DESIGN.md
 // section 2, contracted on the I side so y is never kept), then dh = SwiGLU'(w * da).
+template <typename DaT>
 __global__ void swiglu_backward_kernel(Params p) {
   const Shape& s = p.shape;
   const int K = s.top_k;
@@ -42,7 +43,7 @@ __global__ void swiglu_backward_kernel(Params p) {
   const int64_t I = s.intermediate;
   const __nv_bfloat16* h = at<__nv_bfloat16>(p.local, p.layout.h);
   const __nv_bfloat16* a = at<__nv_bfloat16>(p.local, p.layout.a);
-  const float* da = at<float>(p.local, p.layout.da);
+  const DaT* da = at<DaT>(p.local, p.layout.da);
   __nv_bfloat16* dh = at<__nv_bfloat16>(p.local, p.layout.dh);
   const RowOrigin* origin = at<RowOrigin>(p.local, p.layout.row_origin);
   const float* row_weight = at<float>(p.local, p.layout.row_weight);
@@ -57,9 +58,17 @@ __global__ void swiglu_backward_kernel(Params p) {
       g.load(h + row * 2 * I + i);
       u.load(h + row * 2 * I + I + i);
       av.load(a + row * I + i);
-      const float4 d0 = *reinterpret_cast<const float4*>(da + row * I + i);
-      const float4 d1 = *reinterpret_cast<const float4*>(da + row * I + i + 4);
-      const float d[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
+      float d[8];
+      if constexpr (sizeof(DaT) == 4) {
+        const float4 d0 = *reinterpret_cast<const float4*>(da + row * I + i);
+        const float4 d1 = *reinterpret_cast<const float4*>(da + row * I + i + 4);
+        d[0] = d0.x, d[1] = d0.y, d[2] = d0.z, d[3] = d0.w, d[4] = d1.x, d[5] = d1.y, d[6] = d1.z, d[7] = d1.w;
+      } else {
+        Bf16x8 packed;
+        packed.load(reinterpret_cast<const __nv_bfloat16*>(da) + row * I + i);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) d[k] = packed.v[k];
+      }
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         dot += d[k] * av.v[k];
@@ -93,8 +102,12 @@ Status launch_swiglu_forward(const Params& p, cudaStream_t stream, int max_block
   return Status::ok();
 }
 
-Status launch_swiglu_backward(const Params& p, cudaStream_t stream, int max_blocks) {
-  swiglu_backward_kernel<<<grid_for(p.shape.row_capacity, max_blocks), kWarpsPerBlock * 32, 0, stream>>>(p);
+Status launch_swiglu_backward(const Params& p, bool da_is_bf16, cudaStream_t stream, int max_blocks) {
+  const int grid = grid_for(p.shape.row_capacity, max_blocks);
+  if (da_is_bf16)
+    swiglu_backward_kernel<__nv_bfloat16><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
+  else
+    swiglu_backward_kernel<float><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
   MEGAMOE_CHECK_LAUNCH(stream, "swiglu_backward_kernel");
   return Status::ok();
 }
@@ -102,7 +115,8 @@ Status launch_swiglu_backward(const Params& p, cudaStream_t stream, int max_bloc
 Status load_swiglu_kernels() {
   cudaFuncAttributes attributes{};
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, swiglu_forward_kernel));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, swiglu_backward_kernel));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, swiglu_backward_kernel<float>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, swiglu_backward_kernel<__nv_bfloat16>));
   return Status::ok();
 }
 

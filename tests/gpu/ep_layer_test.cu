@@ -42,6 +42,7 @@ struct Scenario {
   std::vector<int64_t> tokens;  // per rank
   Routing routing;
   int pool = 16;  // distinct experts used (the rest stay empty)
+  GemmEngine engine = GemmEngine::kHopper;
 };
 
 std::string scenario_name(const ::testing::TestParamInfo<Scenario>& info) { return info.param.name; }
@@ -317,7 +318,9 @@ TEST_P(EpLayerTest, MatchesReferenceAndIsDeterministic) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   const Problem p = make_problem(sc, seed);
   std::unique_ptr<VirtualRankGroup> group;
-  const Status created = VirtualRankGroup::create(p.config, LayerOptions{}, &group);
+  LayerOptions options;
+  options.gemm_engine = sc.engine;
+  const Status created = VirtualRankGroup::create(p.config, options, &group);
   ASSERT_TRUE(created.is_ok()) << created.to_string();
   std::vector<RankTensors> tensors = upload(p);
   Outputs first, second;
@@ -378,7 +381,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Scenario{"Qwen30B_R8_MaskedT0", qwen(), 8, {0, 3, 5, 1, 4, 6, 2, 3}, Routing::kMaskedAndRagged},
                       Scenario{"Qwen30B_R4_AllToOneExpert", qwen(), 4, {21, 17, 0, 30}, Routing::kAllToOneExpert},
                       Scenario{"DeepSeekV3_R8", deepseek(), 8, {1, 0, 2, 1, 0, 1, 1, 0}, Routing::kRandom, 12},
-                      Scenario{"DeepSeekV3_R2_Masked", deepseek(), 2, {3, 2}, Routing::kMaskedAndRagged, 10}),
+                      Scenario{"DeepSeekV3_R2_Masked", deepseek(), 2, {3, 2}, Routing::kMaskedAndRagged, 10},
+                      // The simple WMMA engine, the layer's independent correctness twin.
+                      Scenario{"Qwen30B_R1_SimpleGemm", qwen(), 1, {29}, Routing::kRandom, 16, GemmEngine::kSimple},
+                      Scenario{"Qwen30B_R4_MaskedT0_SimpleGemm", qwen(), 4, {0, 9, 6, 11}, Routing::kMaskedAndRagged,
+                               16, GemmEngine::kSimple}),
     scenario_name);
 
 // ---- failures: each gives its error, names the cause, and never hangs ----
