@@ -1,5 +1,5 @@
 // Grouped-GEMM engine vs cuBLAS (and torch._grouped_mm, read from a CSV that
-// benchmarks/bench_grouped_mm_torch.py writes in the same device session), side by side.
+// benchmarks/bench_gemm_torch.py writes in the same device session), side by side.
 //
 //   bench_gemm [torch_results.csv]
 //
@@ -188,7 +188,11 @@ void print_rows(const std::vector<Row>& rows) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const auto torch = read_torch_csv(argc > 1 ? argv[1] : nullptr);
+  // --baseline PATH: the CSV of benchmarks/bench_gemm_torch.py from the same device session.
+  const char* baseline = nullptr;
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string(argv[i]) == "--baseline") baseline = argv[i + 1];
+  const auto torch = read_torch_csv(baseline);
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);

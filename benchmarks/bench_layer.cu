@@ -1,11 +1,12 @@
 // Times the expert-parallel layer (R = 1, T = 16384, 16 local experts, top-8; DESIGN.md section 7):
 // forward and forward+backward, median of many runs with CUDA events, two input sets alternating.
-// The PyTorch baseline of the same configs runs in benchmarks/bench_layer_torch.py in the same
-// gpu-check call and reads this program's JSON to print the ratio.
-//   bench_layer [--json PATH] [--iters N]
+// The PyTorch baseline of the same configs (benchmarks/bench_layer_torch.py) runs just before in the same
+// gpu-check call; its CSV, given with --baseline, is printed next to ours with the ratios.
+//   bench_layer [--out PATH.json] [--baseline PATH.csv] [--iters N]
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -174,9 +175,11 @@ Result run(int64_t H, int64_t I, int iters) {
 
 int main(int argc, char** argv) {
   const char* json_path = nullptr;
+  const char* baseline_path = nullptr;
   int iters = 20;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
+    if (!std::strcmp(argv[i], "--out") && i + 1 < argc) json_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--baseline") && i + 1 < argc) baseline_path = argv[++i];
     else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
   }
   int count = 0;
@@ -191,10 +194,27 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     results.push_back(run(H, I, iters));
   }
-  std::printf("| layer (megamoe modular, bf16) | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |\n");
-  for (const Result& r : results)
-    std::printf("| H=%lld I=%lld | %.3f | %.1f | %.3f | %.1f |\n", static_cast<long long>(r.hidden),
-                static_cast<long long>(r.intermediate), r.forward_ms, r.forward_tflops, r.total_ms, r.total_tflops);
+  // Baseline rows "hidden,intermediate,forward_ms,total_ms" from bench_layer_torch.py.
+  std::vector<std::array<double, 4>> baseline;
+  if (baseline_path != nullptr) {
+    if (FILE* f = std::fopen(baseline_path, "r")) {
+      std::array<double, 4> row{};
+      while (std::fscanf(f, "%lf,%lf,%lf,%lf", &row[0], &row[1], &row[2], &row[3]) == 4) baseline.push_back(row);
+      std::fclose(f);
+    }
+  }
+  std::printf("| layer H, I (bf16) | megamoe fwd ms | TFLOP/s | torch fwd ms | fwd speedup | megamoe fwd+bwd ms | "
+              "TFLOP/s | torch fwd+bwd ms | fwd+bwd speedup |\n");
+  for (const Result& r : results) {
+    double torch_fwd = 0, torch_total = 0;
+    for (const auto& b : baseline)
+      if (static_cast<int64_t>(b[0]) == r.hidden && static_cast<int64_t>(b[1]) == r.intermediate)
+        torch_fwd = b[2], torch_total = b[3];
+    std::printf("| %lld, %lld | %.3f | %.1f | %.3f | %.2fx | %.3f | %.1f | %.3f | %.2fx |\n",
+                static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate), r.forward_ms,
+                r.forward_tflops, torch_fwd, torch_fwd > 0 ? torch_fwd / r.forward_ms : 0.0, r.total_ms,
+                r.total_tflops, torch_total, torch_total > 0 ? torch_total / r.total_ms : 0.0);
+  }
   if (json_path != nullptr) {
     FILE* f = std::fopen(json_path, "w");
     if (f == nullptr) return 1;

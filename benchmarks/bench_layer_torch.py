@@ -1,12 +1,10 @@
 """PyTorch baseline of the MoE layer (DESIGN.md section 7): permute, torch._grouped_mm x2, SwiGLU, weighted
 index_add_, autograd backward; bf16, R = 1, T = 16384, 16 experts, top-8. Run by scripts/gpu-check.sh right
-after bench_layer (same machine, same call); reads its JSON to print megamoe / PyTorch ratios.
+before bench_layer (same machine, same call), which reads the CSV written to --out and prints the ratios.
 
-    python3 benchmarks/bench_layer_torch.py [--json PATH] [--iters N]
+    python3 benchmarks/bench_layer_torch.py [--out PATH] [--iters N]
 """
 import argparse
-import json
-import os
 import statistics
 
 import torch
@@ -79,7 +77,7 @@ def run(H, I, iters):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--json")
+    parser.add_argument("--out", help="CSV: hidden,intermediate,forward_ms,total_ms")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -89,20 +87,14 @@ def main():
     for H, I in [(2048, 768), (4096, 1536)]:
         print(f"bench_layer_torch: H={H} I={I} E=16 K=8 T=16384 ...", flush=True)
         results.append(run(H, I, args.iters))
-    ours = {}
-    if args.json:
-        ours_path = os.path.join(os.path.dirname(args.json), "bench_layer.json")
-        if os.path.exists(ours_path):
-            ours = {(r["hidden"], r["intermediate"]): r for r in json.load(open(ours_path))}
-        json.dump(results, open(args.json, "w"), indent=1)
-    print("| layer H,I | torch fwd ms | torch fwd TFLOP/s | torch fwd+bwd ms | torch fwd+bwd TFLOP/s "
-          "| megamoe/torch fwd speed | megamoe/torch fwd+bwd speed |")
+    if args.out:
+        with open(args.out, "w") as f:
+            for r in results:
+                f.write(f"{r['hidden']},{r['intermediate']},{r['forward_ms']:.4f},{r['total_ms']:.4f}\n")
+    print("| PyTorch layer H,I | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |")
     for r in results:
-        m = ours.get((r["hidden"], r["intermediate"]))
-        ratio_f = f"{r['forward_ms'] / m['forward_ms']:.2f}x" if m else "-"
-        ratio_t = f"{r['total_ms'] / m['total_ms']:.2f}x" if m else "-"
         print(f"| {r['hidden']},{r['intermediate']} | {r['forward_ms']:.3f} | {r['forward_tflops']:.1f} | "
-              f"{r['total_ms']:.3f} | {r['total_tflops']:.1f} | {ratio_f} | {ratio_t} |")
+              f"{r['total_ms']:.3f} | {r['total_tflops']:.1f} |")
 
 
 if __name__ == "__main__":

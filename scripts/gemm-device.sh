@@ -58,7 +58,7 @@ grep -E "^\[  PASSED|^\[  FAILED|tests ran" "$out/test.log"
 note "tests rc=$trc"
 if [ $bench = 1 ]; then
   note "torch baseline"
-  PYTHONUNBUFFERED=1 timeout 150 python3 benchmarks/bench_grouped_mm_torch.py "$out/torch.csv" >"$out/torch.log" 2>&1 || tail -5 "$out/torch.log"
+  PYTHONUNBUFFERED=1 timeout 150 python3 benchmarks/bench_gemm_torch.py "$out/torch.csv" >"$out/torch.log" 2>&1 || tail -5 "$out/torch.log"
   grep "^#" "$out/torch.csv" 2>/dev/null
   note "engine vs cuBLAS vs torch"
   timeout 150 "$benchbin" "$out/torch.csv" >"$out/bench.log" 2>&1

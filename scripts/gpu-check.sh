@@ -53,17 +53,22 @@ run_suite cpu_tests "$build_dir/megamoe_cpu_tests"
 
 if [ $skip_bench -eq 0 ]; then
   : >"$out/bench.log"
-  for bench in "$build_dir"/bench_*; do
-    [ -x "$bench" ] || continue
-    note "benchmark: $(basename "$bench")"
-    { echo "=== $(basename "$bench")"; "$bench" --json "$out/$(basename "$bench").json"; } >>"$out/bench.log" 2>&1 ||
-      { status=1; echo "benchmark $(basename "$bench") failed"; }
-  done
+  # PyTorch baselines first (benchmarks/bench_X_torch.py), then each of our benchmarks build-gpu/bench_X,
+  # which reads its baseline's output (--baseline) and prints both side by side: one call, one machine.
   for script in benchmarks/bench_*.py; do
     [ -f "$script" ] || continue
-    note "benchmark: $script"
-    { echo "=== $script"; PYTHONUNBUFFERED=1 python3 "$script" --json "$out/$(basename "$script" .py).json"; } \
-      >>"$out/bench.log" 2>&1 || { status=1; echo "benchmark $script failed"; }
+    name=$(basename "$script" .py)
+    note "baseline: $script"
+    { echo "=== $script"; PYTHONUNBUFFERED=1 python3 "$script" --out "$out/$name.csv"; } >>"$out/bench.log" 2>&1 ||
+      { status=1; echo "baseline $script failed"; }
+  done
+  for bench in "$build_dir"/bench_*; do
+    [ -x "$bench" ] || continue
+    name=$(basename "$bench")
+    baseline="$out/${name}_torch.csv"  # absent: the benchmark prints its own figures only
+    note "benchmark: $name"
+    { echo "=== $name"; "$bench" --out "$out/$name.json" --baseline "$baseline"; } >>"$out/bench.log" 2>&1 ||
+      { status=1; echo "benchmark $name failed"; }
   done
   cp "$out/bench.log" "$out/bench_tables.txt"
 fi
@@ -92,7 +97,7 @@ print(f"{'suite':<12} {'passed':>7} {'failed':>7} {'skipped':>8}")
 for r in rows: print(f"{r[0]:<12} {r[1]:>7} {r[2]:>7} {r[3]:>8} {r[4]}")
 PY
 if [ $skip_bench -eq 0 ] && [ -s "$out/bench.log" ]; then
-  echo; echo "benchmark tables ($out/bench.log):"; grep -E '^(\||===|[A-Za-z].*(TFLOP|GB/s|ms))' "$out/bench.log" | tail -60
+  echo; echo "benchmark tables ($out/bench.log):"; grep -E '^(\||===|case|fwd|dgrad|wgrad|dense)' "$out/bench.log" | tail -70
 fi
 note "done, status $status"
 exit $status

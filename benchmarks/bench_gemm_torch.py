@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """torch._grouped_mm baseline for benchmarks/bench_gemm (same shapes, same device session).
 
-Writes CSV lines "form,N,K,groups,median_ms" to the path given (default stdout); bench_gemm reads them
+Writes CSV lines "form,N,K,groups,median_ms" to --out PATH (default stdout); bench_gemm --baseline PATH reads them
 and prints them next to the engine and cuBLAS. Timing: CUDA events around each call, 5 warm-ups,
 median of 30. Inputs are random bf16 (never zeros).
 """
@@ -49,7 +49,8 @@ def offs_of(sizes):
 
 
 def main():
-    out = open(sys.argv[1], "w") if len(sys.argv) > 1 else sys.stdout
+    args = sys.argv[1:]
+    out = open(args[args.index("--out") + 1], "w") if "--out" in args else sys.stdout
     dev = "cuda"
     print(f"# torch {torch.__version__} on {torch.cuda.get_device_name()}", file=out)
     offs = {"balanced": offs_of([ROWS] * E), "skewed": offs_of(skewed_sizes(E, ROWS))}
