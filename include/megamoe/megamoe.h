@@ -6,7 +6,7 @@
  *
  * Errors: every call returns an int32 status (MEGAMOE_OK or one of the codes below, the same numbers as
  * megamoe::StatusCode); on failure megamoe_last_error() holds the message for the calling thread until
- * its next megamoe call.
+ * its next megamoe call (at most MEGAMOE_LAST_ERROR_CAPACITY - 1 bytes; longer messages are truncated).
  *
  * Streams: a virtual-rank group runs each rank on a stream of its own (the ranks must run at the same
  * time: they meet at device barriers). The forward/backward calls take the caller's stream (torch's
@@ -34,6 +34,8 @@ extern "C" {
 #define MEGAMOE_CUDA_ERROR 4
 #define MEGAMOE_NOT_SUPPORTED 5
 #define MEGAMOE_INTERNAL 6
+
+#define MEGAMOE_LAST_ERROR_CAPACITY 1024
 
 #define MEGAMOE_PRECISION_BF16 0
 #define MEGAMOE_PRECISION_FP8_BLOCKWISE 1
@@ -99,7 +101,10 @@ int32_t megamoe_workspace_bytes(const megamoe_config* config, const megamoe_opti
  * *group is NULL on failure. */
 int32_t megamoe_vgroup_create(const megamoe_config* config, const megamoe_options* options,
                               megamoe_vgroup** group);
-void megamoe_vgroup_destroy(megamoe_vgroup* group); /* NULL is fine */
+/* Once per handle; NULL is fine. Waits for the group's work first. Calls on a destroyed handle are
+ * undefined; the library tags live handles and reports (or, for destroy, ignores) a dead one where it
+ * still can, as a diagnostic only. */
+void megamoe_vgroup_destroy(megamoe_vgroup* group);
 int32_t megamoe_vgroup_num_ranks(const megamoe_vgroup* group, int32_t* num_ranks);
 /* Rows each rank can receive per call (the options' capacity after defaults). */
 int32_t megamoe_vgroup_expert_row_capacity(const megamoe_vgroup* group, int64_t* rows);

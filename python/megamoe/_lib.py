@@ -130,7 +130,13 @@ def lib() -> ctypes.CDLL:
                 "libmegamoe.so not found (looked at: " + ", ".join(str(p) for p in candidates) + "); install the "
                 "package with `pip install --no-build-isolation --no-deps .` or set MEGAMOE_LIBRARY"
             )
-        handle = ctypes.CDLL(str(path))
+        # RTLD_LOCAL: libmegamoe's symbols (it exports C++ ones too) must never interpose on later libraries.
+        handle = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL)
+        missing = [name for name in _SIGNATURES if not hasattr(handle, name)]
+        if missing:
+            raise ImportError(f"{path} lacks {', '.join(missing)}: a library of another version; reinstall")
+        # Every entry point gets its exact C signature before the first call: an unset restype would be
+        # read as a C int and an unset argtype would let ctypes guess (truncating pointers to 32 bits).
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(handle, name)
             fn.restype = restype
@@ -166,41 +172,79 @@ def default_options() -> Options:
 
 
 class VirtualRankGroup:
-    """Owns a megamoe_vgroup: R virtual ranks on the current CUDA device, with their symmetric workspace."""
+    """Owns a megamoe_vgroup: R virtual ranks on the current CUDA device, with their symmetric workspace.
+
+    The handle is destroyed exactly once: by close() (ops.release, the owning module's finalizer) or, failing
+    that, when the object is garbage collected. After close() every method raises instead of handing the
+    library a dangling or NULL handle.
+    """
 
     def __init__(self, config: Config, options: Options | None = None):
+        self._handle = None
+        self._close_lock = threading.Lock()
+        library = lib()
         handle = ctypes.c_void_p()
-        check(lib().megamoe_vgroup_create(ctypes.byref(config), ctypes.byref(options) if options else None,
-                                          ctypes.byref(handle)))
-        self._handle = handle
+        check(library.megamoe_vgroup_create(ctypes.byref(config), ctypes.byref(options) if options is not None
+                                            else None, ctypes.byref(handle)))
+        if not handle.value:
+            raise MegaMoEError(INTERNAL, "internal error", "megamoe_vgroup_create returned OK but no group")
+        # The library object is kept with the handle, so that destroying never depends on module globals
+        # (at interpreter shutdown they may already be gone).
+        self._lib = library
+        self._handle = handle.value  # a plain int: no ctypes object shared with callers
         self.config = config
 
-    def close(self) -> None:
-        handle, self._handle = getattr(self, "_handle", None), None
-        if handle and _lib is not None:
-            _lib.megamoe_vgroup_destroy(handle)
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
 
-    __del__ = close
+    def close(self) -> None:
+        """Destroys the library group (waits for its work first). Idempotent and thread-safe."""
+        lock = getattr(self, "_close_lock", None)
+        if lock is None:  # __init__ failed before anything was created
+            return
+        with lock:
+            handle, self._handle = self._handle, None
+        if handle:
+            self._lib.megamoe_vgroup_destroy(handle)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - a finalizer must not raise (interpreter shutdown, ...)
+            pass
+
+    def _live(self) -> int:
+        handle = self._handle
+        if handle is None:
+            raise MegaMoEError(INVALID_ARGUMENT, "invalid argument", "this VirtualRankGroup was closed")
+        return handle
 
     @property
     def num_ranks(self) -> int:
         n = ctypes.c_int32()
-        check(lib().megamoe_vgroup_num_ranks(self._handle, ctypes.byref(n)))
+        check(self._lib.megamoe_vgroup_num_ranks(self._live(), ctypes.byref(n)))
         return n.value
 
     @property
     def expert_row_capacity(self) -> int:
         rows = ctypes.c_int64()
-        check(lib().megamoe_vgroup_expert_row_capacity(self._handle, ctypes.byref(rows)))
+        check(self._lib.megamoe_vgroup_expert_row_capacity(self._live(), ctypes.byref(rows)))
         return rows.value
 
+    def _check_ranks(self, args) -> None:
+        if len(args) != self.config.num_ranks:
+            raise ValueError(f"megamoe: {len(args)} rank arguments for a group of {self.config.num_ranks} ranks")
+
     def forward(self, args: list[ForwardArgs], stream: int) -> None:
+        self._check_ranks(args)
         array = (ForwardArgs * len(args))(*args)
-        check(lib().megamoe_vgroup_forward(self._handle, array, ctypes.c_void_p(stream)))
+        check(self._lib.megamoe_vgroup_forward(self._live(), array, stream or None))
 
     def backward(self, args: list[BackwardArgs], stream: int) -> None:
+        self._check_ranks(args)
         array = (BackwardArgs * len(args))(*args)
-        check(lib().megamoe_vgroup_backward(self._handle, array, ctypes.c_void_p(stream)))
+        check(self._lib.megamoe_vgroup_backward(self._live(), array, stream or None))
 
     def synchronize_and_check(self) -> None:
-        check(lib().megamoe_vgroup_synchronize_and_check(self._handle))
+        check(self._lib.megamoe_vgroup_synchronize_and_check(self._live()))

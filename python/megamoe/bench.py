@@ -3,8 +3,9 @@ torch._grouped_mm, SwiGLU, index_add combine), measured in the same run on the s
 
 Per config: forward, backward (fwd+bwd minus fwd), total; TFLOP/s with DESIGN.md's convention (forward
 6*H*I per routed pair, backward 12*H*I); speed-up = PyTorch time / megamoe time. CUDA events around each
-region, warm-up first, median of --iters runs. A progress line per config goes to stderr, the table (or
-with --json the JSON) to stdout.
+region, warm-up first, median of --iters runs. A progress line per config goes to stderr, the table to
+stdout. --json prints the JSON to stdout instead of the table; --json PATH writes it to PATH and still prints
+the table.
 """
 
 from __future__ import annotations
@@ -155,7 +156,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                        help="JSON results: to PATH (the table still goes to stdout), or to stdout instead of the "
+                             "table when PATH is omitted or '-'")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -163,9 +166,15 @@ def main(argv=None):
     for name in args.config or list(CONFIGS):
         rows.append(run_config(name, CONFIGS[name], args))
         _progress(rows[-1])
-    if args.json:
-        print(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), indent=2))
+    report = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, iters=args.iters,
+                             rows=rows), indent=2)
+    if args.json == "-":
+        print(report)
     else:
+        if args.json is not None:
+            with open(args.json, "w") as f:
+                f.write(report + "\n")
+            print(f"[bench] JSON written to {args.json}", file=sys.stderr, flush=True)
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, median of {args.iters} runs")
         print(_table(rows))
     return 0 if all("megamoe" in r for r in rows) else 1

@@ -31,7 +31,7 @@ from torch import Tensor
 from . import _lib
 from .reference import check_ids
 
-__all__ = ["LayerConfig", "moe", "moe_ranks", "new_key", "release", "set_debug_checks", "debug_checks",
+__all__ = ["LayerConfig", "moe", "moe_ranks", "new_key", "release", "release_all", "set_debug_checks", "debug_checks",
            "synchronize_and_check", "MegaMoEError"]
 
 MegaMoEError = _lib.MegaMoEError
@@ -105,12 +105,21 @@ def new_key() -> int:
 
 
 def release(key: int) -> None:
-    """Frees the GPU state of key (it is re-created if the key is used again)."""
+    """Frees the GPU state of key (it is re-created if the key is used again). Waits for the key's work; a
+    CUDA graph that captured this key's calls must not be replayed afterwards."""
     with _states_lock:
         state = _states.pop(key, None)
     if state is not None:
         for group in state.groups.values():
             group.close()
+
+
+def release_all() -> None:
+    """Frees the GPU state of every key (tests, and before tearing CUDA down)."""
+    with _states_lock:
+        keys = list(_states)
+    for key in keys:
+        release(key)
 
 
 def _state(key: int, config: LayerConfig) -> _State:

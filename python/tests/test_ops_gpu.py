@@ -1,6 +1,8 @@
 """The GPU layer through the torch ops, against the fp32 reference (DESIGN.md section 8): forward and every
 gradient for 1, 2 and 4 virtual ranks and adversarial routing, torch.compile, CUDA graphs, input errors."""
 
+import gc
+
 import pytest
 import torch
 
@@ -22,6 +24,17 @@ def _gpu_layer_available():
 
 _available, _why = _gpu_layer_available()
 pytestmark = pytest.mark.skipif(not _available, reason=_why)
+
+@pytest.fixture(autouse=True)
+def _settle_after_each_test():
+    """Pins failures on the test that caused them: an asynchronous CUDA error surfaces here (not in a later
+    test's call), and the finalizers of this test's modules (ops.release -> megamoe_vgroup_destroy) run now,
+    not at a random later garbage collection."""
+    yield
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.synchronize()
+
 
 H, I, E, K = 256, 256, 16, 4
 MAX_TOKENS = 384

@@ -2,6 +2,7 @@
 // exception crossing a C boundary into ctypes would abort the Python process.
 #include "megamoe/megamoe.h"
 
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -34,15 +35,31 @@ static_assert(MEGAMOE_INTERNAL == static_cast<int>(StatusCode::kInternal));
 static_assert(MEGAMOE_PRECISION_BF16 == static_cast<int>(megamoe::Precision::kBF16));
 static_assert(MEGAMOE_PRECISION_FP8_BLOCKWISE == static_cast<int>(megamoe::Precision::kFP8Blockwise));
 
-thread_local std::string g_last_error;
+// The calling thread's latest message. A fixed buffer, not a thread_local std::string: it needs no
+// constructor, no TLS destructor registered in a dlopen()ed library (__cxa_thread_atexit), and no heap
+// allocation on the error path, and megamoe_last_error()'s pointer never dangles. Longer messages are
+// truncated (MEGAMOE_LAST_ERROR_CAPACITY - 1 bytes kept).
+thread_local char g_last_error[MEGAMOE_LAST_ERROR_CAPACITY];
+
+void set_last_error(const char* message, size_t length) {
+  if (length >= sizeof(g_last_error)) length = sizeof(g_last_error) - 1;
+  std::memcpy(g_last_error, message, length);
+  g_last_error[length] = '\0';
+}
 
 int32_t report(const Status& status) {
   if (status.is_ok()) {
-    g_last_error.clear();
+    g_last_error[0] = '\0';
   } else {
-    g_last_error = status.message();
+    set_last_error(status.message().data(), status.message().size());
   }
   return static_cast<int32_t>(status.code());
+}
+
+// Without touching the heap: for the out-of-memory path and the catch-all.
+int32_t report_static(StatusCode code, const char* message) {
+  set_last_error(message, std::strlen(message));
+  return static_cast<int32_t>(code);
 }
 
 // Runs body (returning Status) with every exception turned into kInternal.
@@ -51,11 +68,15 @@ int32_t guarded(Body&& body) {
   try {
     return report(std::forward<Body>(body)());
   } catch (const std::bad_alloc&) {
-    return report(Status(StatusCode::kInternal, "out of host memory"));
+    return report_static(StatusCode::kInternal, "out of host memory");
   } catch (const std::exception& e) {
-    return report(Status(StatusCode::kInternal, std::string("unexpected exception: ") + e.what()));
+    try {
+      return report(Status(StatusCode::kInternal, std::string("unexpected exception: ") + e.what()));
+    } catch (...) {
+      return report_static(StatusCode::kInternal, "unexpected exception");
+    }
   } catch (...) {
-    return report(Status(StatusCode::kInternal, "unexpected exception"));
+    return report_static(StatusCode::kInternal, "unexpected exception");
   }
 }
 
@@ -126,14 +147,22 @@ Status not_built_with_cuda(const char* function) {
 
 }  // namespace
 
+// Every handle starts with a tag: a call on a pointer that is not a live group (never created, already
+// destroyed, or corrupted) is reported as an invalid argument instead of running on freed memory. This is
+// best effort (a freed block may be reused), meant to turn a binding's lifetime bug into a message.
+constexpr uint64_t kLiveGroupTag = 0x70756f7267656f6dULL;  // "moegroup" in memory (little endian)
+constexpr uint64_t kDeadGroupTag = 0x646165642d2d2d2dULL;  // "----dead"
+
 #if MEGAMOE_WITH_CUDA
 struct megamoe_vgroup {
+  uint64_t tag = kLiveGroupTag;
   int device = 0;
   std::unique_ptr<megamoe::VirtualRankGroup> group;
   cudaEvent_t caller_ready = nullptr;      // recorded on the caller's stream, waited on by every rank
   std::vector<cudaEvent_t> rank_done;      // one per rank, waited on by the caller's stream
 
   ~megamoe_vgroup() {
+    tag = kDeadGroupTag;
     DeviceScope scope;
     (void)scope.enter(device);
     if (group) (void)group->synchronize_and_check();
@@ -178,8 +207,27 @@ struct megamoe_vgroup {
   }
 };
 #else
-struct megamoe_vgroup {};
+struct megamoe_vgroup {
+  uint64_t tag = kLiveGroupTag;
+  ~megamoe_vgroup() { tag = kDeadGroupTag; }
+};
 #endif
+
+namespace {
+
+// group must not be NULL and must be a live handle from megamoe_vgroup_create.
+Status check_group(const megamoe_vgroup* group, const char* function) {
+  if (group == nullptr) return null_argument(function, "group");
+  if (group->tag != kLiveGroupTag)
+    return Status::invalid(std::string(function) + ": group is not a live megamoe_vgroup (destroyed already, or not "
+                                                   "from megamoe_vgroup_create)");
+#if MEGAMOE_WITH_CUDA
+  if (!group->group) return Status(StatusCode::kInternal, std::string(function) + ": group has no layer");
+#endif
+  return Status::ok();
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -187,7 +235,7 @@ int32_t megamoe_abi_version(void) { return MEGAMOE_ABI_VERSION; }
 
 int32_t megamoe_built_with_cuda(void) { return MEGAMOE_WITH_CUDA ? 1 : 0; }
 
-const char* megamoe_last_error(void) { return g_last_error.c_str(); }
+const char* megamoe_last_error(void) { return g_last_error; }
 
 const char* megamoe_status_name(int32_t code) {
   if (code < MEGAMOE_OK || code > MEGAMOE_INTERNAL) return "unknown status";
@@ -268,6 +316,8 @@ int32_t megamoe_vgroup_create(const megamoe_config* config, const megamoe_option
 
 void megamoe_vgroup_destroy(megamoe_vgroup* group) {
   try {
+    // A second destroy of the same handle is ignored when its tag still reads dead (best effort).
+    if (group == nullptr || group->tag != kLiveGroupTag) return;
     delete group;
   } catch (...) {
     // Destruction has no status to report to; never let it reach the caller.
@@ -276,7 +326,7 @@ void megamoe_vgroup_destroy(megamoe_vgroup* group) {
 
 int32_t megamoe_vgroup_num_ranks(const megamoe_vgroup* group, int32_t* num_ranks) {
   return guarded([&]() -> Status {
-    if (group == nullptr) return null_argument("megamoe_vgroup_num_ranks", "group");
+    MEGAMOE_RETURN_IF_ERROR(check_group(group, "megamoe_vgroup_num_ranks"));
     if (num_ranks == nullptr) return null_argument("megamoe_vgroup_num_ranks", "num_ranks");
 #if MEGAMOE_WITH_CUDA
     *num_ranks = group->group->num_ranks();
@@ -289,7 +339,7 @@ int32_t megamoe_vgroup_num_ranks(const megamoe_vgroup* group, int32_t* num_ranks
 
 int32_t megamoe_vgroup_expert_row_capacity(const megamoe_vgroup* group, int64_t* rows) {
   return guarded([&]() -> Status {
-    if (group == nullptr) return null_argument("megamoe_vgroup_expert_row_capacity", "group");
+    MEGAMOE_RETURN_IF_ERROR(check_group(group, "megamoe_vgroup_expert_row_capacity"));
     if (rows == nullptr) return null_argument("megamoe_vgroup_expert_row_capacity", "rows");
 #if MEGAMOE_WITH_CUDA
     *rows = group->group->layer(0).expert_row_capacity();
@@ -302,7 +352,7 @@ int32_t megamoe_vgroup_expert_row_capacity(const megamoe_vgroup* group, int64_t*
 
 int32_t megamoe_vgroup_forward(megamoe_vgroup* group, const megamoe_forward_args* args, void* stream) {
   return guarded([&]() -> Status {
-    if (group == nullptr) return null_argument("megamoe_vgroup_forward", "group");
+    MEGAMOE_RETURN_IF_ERROR(check_group(group, "megamoe_vgroup_forward"));
     if (args == nullptr) return null_argument("megamoe_vgroup_forward", "args");
 #if MEGAMOE_WITH_CUDA
     return group->run_all_ranks(stream, [&](megamoe::ExpertParallelLayer& layer, int r) -> Status {
@@ -330,7 +380,7 @@ int32_t megamoe_vgroup_forward(megamoe_vgroup* group, const megamoe_forward_args
 
 int32_t megamoe_vgroup_backward(megamoe_vgroup* group, const megamoe_backward_args* args, void* stream) {
   return guarded([&]() -> Status {
-    if (group == nullptr) return null_argument("megamoe_vgroup_backward", "group");
+    MEGAMOE_RETURN_IF_ERROR(check_group(group, "megamoe_vgroup_backward"));
     if (args == nullptr) return null_argument("megamoe_vgroup_backward", "args");
 #if MEGAMOE_WITH_CUDA
     return group->run_all_ranks(stream, [&](megamoe::ExpertParallelLayer& layer, int r) -> Status {
@@ -354,7 +404,7 @@ int32_t megamoe_vgroup_backward(megamoe_vgroup* group, const megamoe_backward_ar
 
 int32_t megamoe_vgroup_synchronize_and_check(megamoe_vgroup* group) {
   return guarded([&]() -> Status {
-    if (group == nullptr) return null_argument("megamoe_vgroup_synchronize_and_check", "group");
+    MEGAMOE_RETURN_IF_ERROR(check_group(group, "megamoe_vgroup_synchronize_and_check"));
 #if MEGAMOE_WITH_CUDA
     DeviceScope scope;
     MEGAMOE_RETURN_IF_ERROR(scope.enter(group->device));
