@@ -380,6 +380,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Scenario{"Qwen30B_R4_MaskedT0", qwen(), 4, {0, 13, 6, 9}, Routing::kMaskedAndRagged},
                       Scenario{"Qwen30B_R8_MaskedT0", qwen(), 8, {0, 3, 5, 1, 4, 6, 2, 3}, Routing::kMaskedAndRagged},
                       Scenario{"Qwen30B_R4_AllToOneExpert", qwen(), 4, {21, 17, 0, 30}, Routing::kAllToOneExpert},
+                      Scenario{"DeepSeekV3_R1", deepseek(), 1, {5}, Routing::kRandom, 12},
+                      Scenario{"DeepSeekV3_R4", deepseek(), 4, {2, 1, 0, 3}, Routing::kRandom, 12},
                       Scenario{"DeepSeekV3_R8", deepseek(), 8, {1, 0, 2, 1, 0, 1, 1, 0}, Routing::kRandom, 12},
                       Scenario{"DeepSeekV3_R2_Masked", deepseek(), 2, {3, 2}, Routing::kMaskedAndRagged, 10},
                       // The simple WMMA engine, the layer's independent correctness twin.
