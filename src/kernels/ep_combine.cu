@@ -10,8 +10,6 @@
 namespace megamoe::ep {
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
-
 template <bool kWeighted>
 __global__ void combine_kernel(Params p, const float* __restrict__ topk_weights, __nv_bfloat16* __restrict__ out,
                                float* __restrict__ d_topk_weights) {
@@ -23,9 +21,8 @@ __global__ void combine_kernel(Params p, const float* __restrict__ topk_weights,
   const __nv_bfloat16* combine = at<__nv_bfloat16>(p.local, p.layout.combine);
   const float* slot_dw = at<float>(p.local, p.layout.slot_dw);
   const int lane = threadIdx.x % 32;
-  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  for (int64_t t = first_warp; t < p.num_tokens; t += num_warps) {
+  const int64_t first = first_warp(), num_warps = warp_count();
+  for (int64_t t = first; t < p.num_tokens; t += num_warps) {
     for (int64_t i = lane * 8; i < H; i += 32 * 8) {
       Bf16x8 acc;
 #pragma unroll
@@ -46,17 +43,12 @@ __global__ void combine_kernel(Params p, const float* __restrict__ topk_weights,
   }
 }
 
-int grid_for(int64_t warps_needed, int max_blocks) {
-  const int64_t blocks = (warps_needed + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  return static_cast<int>(blocks < 1 ? 1 : (blocks < max_blocks ? blocks : max_blocks));
-}
-
 }  // namespace
 
 Status launch_combine_forward(const Params& p, const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream,
                               int max_blocks) {
   if (p.num_tokens == 0) return Status::ok();
-  combine_kernel<true><<<grid_for(p.num_tokens, max_blocks), kWarpsPerBlock * 32, 0, stream>>>(p, topk_weights, out,
+  combine_kernel<true><<<row_grid(p.num_tokens, max_blocks), kRowBlockThreads, 0, stream>>>(p, topk_weights, out,
                                                                                                 nullptr);
   MEGAMOE_CHECK_LAUNCH(stream, "combine_forward_kernel");
   return Status::ok();
@@ -65,7 +57,7 @@ Status launch_combine_forward(const Params& p, const float* topk_weights, __nv_b
 Status launch_combine_backward(const Params& p, __nv_bfloat16* d_x, float* d_topk_weights, cudaStream_t stream,
                                int max_blocks) {
   if (p.num_tokens == 0) return Status::ok();
-  combine_kernel<false><<<grid_for(p.num_tokens, max_blocks), kWarpsPerBlock * 32, 0, stream>>>(p, nullptr, d_x,
+  combine_kernel<false><<<row_grid(p.num_tokens, max_blocks), kRowBlockThreads, 0, stream>>>(p, nullptr, d_x,
                                                                                                  d_topk_weights);
   MEGAMOE_CHECK_LAUNCH(stream, "combine_backward_kernel");
   return Status::ok();

@@ -9,8 +9,6 @@
 namespace megamoe::ep {
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
-
 template <typename Index>
 __global__ void dispatch_kernel(Params p, const __nv_bfloat16* __restrict__ rows, const Index* __restrict__ idx,
                                 const float* __restrict__ weights) {
@@ -21,9 +19,8 @@ __global__ void dispatch_kernel(Params p, const __nv_bfloat16* __restrict__ rows
   const int32_t* send_rank = at<int32_t>(p.local, p.layout.pair_send_rank);
   const int32_t* dest_slot = at<int32_t>(p.local, p.layout.pair_dest_slot);
   const int32_t* row_index = at<int32_t>(p.local, p.layout.pair_row_index);
-  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  for (int64_t t = first_warp; t < p.num_tokens; t += num_warps) {
+  const int64_t first = first_warp(), num_warps = warp_count();
+  for (int64_t t = first; t < p.num_tokens; t += num_warps) {
     for (int j = 0; j < K; ++j) {
       const int d = send_rank[t * K + j];
       if (d < 0) continue;
@@ -43,22 +40,17 @@ __global__ void dispatch_kernel(Params p, const __nv_bfloat16* __restrict__ rows
   }
 }
 
-int blocks_for(int64_t warps_needed, int max_blocks) {
-  const int64_t blocks = (warps_needed + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  return static_cast<int>(blocks < 1 ? 1 : (blocks < max_blocks ? blocks : max_blocks));
-}
-
 }  // namespace
 
 Status launch_dispatch(const Params& p, const __nv_bfloat16* rows, const void* topk_idx, bool idx_is_int64,
                        const float* weights, cudaStream_t stream, int max_blocks) {
   if (p.num_tokens == 0) return Status::ok();
-  const int blocks = blocks_for(p.num_tokens, max_blocks);
+  const int blocks = row_grid(p.num_tokens, max_blocks);
   if (idx_is_int64)
-    dispatch_kernel<int64_t><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(p, rows, static_cast<const int64_t*>(topk_idx),
+    dispatch_kernel<int64_t><<<blocks, kRowBlockThreads, 0, stream>>>(p, rows, static_cast<const int64_t*>(topk_idx),
                                                                           weights);
   else
-    dispatch_kernel<int32_t><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(p, rows, static_cast<const int32_t*>(topk_idx),
+    dispatch_kernel<int32_t><<<blocks, kRowBlockThreads, 0, stream>>>(p, rows, static_cast<const int32_t*>(topk_idx),
                                                                           weights);
   MEGAMOE_CHECK_LAUNCH(stream, "dispatch_kernel");
   return Status::ok();

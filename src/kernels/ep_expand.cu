@@ -9,8 +9,6 @@
 namespace megamoe::ep {
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
-
 __device__ void record_everywhere(const Params& p, StatusCode code, ErrorWhat what, int64_t a, int64_t b) {
   for (int peer = 0; peer < p.shape.num_ranks; ++peer)
     record_error(error_record(p.peers[peer], p.layout), code, what, p.shape.rank, a, b);
@@ -67,9 +65,8 @@ __global__ void expand_rows_kernel(Params p) {
   float* row_weight = at<float>(p.local, p.layout.row_weight);
   void** row_dest = at<void*>(p.local, p.layout.row_dest);
   const int64_t items = static_cast<int64_t>(s.num_ranks) * s.max_tokens;
-  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  for (int64_t item = first_warp; item < items; item += num_warps) {
+  const int64_t first = first_warp(), num_warps = warp_count();
+  for (int64_t item = first; item < items; item += num_warps) {
     const int src = static_cast<int>(item / s.max_tokens);
     const int slot = static_cast<int>(item % s.max_tokens);
     if (slot >= counts[src * (EL + 1) + EL]) continue;
@@ -97,9 +94,8 @@ __global__ void gather_grad_rows_kernel(Params p) {
   const __nv_bfloat16* recv_x = at<__nv_bfloat16>(p.local, p.layout.recv_x);
   __nv_bfloat16* rows_dout = at<__nv_bfloat16>(p.local, p.layout.rows_dout);
   __nv_bfloat16* rows_dy = at<__nv_bfloat16>(p.local, p.layout.rows_dy);
-  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  for (int64_t row = first_warp; row < total; row += num_warps) {
+  const int64_t first = first_warp(), num_warps = warp_count();
+  for (int64_t row = first; row < total; row += num_warps) {
     const RowOrigin o = origin[row];
     const float w = row_weight[row];
     const __nv_bfloat16* src = recv_x + (static_cast<int64_t>(o.src_rank) * s.max_tokens + o.recv_slot) * s.hidden;
@@ -114,11 +110,6 @@ __global__ void gather_grad_rows_kernel(Params p) {
   }
 }
 
-int grid_for(int64_t warps_needed, int max_blocks) {
-  const int64_t blocks = (warps_needed + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  return static_cast<int>(blocks < 1 ? 1 : (blocks < max_blocks ? blocks : max_blocks));
-}
-
 }  // namespace
 
 Status launch_expert_offsets(const Params& p, cudaStream_t stream) {
@@ -130,14 +121,14 @@ Status launch_expert_offsets(const Params& p, cudaStream_t stream) {
 }
 
 Status launch_expand_rows(const Params& p, cudaStream_t stream, int max_blocks) {
-  expand_rows_kernel<<<grid_for(static_cast<int64_t>(p.shape.num_ranks) * p.shape.max_tokens, max_blocks),
-                       kWarpsPerBlock * 32, 0, stream>>>(p);
+  expand_rows_kernel<<<row_grid(static_cast<int64_t>(p.shape.num_ranks) * p.shape.max_tokens, max_blocks),
+                       kRowBlockThreads, 0, stream>>>(p);
   MEGAMOE_CHECK_LAUNCH(stream, "expand_rows_kernel");
   return Status::ok();
 }
 
 Status launch_gather_grad_rows(const Params& p, cudaStream_t stream, int max_blocks) {
-  gather_grad_rows_kernel<<<grid_for(p.shape.row_capacity, max_blocks), kWarpsPerBlock * 32, 0, stream>>>(p);
+  gather_grad_rows_kernel<<<row_grid(p.shape.row_capacity, max_blocks), kRowBlockThreads, 0, stream>>>(p);
   MEGAMOE_CHECK_LAUNCH(stream, "gather_grad_rows_kernel");
   return Status::ok();
 }

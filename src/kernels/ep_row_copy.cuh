@@ -1,5 +1,5 @@
-// Row copies and conversions shared by the layer's data-movement kernels: one warp per row, 16-byte
-// accesses (8 bf16 per lane per step).
+// Shared by the layer's data-movement kernels: one warp per row (or token), grid-stride over rows,
+// 16-byte accesses (8 bf16 per lane per step).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -7,6 +7,20 @@
 #include <cstdint>
 
 namespace megamoe::ep {
+
+inline constexpr int kRowWarpsPerBlock = 8;
+inline constexpr int kRowBlockThreads = kRowWarpsPerBlock * 32;
+
+// Blocks of a warp-per-row grid over `rows`, capped at max_blocks (a virtual rank's share of the SMs).
+inline int row_grid(int64_t rows, int max_blocks) {
+  const int64_t blocks = (rows + kRowWarpsPerBlock - 1) / kRowWarpsPerBlock;
+  return static_cast<int>(blocks < 1 ? 1 : (blocks < max_blocks ? blocks : max_blocks));
+}
+
+__device__ __forceinline__ int64_t first_warp() {
+  return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+}
+__device__ __forceinline__ int64_t warp_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x / 32; }
 
 __device__ __forceinline__ void warp_copy_row(const __nv_bfloat16* __restrict__ src, __nv_bfloat16* __restrict__ dst,
                                               int64_t elements, int lane) {

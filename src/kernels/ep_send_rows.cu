@@ -8,24 +8,19 @@
 namespace megamoe::ep {
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
-
 __global__ void send_rows_kernel(Params p, const __nv_bfloat16* __restrict__ rows) {
   const int64_t total = at<int32_t>(p.local, p.layout.expert_offsets)[p.shape.experts_per_rank];
   void* const* row_dest = at<void*>(p.local, p.layout.row_dest);
   const int lane = threadIdx.x % 32;
-  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  for (int64_t row = first_warp; row < total; row += num_warps)
+  const int64_t first = first_warp(), num_warps = warp_count();
+  for (int64_t row = first; row < total; row += num_warps)
     warp_copy_row(rows + row * p.shape.hidden, static_cast<__nv_bfloat16*>(row_dest[row]), p.shape.hidden, lane);
 }
 
 }  // namespace
 
 Status launch_send_rows(const Params& p, const __nv_bfloat16* rows, cudaStream_t stream, int max_blocks) {
-  const int64_t blocks = (p.shape.row_capacity + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  send_rows_kernel<<<static_cast<int>(blocks < 1 ? 1 : (blocks < max_blocks ? blocks : max_blocks)),
-                     kWarpsPerBlock * 32, 0, stream>>>(p, rows);
+  send_rows_kernel<<<row_grid(p.shape.row_capacity, max_blocks), kRowBlockThreads, 0, stream>>>(p, rows);
   MEGAMOE_CHECK_LAUNCH(stream, "send_rows_kernel");
   return Status::ok();
 }

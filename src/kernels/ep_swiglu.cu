@@ -8,8 +8,6 @@
 namespace megamoe::ep {
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
-
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + __expf(-g)); }
 
 __global__ void swiglu_forward_kernel(Params p) {
@@ -19,9 +17,8 @@ __global__ void swiglu_forward_kernel(Params p) {
   const __nv_bfloat16* h = at<__nv_bfloat16>(p.local, p.layout.h);
   __nv_bfloat16* a = at<__nv_bfloat16>(p.local, p.layout.a);
   const int lane = threadIdx.x % 32;
-  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  for (int64_t row = first_warp; row < total; row += num_warps) {
+  const int64_t first = first_warp(), num_warps = warp_count();
+  for (int64_t row = first; row < total; row += num_warps) {
     for (int64_t i = lane * 8; i < I; i += 32 * 8) {
       Bf16x8 g, u;
       g.load(h + row * 2 * I + i);
@@ -48,9 +45,8 @@ __global__ void swiglu_backward_kernel(Params p) {
   const RowOrigin* origin = at<RowOrigin>(p.local, p.layout.row_origin);
   const float* row_weight = at<float>(p.local, p.layout.row_weight);
   const int lane = threadIdx.x % 32;
-  const int64_t first_warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  for (int64_t row = first_warp; row < total; row += num_warps) {
+  const int64_t first = first_warp(), num_warps = warp_count();
+  for (int64_t row = first; row < total; row += num_warps) {
     const float w = row_weight[row];
     float dot = 0.0f;
     for (int64_t i = lane * 8; i < I; i += 32 * 8) {
@@ -89,25 +85,20 @@ __global__ void swiglu_backward_kernel(Params p) {
   }
 }
 
-int grid_for(int64_t warps_needed, int max_blocks) {
-  const int64_t blocks = (warps_needed + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  return static_cast<int>(blocks < 1 ? 1 : (blocks < max_blocks ? blocks : max_blocks));
-}
-
 }  // namespace
 
 Status launch_swiglu_forward(const Params& p, cudaStream_t stream, int max_blocks) {
-  swiglu_forward_kernel<<<grid_for(p.shape.row_capacity, max_blocks), kWarpsPerBlock * 32, 0, stream>>>(p);
+  swiglu_forward_kernel<<<row_grid(p.shape.row_capacity, max_blocks), kRowBlockThreads, 0, stream>>>(p);
   MEGAMOE_CHECK_LAUNCH(stream, "swiglu_forward_kernel");
   return Status::ok();
 }
 
 Status launch_swiglu_backward(const Params& p, bool da_is_bf16, cudaStream_t stream, int max_blocks) {
-  const int grid = grid_for(p.shape.row_capacity, max_blocks);
+  const int grid = row_grid(p.shape.row_capacity, max_blocks);
   if (da_is_bf16)
-    swiglu_backward_kernel<__nv_bfloat16><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
+    swiglu_backward_kernel<__nv_bfloat16><<<grid, kRowBlockThreads, 0, stream>>>(p);
   else
-    swiglu_backward_kernel<float><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
+    swiglu_backward_kernel<float><<<grid, kRowBlockThreads, 0, stream>>>(p);
   MEGAMOE_CHECK_LAUNCH(stream, "swiglu_backward_kernel");
   return Status::ok();
 }
