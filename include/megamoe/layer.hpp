@@ -87,7 +87,8 @@ class ExpertParallelLayer {
                        std::unique_ptr<ExpertParallelLayer>* layer);
 
   // Enqueue on the rank's stream. Every rank must make the same sequence of calls (the peers meet at
-  // device barriers). The backward uses the routing saved by the latest forward on this rank.
+  // device barriers). The backward uses the routing, activations and weight pointers (w13, w2) of the
+  // latest forward on this rank: those weights must stay unchanged until the backward has run.
   Status forward(const ForwardArgs& args);
   Status backward(const BackwardArgs& args);
 
