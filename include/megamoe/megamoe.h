@@ -14,7 +14,14 @@
  * ranks' work starts after everything already enqueued on the caller's stream, and work enqueued on the
  * caller's stream afterwards waits for every rank. The call does not synchronise the host, and under
  * CUDA stream capture the fork/join becomes part of the captured graph. Because the ranks must be
- * enqueued together, one call takes every rank's arguments (an array of num_ranks). */
+ * enqueued together, one call takes every rank's arguments (an array of num_ranks).
+ *
+ * Process groups (megamoe_pgroup): one process per GPU, each holding one rank. Rank 0 creates a bootstrap
+ * id, the caller sends its bytes to every rank (torch.distributed, MPI, a file), and every rank then calls
+ * megamoe_pgroup_create with it: a collective that blocks until all num_ranks processes have joined (it
+ * has no timeout of its own, so a rank that never calls it leaves the others waiting). Forward/backward
+ * take this rank's arguments only and join the caller's stream with the rank's stream as above; every
+ * rank must make the same sequence of calls, since ranks meet at device barriers. */
 #ifndef MEGAMOE_MEGAMOE_H_
 #define MEGAMOE_MEGAMOE_H_
 
@@ -24,7 +31,9 @@
 extern "C" {
 #endif
 
-/* Bumped whenever a signature or a struct below changes; bindings refuse a library of another version. */
+/* Bumped whenever a signature or a struct below changes; bindings refuse a library of another version.
+ * Functions and structs added without changing existing ones keep the version: a binding finds out that
+ * a library lacks them by their symbols (the Python binding checks every one it declares). */
 #define MEGAMOE_ABI_VERSION 1
 
 #define MEGAMOE_OK 0
@@ -115,6 +124,35 @@ int32_t megamoe_vgroup_forward(megamoe_vgroup* group, const megamoe_forward_args
 int32_t megamoe_vgroup_backward(megamoe_vgroup* group, const megamoe_backward_args* args, void* stream);
 /* Waits for every rank, then returns (and clears) the first error recorded on the device by any rank. */
 int32_t megamoe_vgroup_synchronize_and_check(megamoe_vgroup* group);
+
+/* ---- process groups: one rank per process (see the top); additions to ABI version 1 ---- */
+
+#define MEGAMOE_BOOTSTRAP_ID_BYTES 128
+
+/* Opaque bytes (an NCCL unique id) that rank 0 creates and every rank passes to megamoe_pgroup_create. */
+typedef struct megamoe_bootstrap_id {
+  char bytes[MEGAMOE_BOOTSTRAP_ID_BYTES];
+} megamoe_bootstrap_id;
+
+typedef struct megamoe_pgroup megamoe_pgroup; /* this process's rank of a group of config->num_ranks */
+
+/* On rank 0 only. Needs a CUDA build with NCCL (MEGAMOE_NOT_SUPPORTED otherwise). */
+int32_t megamoe_create_bootstrap_id(megamoe_bootstrap_id* id);
+/* Collective over the config->num_ranks processes (see the top), rank in [0, num_ranks), on the current
+ * CUDA device; allocates this rank's symmetric workspace and maps every peer's. options may be NULL
+ * (defaults). *group is NULL on failure. */
+int32_t megamoe_pgroup_create(const megamoe_config* config, const megamoe_options* options, int32_t rank,
+                              const megamoe_bootstrap_id* id, megamoe_pgroup** group);
+/* Once per handle; NULL is fine. Waits for this rank's work first. Same diagnostics as vgroup_destroy. */
+void megamoe_pgroup_destroy(megamoe_pgroup* group);
+int32_t megamoe_pgroup_rank(const megamoe_pgroup* group, int32_t* rank);
+int32_t megamoe_pgroup_num_ranks(const megamoe_pgroup* group, int32_t* num_ranks);
+int32_t megamoe_pgroup_expert_row_capacity(const megamoe_pgroup* group, int64_t* rows);
+/* args: this rank's arguments (one struct). stream: the caller's cudaStream_t, joined as described at the top. */
+int32_t megamoe_pgroup_forward(megamoe_pgroup* group, const megamoe_forward_args* args, void* stream);
+int32_t megamoe_pgroup_backward(megamoe_pgroup* group, const megamoe_backward_args* args, void* stream);
+/* Waits for this rank's work, then returns (and clears) the first error this rank recorded on the device. */
+int32_t megamoe_pgroup_synchronize_and_check(megamoe_pgroup* group);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -83,6 +83,13 @@ class BackwardArgs(ctypes.Structure):
     ]
 
 
+BOOTSTRAP_ID_BYTES = 128
+
+
+class BootstrapId(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_char * BOOTSTRAP_ID_BYTES)]
+
+
 _P = ctypes.POINTER
 _SIGNATURES = {
     "megamoe_abi_version": (ctypes.c_int32, []),
@@ -99,6 +106,16 @@ _SIGNATURES = {
     "megamoe_vgroup_forward": (ctypes.c_int32, [ctypes.c_void_p, _P(ForwardArgs), ctypes.c_void_p]),
     "megamoe_vgroup_backward": (ctypes.c_int32, [ctypes.c_void_p, _P(BackwardArgs), ctypes.c_void_p]),
     "megamoe_vgroup_synchronize_and_check": (ctypes.c_int32, [ctypes.c_void_p]),
+    "megamoe_create_bootstrap_id": (ctypes.c_int32, [_P(BootstrapId)]),
+    "megamoe_pgroup_create": (ctypes.c_int32, [_P(Config), _P(Options), ctypes.c_int32, _P(BootstrapId),
+                                               _P(ctypes.c_void_p)]),
+    "megamoe_pgroup_destroy": (None, [ctypes.c_void_p]),
+    "megamoe_pgroup_rank": (ctypes.c_int32, [ctypes.c_void_p, _P(ctypes.c_int32)]),
+    "megamoe_pgroup_num_ranks": (ctypes.c_int32, [ctypes.c_void_p, _P(ctypes.c_int32)]),
+    "megamoe_pgroup_expert_row_capacity": (ctypes.c_int32, [ctypes.c_void_p, _P(ctypes.c_int64)]),
+    "megamoe_pgroup_forward": (ctypes.c_int32, [ctypes.c_void_p, _P(ForwardArgs), ctypes.c_void_p]),
+    "megamoe_pgroup_backward": (ctypes.c_int32, [ctypes.c_void_p, _P(BackwardArgs), ctypes.c_void_p]),
+    "megamoe_pgroup_synchronize_and_check": (ctypes.c_int32, [ctypes.c_void_p]),
 }
 
 _lock = threading.Lock()
@@ -171,28 +188,29 @@ def default_options() -> Options:
     return options
 
 
-class VirtualRankGroup:
-    """Owns a megamoe_vgroup: R virtual ranks on the current CUDA device, with their symmetric workspace.
+def create_bootstrap_id() -> bytes:
+    """A fresh bootstrap id (rank 0 of a process group makes it; every rank passes it to ProcessRankGroup)."""
+    bootstrap = BootstrapId()
+    check(lib().megamoe_create_bootstrap_id(ctypes.byref(bootstrap)))
+    # The struct's whole buffer, not the field: the id is binary, and a c_char array field reads as a
+    # string that ends at its first zero byte.
+    return bytes(bootstrap)
 
-    The handle is destroyed exactly once: by close() (ops.release, the owning module's finalizer) or, failing
-    that, when the object is garbage collected. After close() every method raises instead of handing the
-    library a dangling or NULL handle.
-    """
 
-    def __init__(self, config: Config, options: Options | None = None):
-        self._handle = None
-        self._close_lock = threading.Lock()
-        library = lib()
-        handle = ctypes.c_void_p()
-        check(library.megamoe_vgroup_create(ctypes.byref(config), ctypes.byref(options) if options is not None
-                                            else None, ctypes.byref(handle)))
+class _Handle:
+    """Owns one library handle, destroyed exactly once: by close() (ops.release, the owning module's
+    finalizer) or, failing that, when the object is garbage collected. After close() every method raises
+    instead of handing the library a dangling or NULL handle."""
+
+    _destroy_name = ""
+
+    def _adopt(self, library: ctypes.CDLL, handle: ctypes.c_void_p, creator: str) -> None:
         if not handle.value:
-            raise MegaMoEError(INTERNAL, "internal error", "megamoe_vgroup_create returned OK but no group")
+            raise MegaMoEError(INTERNAL, "internal error", f"{creator} returned OK but no group")
         # The library object is kept with the handle, so that destroying never depends on module globals
         # (at interpreter shutdown they may already be gone).
         self._lib = library
         self._handle = handle.value  # a plain int: no ctypes object shared with callers
-        self.config = config
 
     @property
     def closed(self) -> bool:
@@ -206,7 +224,7 @@ class VirtualRankGroup:
         with lock:
             handle, self._handle = self._handle, None
         if handle:
-            self._lib.megamoe_vgroup_destroy(handle)
+            getattr(self._lib, self._destroy_name)(handle)
 
     def __del__(self):
         try:
@@ -217,8 +235,24 @@ class VirtualRankGroup:
     def _live(self) -> int:
         handle = self._handle
         if handle is None:
-            raise MegaMoEError(INVALID_ARGUMENT, "invalid argument", "this VirtualRankGroup was closed")
+            raise MegaMoEError(INVALID_ARGUMENT, "invalid argument", f"this {type(self).__name__} was closed")
         return handle
+
+
+class VirtualRankGroup(_Handle):
+    """Owns a megamoe_vgroup: R virtual ranks on the current CUDA device, with their symmetric workspace."""
+
+    _destroy_name = "megamoe_vgroup_destroy"
+
+    def __init__(self, config: Config, options: Options | None = None):
+        self._handle = None
+        self._close_lock = threading.Lock()
+        library = lib()
+        handle = ctypes.c_void_p()
+        check(library.megamoe_vgroup_create(ctypes.byref(config), ctypes.byref(options) if options is not None
+                                            else None, ctypes.byref(handle)))
+        self._adopt(library, handle, "megamoe_vgroup_create")
+        self.config = config
 
     @property
     def num_ranks(self) -> int:
@@ -248,3 +282,55 @@ class VirtualRankGroup:
 
     def synchronize_and_check(self) -> None:
         check(self._lib.megamoe_vgroup_synchronize_and_check(self._live()))
+
+
+class ProcessRankGroup(_Handle):
+    """Owns a megamoe_pgroup: this process's rank of a group of config.num_ranks processes (one GPU each).
+
+    Creating it is collective: every rank constructs one with the same config and bootstrap id (from
+    create_bootstrap_id on rank 0), and each blocks until all have joined. Forward/backward take this
+    rank's arguments only, and every rank must make the same sequence of calls.
+    """
+
+    _destroy_name = "megamoe_pgroup_destroy"
+
+    def __init__(self, config: Config, rank: int, bootstrap_id: bytes, options: Options | None = None):
+        self._handle = None
+        self._close_lock = threading.Lock()
+        if not isinstance(bootstrap_id, (bytes, bytearray)) or len(bootstrap_id) != BOOTSTRAP_ID_BYTES:
+            raise ValueError(f"megamoe: a bootstrap id is {BOOTSTRAP_ID_BYTES} bytes (from create_bootstrap_id), "
+                             f"got {type(bootstrap_id).__name__} of length {len(bootstrap_id)}")
+        library = lib()
+        bootstrap = BootstrapId.from_buffer_copy(bytes(bootstrap_id))
+        handle = ctypes.c_void_p()
+        check(library.megamoe_pgroup_create(ctypes.byref(config), ctypes.byref(options) if options is not None
+                                            else None, int(rank), ctypes.byref(bootstrap), ctypes.byref(handle)))
+        self._adopt(library, handle, "megamoe_pgroup_create")
+        self.config = config
+
+    @property
+    def rank(self) -> int:
+        n = ctypes.c_int32()
+        check(self._lib.megamoe_pgroup_rank(self._live(), ctypes.byref(n)))
+        return n.value
+
+    @property
+    def num_ranks(self) -> int:
+        n = ctypes.c_int32()
+        check(self._lib.megamoe_pgroup_num_ranks(self._live(), ctypes.byref(n)))
+        return n.value
+
+    @property
+    def expert_row_capacity(self) -> int:
+        rows = ctypes.c_int64()
+        check(self._lib.megamoe_pgroup_expert_row_capacity(self._live(), ctypes.byref(rows)))
+        return rows.value
+
+    def forward(self, args: ForwardArgs, stream: int) -> None:
+        check(self._lib.megamoe_pgroup_forward(self._live(), ctypes.byref(args), stream or None))
+
+    def backward(self, args: BackwardArgs, stream: int) -> None:
+        check(self._lib.megamoe_pgroup_backward(self._live(), ctypes.byref(args), stream or None))
+
+    def synchronize_and_check(self) -> None:
+        check(self._lib.megamoe_pgroup_synchronize_and_check(self._live()))

@@ -44,20 +44,36 @@ class MegaMoE(nn.Module):
     the multi-rank code): the module then holds all E experts, rank r owns [r*E/R, (r+1)*E/R), and the T
     tokens are split into R contiguous chunks of at most max_tokens_per_rank each. The result equals the
     single-rank layer's.
+
+    group=pg (a torch.distributed ProcessGroup, one process per GPU) runs one rank of the layer in each
+    process of pg: R = pg.size(), and this module holds only its rank's experts [first_expert,
+    first_expert + E/R) (w13 [E/R, 2I, H], w2 [E/R, H, I]) and its process's tokens (at most
+    max_tokens_per_rank; ranks may have different T). Every rank must construct the module and call it
+    (forward and backward) in the same order: see megamoe.ops on collective use.
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, max_tokens_per_rank: int,
-                 *, virtual_ranks: int = 1, init_std: float = 0.02, device=None, dtype=torch.bfloat16):
+                 *, virtual_ranks: int = 1, group=None, init_std: float = 0.02, device=None,
+                 dtype=torch.bfloat16):
         super().__init__()
+        if group is not None and virtual_ranks != 1:
+            raise ValueError("megamoe: virtual_ranks and group exclude each other (group= runs one rank per process)")
+        ranks = virtual_ranks if group is None else group.size()
         self.config = ops.LayerConfig(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
-                                      top_k=top_k, num_ranks=virtual_ranks, max_tokens_per_rank=max_tokens_per_rank)
+                                      top_k=top_k, num_ranks=ranks, max_tokens_per_rank=max_tokens_per_rank)
         self.config.validate()
+        self.group = group
+        # The name, taken once: forward then hands the op a string constant (torch.compile never has to
+        # trace the group object).
+        self._group_name = None if group is None else ops.group_name(group)
+        local = num_experts if group is None else num_experts // ranks
+        self.first_expert = 0 if group is None else group.rank() * local
         # Its own library state, so that its backward always finds its own forward's routing.
         self._key = ops.new_key()
         weakref.finalize(self, ops.release, self._key)
         self.init_std = init_std
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, device=device, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate, device=device, dtype=dtype))
+        self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate, device=device, dtype=dtype))
         self.reset_parameters()
 
     @torch.no_grad()
@@ -71,14 +87,15 @@ class MegaMoE(nn.Module):
             t = torch.empty(shape, dtype=torch.float32, device=self.w13.device)
             return nn.init.trunc_normal_(t, mean=0.0, std=s, a=-2.0, b=2.0)
 
-        e, h = self.config.num_experts, self.config.hidden
+        e, h = self.w13.shape[0], self.config.hidden
         self.w13[:, :inter].copy_(trunc_normal((e, inter, h), 0.02))
         self.w13[:, inter:].copy_(trunc_normal((e, inter, h), std))
         self.w2.copy_(trunc_normal((e, h, inter), std))
 
     @torch.no_grad()
     def load_w1_w2_w3(self, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> None:
-        """Copies torchtitan-layout weights (w1, w3 [E, I, H], w2 [E, H, I]) into this module."""
+        """Copies torchtitan-layout weights (w1, w3 [E, I, H], w2 [E, H, I]) into this module (with group=:
+        this rank's experts only, [E/R, ...])."""
         w13 = w13_from_w1_w3(w1, w3)
         if w13.shape != self.w13.shape or w2.shape != self.w2.shape:
             raise ValueError(f"weights of shape w1/w3 {tuple(w1.shape)}, w2 {tuple(w2.shape)} do not fit this "
@@ -93,6 +110,9 @@ class MegaMoE(nn.Module):
         return w1, self.w2.detach().clone(), w3
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self._group_name is not None:
+            return ops._moe_process(x, topk_idx, topk_weights, self.w13, self.w2, config=self.config, key=self._key,
+                                    name=self._group_name)
         ranks = self.config.num_ranks
         if ranks == 1:
             return ops.moe(x, topk_idx, topk_weights, self.w13, self.w2, config=self.config, key=self._key)
@@ -107,5 +127,7 @@ class MegaMoE(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
+        ranks = (f"virtual_ranks={c.num_ranks}" if self.group is None else
+                 f"process_ranks={c.num_ranks}, experts=[{self.first_expert}, {self.first_expert + self.w13.shape[0]})")
         return (f"hidden={c.hidden}, intermediate={c.intermediate}, num_experts={c.num_experts}, top_k={c.top_k}, "
-                f"virtual_ranks={c.num_ranks}, max_tokens_per_rank={c.max_tokens_per_rank}")
+                f"{ranks}, max_tokens_per_rank={c.max_tokens_per_rank}")

@@ -7,6 +7,20 @@ Ops (opaque to torch.compile, so no graph break inside them; shapes come from re
 Each list holds one tensor per virtual rank. `key` names the layer state (its symmetric workspace) and
 `config` its shape; both are plain ints so that compile and CUDA graphs see constants.
 
+Process groups (one process per GPU, a torch.distributed ProcessGroup of config.num_ranks processes):
+  megamoe::moe_process_forward(key, config, group_name, x, topk_idx, topk_weights, w13, w2) -> out
+  megamoe::moe_process_backward(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2)
+      -> (d_x, d_topk_weights, d_w13 fp32, d_w2 fp32)
+take this process's tensors (its tokens, its E/R experts). The group travels as its name (as in
+torch's functional collectives), a string constant to compile. The library group is created on the first
+call of a (key, group, device): rank 0 of the group makes a bootstrap id, torch.distributed broadcasts it,
+and every rank joins. Everything about these ops is collective: every rank must make the same calls in
+the same order (the first forward of a layer included), and every rank must run the backward of every
+forward it differentiates. A rank that fails an input check raises while the others wait for it at the
+device barriers until their timeout (LayerOptions.wait_timeout_seconds) turns that into an error; a
+rank that cannot create its library group leaves the others waiting in the collective create, which has
+no timeout.
+
 The library keeps the forward's routing for the backward, per group ("the latest forward"). A backward
 whose forward is no longer the latest one of its group (two layers sharing a key, a module called twice,
 activation checkpointing) re-runs that forward first, so results stay right; give each layer its own key
@@ -32,7 +46,7 @@ from . import _lib
 from .reference import check_ids
 
 __all__ = ["LayerConfig", "moe", "moe_ranks", "new_key", "release", "release_all", "set_debug_checks", "debug_checks",
-           "synchronize_and_check", "MegaMoEError"]
+           "synchronize_and_check", "group_name", "MegaMoEError"]
 
 MegaMoEError = _lib.MegaMoEError
 
@@ -91,7 +105,9 @@ class _State:
     def __init__(self, config: LayerConfig):
         self.config = config
         self.groups: dict[int, _lib.VirtualRankGroup] = {}
-        self.latest_forward: dict[int, tuple] = {}
+        # Process groups per (torch group name, device index); their latest forward under the same key.
+        self.process_groups: dict[tuple[str, int], _lib.ProcessRankGroup] = {}
+        self.latest_forward: dict[int | tuple[str, int], tuple] = {}
 
 
 _states: dict[int, _State] = {}
@@ -110,7 +126,7 @@ def release(key: int) -> None:
     with _states_lock:
         state = _states.pop(key, None)
     if state is not None:
-        for group in state.groups.values():
+        for group in [*state.groups.values(), *state.process_groups.values()]:
             group.close()
 
 
@@ -131,6 +147,47 @@ def _state(key: int, config: LayerConfig) -> _State:
                                  f"({state.config} vs {config})")
             state = _states[key] = _State(config)
         return state
+
+
+# ---- process groups: torch.distributed side ----
+
+def group_name(group) -> str:
+    """The name the process ops take for a torch.distributed ProcessGroup (its c10d group name)."""
+    name = getattr(group, "group_name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"megamoe: group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+    return name
+
+
+def _resolve_group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def bootstrap_id(group) -> bytes:
+    """Collective over group: rank 0 makes a bootstrap id and every rank gets its bytes. A failure on rank 0
+    reaches every rank (as MegaMoEError), so no rank is left waiting in the library's create."""
+    import torch.distributed as dist
+
+    payload: list = [None]
+    if group.rank() == 0:
+        try:
+            payload[0] = _lib.create_bootstrap_id()
+        except _lib.MegaMoEError as e:
+            # A tuple, not the exception: MegaMoEError does not round-trip through pickle.
+            payload[0] = (e.code, str(e))
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+    if isinstance(payload[0], tuple):
+        code, message = payload[0]
+        raise _lib.MegaMoEError(code, "bootstrap failed", f"rank 0 of the group could not create an id: {message}")
+    return payload[0]
+
+
+def _check_group_size(cfg: LayerConfig, group) -> None:
+    if group.size() != cfg.num_ranks:
+        raise ValueError(f"megamoe: config.num_ranks={cfg.num_ranks} but the process group has {group.size()} "
+                         f"ranks; they must be equal (one rank per process)")
 
 
 class _LibraryBackend:
@@ -166,14 +223,43 @@ class _LibraryBackend:
     def supports(self, device: torch.device) -> bool:
         return device.type == "cuda"
 
+    def process_group(self, state: _State, name: str, device: torch.device) -> _lib.ProcessRankGroup:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        group = state.process_groups.get((name, index))
+        if group is None:
+            torch_group = _resolve_group(name)
+            _check_group_size(state.config, torch_group)
+            with torch.cuda.device(index):  # the NCCL broadcast and the library's create use this device
+                group = _lib.ProcessRankGroup(state.config.to_c(), torch_group.rank(), bootstrap_id(torch_group))
+            state.process_groups[(name, index)] = group
+        return group
+
+    def process_forward(self, state, name, x, topk_idx, topk_weights, w13, w2, out) -> None:
+        group = self.process_group(state, name, x.device)
+        args = _lib.ForwardArgs(num_tokens=x.shape[0], x=x.data_ptr(), topk_idx=topk_idx.data_ptr(),
+                                topk_idx_is_int32=int(topk_idx.dtype == torch.int32), reserved=0,
+                                topk_weights=topk_weights.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(),
+                                out=out.data_ptr())
+        group.forward(args, torch.cuda.current_stream(x.device).cuda_stream)
+
+    def process_backward(self, state, name, d_out, d_x, d_topk_weights, d_w13, d_w2) -> None:
+        group = self.process_group(state, name, d_out.device)
+        args = _lib.BackwardArgs(d_out=d_out.data_ptr(), d_x=d_x.data_ptr(), d_topk_weights=d_topk_weights.data_ptr(),
+                                 d_w13=d_w13.data_ptr(), d_w2=d_w2.data_ptr(), accumulate_weight_grads=0, reserved=0)
+        group.backward(args, torch.cuda.current_stream(d_out.device).cuda_stream)
+
+    def process_synchronize_and_check(self, state, name, device) -> None:
+        self.process_group(state, name, device).synchronize_and_check()
+
 
 _backend = _LibraryBackend()
 
 
 # ---- checks ----
 
-def _check_inputs(cfg: LayerConfig, x, topk_idx, topk_weights, w13, w2, d_out=None) -> None:
-    ranks = cfg.num_ranks
+def _check_inputs(cfg: LayerConfig, x, topk_idx, topk_weights, w13, w2, d_out=None, *, local: bool = False) -> None:
+    """local: the lists hold one process's rank of a process group (one tensor each, E/R experts)."""
+    ranks = 1 if local else cfg.num_ranks
     lists = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "w13": w13, "w2": w2}
     if d_out is not None:
         lists["d_out"] = d_out
@@ -217,7 +303,7 @@ def _check_inputs(cfg: LayerConfig, x, topk_idx, topk_weights, w13, w2, d_out=No
 
 def _check_ids(cfg: LayerConfig, topk_idx) -> None:
     for r, ids in enumerate(topk_idx):
-        check_ids(ids, cfg.num_experts, "topk_idx" if cfg.num_ranks == 1 else f"topk_idx[{r}]")
+        check_ids(ids, cfg.num_experts, "topk_idx" if len(topk_idx) == 1 else f"topk_idx[{r}]")
 
 
 def _forward_key(x, topk_idx, topk_weights, w13, w2) -> tuple:
@@ -301,6 +387,89 @@ def _backward(ctx, grads):
 _moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---- the process-group ops (one rank per process) ----
+
+def _tensor_identity(t: Tensor) -> tuple:
+    # The storage object, not only the data pointer: every zero-token x has data pointer 0, so pointers
+    # alone would call two forwards of a rank with no tokens the same while the ranks that have tokens
+    # tell them apart, and only some ranks would re-run the (collective) forward.
+    return t.untyped_storage()._cdata, t.storage_offset(), t.data_ptr(), t.shape[0]
+
+
+def _process_forward_key(x, topk_idx, topk_weights, w13, w2) -> tuple:
+    return tuple(_tensor_identity(t) for t in (x, topk_idx, topk_weights, w13, w2))
+
+
+def _run_process_forward(key, cfg, name, x, topk_idx, topk_weights, w13, w2) -> Tensor:
+    state = _state(key, cfg)
+    if _host_may_wait():
+        check_ids(topk_idx, cfg.num_experts)
+    out = torch.empty_like(x)
+    _backend.process_forward(state, name, x, topk_idx, topk_weights, w13, w2, out)
+    state.latest_forward[(name, x.device.index)] = _process_forward_key(x, topk_idx, topk_weights, w13, w2)
+    if _host_may_wait():
+        _backend.process_synchronize_and_check(state, name, x.device)
+    return out
+
+
+@torch.library.custom_op("megamoe::moe_process_forward", mutates_args=())
+def _moe_process_forward(key: int, config: list[int], group_name: str, x: Tensor, topk_idx: Tensor,
+                         topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    cfg = LayerConfig.from_list(config)
+    _check_inputs(cfg, [x], [topk_idx], [topk_weights], [w13], [w2], local=True)
+    return _run_process_forward(key, cfg, group_name, x, topk_idx, topk_weights, w13, w2)
+
+
+@_moe_process_forward.register_fake
+def _(key, config, group_name, x, topk_idx, topk_weights, w13, w2):
+    _check_inputs(LayerConfig.from_list(config), [x], [topk_idx], [topk_weights], [w13], [w2], local=True)
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("megamoe::moe_process_backward", mutates_args=())
+def _moe_process_backward(key: int, config: list[int], group_name: str, d_out: Tensor, x: Tensor, topk_idx: Tensor,
+                          topk_weights: Tensor, w13: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    cfg = LayerConfig.from_list(config)
+    _check_inputs(cfg, [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
+    state = _state(key, cfg)
+    if state.latest_forward.get((group_name, x.device.index)) != _process_forward_key(x, topk_idx, topk_weights,
+                                                                                       w13, w2):
+        _run_process_forward(key, cfg, group_name, x, topk_idx, topk_weights, w13, w2)
+    d_x = torch.empty_like(x)
+    d_topk_weights = torch.empty_like(topk_weights)
+    d_w13 = torch.empty_like(w13, dtype=torch.float32)
+    d_w2 = torch.empty_like(w2, dtype=torch.float32)
+    _backend.process_backward(state, group_name, d_out, d_x, d_topk_weights, d_w13, d_w2)
+    if _host_may_wait():
+        _backend.process_synchronize_and_check(state, group_name, x.device)
+    return d_x, d_topk_weights, d_w13, d_w2
+
+
+@_moe_process_backward.register_fake
+def _(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2):
+    _check_inputs(LayerConfig.from_list(config), [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
+    return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13, dtype=torch.float32),
+            torch.empty_like(w2, dtype=torch.float32))
+
+
+def _setup_process_context(ctx, inputs, output):
+    key, config, name, x, topk_idx, topk_weights, w13, w2 = inputs
+    ctx.key, ctx.config, ctx.group_name = key, config, name
+    ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2)
+
+
+def _process_backward(ctx, grad):
+    x, topk_idx, topk_weights, w13, w2 = ctx.saved_tensors
+    # Zeros rather than skipping: the backward is collective, so this rank must take part regardless.
+    d_out = torch.zeros_like(x) if grad is None else grad.to(x.dtype).contiguous()
+    d_x, d_w, d_w13, d_w2 = torch.ops.megamoe.moe_process_backward(ctx.key, ctx.config, ctx.group_name, d_out, x,
+                                                                   topk_idx, topk_weights, w13, w2)
+    return None, None, None, d_x, None, d_w, d_w13.to(w13.dtype), d_w2.to(w2.dtype)
+
+
+_moe_process_forward.register_autograd(_process_backward, setup_context=_setup_process_context)
+
+
 # ---- public functions ----
 
 _default_keys: dict[LayerConfig, int] = {}
@@ -323,16 +492,33 @@ def moe_ranks(x: list[Tensor], topk_idx: list[Tensor], topk_weights: list[Tensor
 
 
 def moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, *,
-        config: LayerConfig, key: int | None = None) -> Tensor:
-    """One rank holding every expert (config.num_ranks == 1)."""
+        config: LayerConfig, key: int | None = None, group=None) -> Tensor:
+    """Without group: one rank holding every expert (config.num_ranks == 1).
+
+    With group (a torch.distributed ProcessGroup of config.num_ranks processes, one GPU each): this process's
+    rank, holding its tokens x [T, H] (T may differ between ranks) and its experts [rank*E/R, (rank+1)*E/R)
+    as w13 [E/R, 2I, H] and w2 [E/R, H, I]; ids are global. Collective (see the module docstring)."""
+    if group is not None:
+        name = group_name(group)
+        _check_group_size(config, group)
+        return _moe_process(x, topk_idx, topk_weights, w13, w2, config=config, key=key, name=name)
     if config.num_ranks != 1:
         raise ValueError(f"megamoe.ops.moe is the single-rank layer; config has num_ranks={config.num_ranks}: "
-                         f"use moe_ranks")
+                         f"use moe_ranks, or pass group= for one rank per process")
     return moe_ranks([x], [topk_idx], [topk_weights], [w13], [w2], config=config, key=key)[0]
 
 
-def synchronize_and_check(config: LayerConfig, key: int | None = None, device=None) -> None:
-    """Waits for the layer's work on device and raises MegaMoEError for any error the GPU recorded."""
+def _moe_process(x, topk_idx, topk_weights, w13, w2, *, config: LayerConfig, key: int | None, name: str) -> Tensor:
+    return torch.ops.megamoe.moe_process_forward(_key_for(config, key), config.as_list(), name, x, topk_idx,
+                                                 topk_weights, w13, w2)
+
+
+def synchronize_and_check(config: LayerConfig, key: int | None = None, device=None, group=None) -> None:
+    """Waits for the layer's work on device and raises MegaMoEError for any error the GPU recorded (with
+    group: this process's rank of the layer on that group)."""
     state = _state(_key_for(config, key), config)
-    _backend.synchronize_and_check(state, torch.device("cuda", torch.cuda.current_device()) if device is None
-                                   else torch.device(device))
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if group is not None:
+        _backend.process_synchronize_and_check(state, group_name(group), device)
+    else:
+        _backend.synchronize_and_check(state, device)

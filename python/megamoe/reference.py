@@ -7,6 +7,12 @@ Steps: permute the routed (token, slot) pairs into expert-major order, GEMM1 (ga
 Virtual ranks: rank r holds tokens xs[r] and the experts [r*E_local, (r+1)*E_local). Dispatch and combine
 only move rows, so the multi-rank layer equals one layer over all ranks' tokens and all experts; the
 reference computes exactly that and splits the result, which keeps it free of any communication code.
+
+Process ranks (moe_distributed): each process holds its tokens and its E/R experts, as the GPU layer's
+process groups do, so the reference has to communicate: the routed (token, slot) rows go to the rank of
+their expert with an all_to_all, that rank runs its local grouped MLP, the results come back with the
+inverse all_to_all and are combined with the weights. Autograd runs through both all_to_alls (the
+gradient of an all_to_all is the all_to_all with the split sizes swapped).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["moe", "moe_ranks", "check_ids"]
+__all__ = ["moe", "moe_ranks", "moe_distributed", "check_ids"]
 
 
 def check_ids(topk_idx: torch.Tensor, num_experts: int, what: str = "topk_idx") -> None:
@@ -82,3 +88,75 @@ def moe_ranks(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights
     out = moe(torch.cat(xs), torch.cat(topk_idx), torch.cat(topk_weights), torch.cat(w13), torch.cat(w2),
               check=check)
     return list(torch.split(out, [x.shape[0] for x in xs]))
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of input, in blocks of in_splits[p] rows for rank p, to out_splits[p] rows from rank p."""
+
+    @staticmethod
+    def forward(ctx, rows, out_splits, in_splits, group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        return _all_to_all(rows, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+def _all_to_all(rows, out_splits, in_splits, group):
+    import torch.distributed as dist
+
+    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def _local_mlp(rows: torch.Tensor, expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Each row through its (local) expert's SwiGLU MLP; rows stay in their order."""
+    inter = w13.shape[1] // 2
+    order = torch.argsort(expert, stable=True)
+    counts = torch.bincount(expert, minlength=w13.shape[0])
+    h = _expert_matmul(rows[order], w13, counts)
+    y_sorted = _expert_matmul(F.silu(h[:, :inter]) * h[:, inter:], w2, counts)
+    return y_sorted[torch.argsort(order)]
+
+
+def moe_distributed(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor, *, group=None, check: bool = True) -> torch.Tensor:
+    """This process's rank of the layer over a torch.distributed group of R processes: x [T, H], topk_idx
+    [T, K] global expert ids (-1 = masked; expert e lives on group rank e // E_local), topk_weights [T, K],
+    this rank's experts w13 [E_local, 2I, H] and w2 [E_local, H, I] -> out [T, H] in x's dtype.
+
+    Collective: every rank of the group calls it. T may differ between ranks (0 too). The combine
+    accumulates in fp32 (fp64 for fp64 inputs). Tensors must be on a device the group's backend serves
+    (CUDA for NCCL, CPU for gloo)."""
+    import torch.distributed as dist
+
+    num_ranks = dist.get_world_size(group)
+    num_tokens, top_k = topk_idx.shape
+    local_experts, _, hidden = w13.shape
+    if check:
+        check_ids(topk_idx, local_experts * num_ranks)
+
+    expert = topk_idx.reshape(-1).long()
+    routed = expert >= 0
+    token = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
+    destination = torch.where(routed, expert // local_experts, num_ranks)
+    # Rank-major send order (stable, so rows keep token order within a rank); masked slots last, dropped.
+    order = torch.argsort(destination, stable=True)
+    send_counts = torch.bincount(destination[routed], minlength=num_ranks)
+    order = order[: int(send_counts.sum())]
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send, recv = send_counts.tolist(), recv_counts.tolist()
+
+    rows_token = token[order]
+    received = _AllToAll.apply(x[rows_token], recv, send, group)
+    received_expert = _all_to_all(expert[order] % local_experts, recv, send, group)
+    y = _AllToAll.apply(_local_mlp(received, received_expert, w13, w2), send, recv, group)
+
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    weights = topk_weights.reshape(-1)[order]
+    out = torch.zeros(num_tokens, hidden, dtype=acc, device=x.device)
+    out = out.index_add(0, rows_token, y.to(acc) * weights.to(acc).unsqueeze(1))
+    return out.to(x.dtype)

@@ -38,6 +38,7 @@ def test_struct_sizes_match_the_header():
     assert ctypes.sizeof(_lib.Options) == 16 and _lib.Options.wait_timeout_seconds.offset == 8
     assert ctypes.sizeof(_lib.ForwardArgs) == 64 and _lib.ForwardArgs.topk_weights.offset == 32
     assert ctypes.sizeof(_lib.BackwardArgs) == 48 and _lib.BackwardArgs.accumulate_weight_grads.offset == 40
+    assert ctypes.sizeof(_lib.BootstrapId) == _lib.BOOTSTRAP_ID_BYTES == 128
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -121,3 +122,63 @@ def test_group_lifetime():
         group.forward([_lib.ForwardArgs(), _lib.ForwardArgs()], 0)
     with pytest.raises(ValueError, match="rank arguments"):
         group.forward([_lib.ForwardArgs()], 0)
+
+
+def test_process_group_null_arguments_are_reported_not_crashed_on():
+    library = _library()
+    bootstrap = _lib.BootstrapId()
+    handle = ctypes.c_void_p()
+    config = _config().to_c()
+    assert library.megamoe_pgroup_create(None, None, 0, ctypes.byref(bootstrap), ctypes.byref(handle)) == \
+        _lib.INVALID_ARGUMENT
+    assert library.megamoe_pgroup_create(ctypes.byref(config), None, 0, None, ctypes.byref(handle)) == \
+        _lib.INVALID_ARGUMENT
+    assert b"id must not be NULL" in library.megamoe_last_error()
+    assert handle.value is None
+    assert library.megamoe_create_bootstrap_id(None) == _lib.INVALID_ARGUMENT
+    assert library.megamoe_pgroup_forward(None, None, None) == _lib.INVALID_ARGUMENT
+    assert library.megamoe_pgroup_backward(None, None, None) == _lib.INVALID_ARGUMENT
+    assert library.megamoe_pgroup_synchronize_and_check(None) == _lib.INVALID_ARGUMENT
+    rank = ctypes.c_int32(-1)
+    assert library.megamoe_pgroup_rank(None, ctypes.byref(rank)) == _lib.INVALID_ARGUMENT
+    library.megamoe_pgroup_destroy(None)
+
+
+def test_bootstrap_id_is_bytes_or_a_clean_error():
+    _library()
+    try:
+        first, second = _lib.create_bootstrap_id(), _lib.create_bootstrap_id()
+    except _lib.MegaMoEError as e:  # a build without CUDA or without NCCL
+        assert e.code == _lib.NOT_SUPPORTED, e
+        return
+    assert isinstance(first, bytes) and len(first) == _lib.BOOTSTRAP_ID_BYTES
+    assert first != second
+
+
+def test_process_group_argument_errors():
+    _library()
+    bootstrap = bytes(_lib.BOOTSTRAP_ID_BYTES)
+    with pytest.raises(ValueError, match="a bootstrap id is 128 bytes"):
+        _lib.ProcessRankGroup(_config(num_ranks=2).to_c(), 0, b"short")
+    with pytest.raises(_lib.MegaMoEError, match="rank must be in \\[0, num_ranks=2\\), got 2") as info:
+        _lib.ProcessRankGroup(_config(num_ranks=2).to_c(), 2, bootstrap)
+    assert info.value.code == _lib.INVALID_ARGUMENT
+    with pytest.raises(_lib.MegaMoEError, match="hidden \\(H\\) must be a multiple of 128"):
+        _lib.ProcessRankGroup(_config(hidden=100).to_c(), 0, bootstrap)
+
+
+def test_process_group_without_gpu_is_a_clean_error():
+    """A group of one rank bootstraps in this process where there is a GPU (NCCL needs no peers then)."""
+    _library()
+    try:
+        bootstrap = _lib.create_bootstrap_id()
+        group = _lib.ProcessRankGroup(_config().to_c(), 0, bootstrap)
+    except _lib.MegaMoEError as e:
+        assert e.code == _lib.NOT_SUPPORTED, e
+        return
+    assert group.rank == 0 and group.num_ranks == 1 and group.expert_row_capacity > 0
+    group.synchronize_and_check()
+    group.close()
+    group.close()
+    with pytest.raises(_lib.MegaMoEError, match="ProcessRankGroup was closed"):
+        group.forward(_lib.ForwardArgs(), 0)

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "megamoe/layer.hpp"
+#include "megamoe/process_group.hpp"
 #endif
 
 namespace {
@@ -135,6 +136,43 @@ class DeviceScope {
   bool restore_ = false;
 };
 
+// Both group kinds take the same per-rank structs.
+Status to_forward_args(const megamoe_forward_args& a, megamoe::ForwardArgs* f) {
+  if (a.reserved != 0) return Status::invalid("megamoe_forward_args.reserved must be 0");
+  if (a.topk_idx_is_int32 != 0 && a.topk_idx_is_int32 != 1)
+    return Status::invalid("megamoe_forward_args.topk_idx_is_int32 must be 0 or 1");
+  f->num_tokens = a.num_tokens;
+  f->x = static_cast<const __nv_bfloat16*>(a.x);
+  f->topk_idx = a.topk_idx;
+  f->topk_idx_type = a.topk_idx_is_int32 ? megamoe::IndexType::kInt32 : megamoe::IndexType::kInt64;
+  f->topk_weights = a.topk_weights;
+  f->w13 = static_cast<const __nv_bfloat16*>(a.w13);
+  f->w2 = static_cast<const __nv_bfloat16*>(a.w2);
+  f->out = static_cast<__nv_bfloat16*>(a.out);
+  return Status::ok();
+}
+
+Status to_backward_args(const megamoe_backward_args& a, megamoe::BackwardArgs* b) {
+  if (a.reserved != 0) return Status::invalid("megamoe_backward_args.reserved must be 0");
+  b->d_out = static_cast<const __nv_bfloat16*>(a.d_out);
+  b->d_x = static_cast<__nv_bfloat16*>(a.d_x);
+  b->d_topk_weights = a.d_topk_weights;
+  b->d_w13 = a.d_w13;
+  b->d_w2 = a.d_w2;
+  b->accumulate_weight_grads = a.accumulate_weight_grads != 0;
+  return Status::ok();
+}
+
+// A machine without a usable GPU is "not supported", not a CUDA error: bindings skip on it.
+Status require_device(const char* function) {
+  int device_count = 0;
+  cudaError_t err = cudaGetDeviceCount(&device_count);
+  if (err == cudaSuccess && device_count > 0) return Status::ok();
+  (void)cudaGetLastError();  // leave no sticky error behind for the caller's next CUDA call
+  return Status(StatusCode::kNotSupported, std::string(function) + ": no usable CUDA device (" +
+                                               (err == cudaSuccess ? "none found" : cudaGetErrorString(err)) + ")");
+}
+
 #else
 
 Status not_built_with_cuda(const char* function) {
@@ -213,6 +251,53 @@ struct megamoe_vgroup {
 };
 #endif
 
+// A different live tag from a vgroup's: both cross ctypes as plain pointers, and handing one kind to the
+// other's functions must be an error, not a misread struct.
+constexpr uint64_t kLivePGroupTag = 0x2170726770656f6dULL;  // "moepgrp!"
+
+#if MEGAMOE_WITH_CUDA
+struct megamoe_pgroup {
+  uint64_t tag = kLivePGroupTag;
+  int device = 0;
+  int32_t num_ranks = 0;
+  std::unique_ptr<megamoe::ProcessRankGroup> group;
+  cudaEvent_t caller_ready = nullptr;  // recorded on the caller's stream, waited on by the rank's stream
+  cudaEvent_t rank_done = nullptr;     // recorded on the rank's stream, waited on by the caller's stream
+
+  ~megamoe_pgroup() {
+    tag = kDeadGroupTag;
+    DeviceScope scope;
+    (void)scope.enter(device);
+    if (group) (void)group->synchronize_and_check();
+    group.reset();
+    if (caller_ready != nullptr) (void)cudaEventDestroy(caller_ready);
+    if (rank_done != nullptr) (void)cudaEventDestroy(rank_done);
+  }
+
+  // Same fork/join as megamoe_vgroup::run_all_ranks, for the one local rank: the rank's stream waits for
+  // the caller's work, and the caller's stream waits for the rank's, even after a failed enqueue (so that
+  // a capture never ends with the forked stream unjoined).
+  template <typename Call>
+  Status run(void* stream, Call&& call) {
+    DeviceScope scope;
+    MEGAMOE_RETURN_IF_ERROR(scope.enter(device));
+    auto caller = static_cast<cudaStream_t>(stream);
+    cudaStream_t own = group->stream();
+    Status first = cuda_status(cudaEventRecord(caller_ready, caller), "cudaEventRecord");
+    if (first.is_ok()) first = cuda_status(cudaStreamWaitEvent(own, caller_ready, 0), "cudaStreamWaitEvent");
+    if (first.is_ok()) first = call(group->layer());
+    Status joined = cuda_status(cudaEventRecord(rank_done, own), "cudaEventRecord");
+    if (joined.is_ok()) joined = cuda_status(cudaStreamWaitEvent(caller, rank_done, 0), "cudaStreamWaitEvent");
+    return first.is_ok() ? joined : first;
+  }
+};
+#else
+struct megamoe_pgroup {
+  uint64_t tag = kLivePGroupTag;
+  ~megamoe_pgroup() { tag = kDeadGroupTag; }
+};
+#endif
+
 namespace {
 
 // group must not be NULL and must be a live handle from megamoe_vgroup_create.
@@ -221,6 +306,18 @@ Status check_group(const megamoe_vgroup* group, const char* function) {
   if (group->tag != kLiveGroupTag)
     return Status::invalid(std::string(function) + ": group is not a live megamoe_vgroup (destroyed already, or not "
                                                    "from megamoe_vgroup_create)");
+#if MEGAMOE_WITH_CUDA
+  if (!group->group) return Status(StatusCode::kInternal, std::string(function) + ": group has no layer");
+#endif
+  return Status::ok();
+}
+
+// group must not be NULL and must be a live handle from megamoe_pgroup_create.
+Status check_pgroup(const megamoe_pgroup* group, const char* function) {
+  if (group == nullptr) return null_argument(function, "group");
+  if (group->tag != kLivePGroupTag)
+    return Status::invalid(std::string(function) + ": group is not a live megamoe_pgroup (destroyed already, or not "
+                                                   "from megamoe_pgroup_create)");
 #if MEGAMOE_WITH_CUDA
   if (!group->group) return Status(StatusCode::kInternal, std::string(function) + ": group has no layer");
 #endif
@@ -285,14 +382,7 @@ int32_t megamoe_vgroup_create(const megamoe_config* config, const megamoe_option
     megamoe::LayerConfig c;
     MEGAMOE_RETURN_IF_ERROR(to_config(config, &c));
 #if MEGAMOE_WITH_CUDA
-    int device_count = 0;
-    cudaError_t err = cudaGetDeviceCount(&device_count);
-    if (err != cudaSuccess || device_count == 0) {
-      (void)cudaGetLastError();  // leave no sticky error behind for the caller's next CUDA call
-      return Status(StatusCode::kNotSupported,
-                    std::string("megamoe_vgroup_create: no usable CUDA device (") +
-                        (err == cudaSuccess ? "none found" : cudaGetErrorString(err)) + ")");
-    }
+    MEGAMOE_RETURN_IF_ERROR(require_device("megamoe_vgroup_create"));
     auto handle = std::make_unique<megamoe_vgroup>();
     MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&handle->device), "cudaGetDevice"));
     MEGAMOE_RETURN_IF_ERROR(megamoe::VirtualRankGroup::create(c, to_options(options), &handle->group));
@@ -356,19 +446,8 @@ int32_t megamoe_vgroup_forward(megamoe_vgroup* group, const megamoe_forward_args
     if (args == nullptr) return null_argument("megamoe_vgroup_forward", "args");
 #if MEGAMOE_WITH_CUDA
     return group->run_all_ranks(stream, [&](megamoe::ExpertParallelLayer& layer, int r) -> Status {
-      const megamoe_forward_args& a = args[r];
-      if (a.reserved != 0) return Status::invalid("megamoe_forward_args.reserved must be 0");
-      if (a.topk_idx_is_int32 != 0 && a.topk_idx_is_int32 != 1)
-        return Status::invalid("megamoe_forward_args.topk_idx_is_int32 must be 0 or 1");
       megamoe::ForwardArgs f;
-      f.num_tokens = a.num_tokens;
-      f.x = static_cast<const __nv_bfloat16*>(a.x);
-      f.topk_idx = a.topk_idx;
-      f.topk_idx_type = a.topk_idx_is_int32 ? megamoe::IndexType::kInt32 : megamoe::IndexType::kInt64;
-      f.topk_weights = a.topk_weights;
-      f.w13 = static_cast<const __nv_bfloat16*>(a.w13);
-      f.w2 = static_cast<const __nv_bfloat16*>(a.w2);
-      f.out = static_cast<__nv_bfloat16*>(a.out);
+      MEGAMOE_RETURN_IF_ERROR(to_forward_args(args[r], &f));
       return layer.forward(f);
     });
 #else
@@ -384,15 +463,8 @@ int32_t megamoe_vgroup_backward(megamoe_vgroup* group, const megamoe_backward_ar
     if (args == nullptr) return null_argument("megamoe_vgroup_backward", "args");
 #if MEGAMOE_WITH_CUDA
     return group->run_all_ranks(stream, [&](megamoe::ExpertParallelLayer& layer, int r) -> Status {
-      const megamoe_backward_args& a = args[r];
-      if (a.reserved != 0) return Status::invalid("megamoe_backward_args.reserved must be 0");
       megamoe::BackwardArgs b;
-      b.d_out = static_cast<const __nv_bfloat16*>(a.d_out);
-      b.d_x = static_cast<__nv_bfloat16*>(a.d_x);
-      b.d_topk_weights = a.d_topk_weights;
-      b.d_w13 = a.d_w13;
-      b.d_w2 = a.d_w2;
-      b.accumulate_weight_grads = a.accumulate_weight_grads != 0;
+      MEGAMOE_RETURN_IF_ERROR(to_backward_args(args[r], &b));
       return layer.backward(b);
     });
 #else
@@ -411,6 +483,149 @@ int32_t megamoe_vgroup_synchronize_and_check(megamoe_vgroup* group) {
     return group->group->synchronize_and_check();
 #else
     return not_built_with_cuda("megamoe_vgroup_synchronize_and_check");
+#endif
+  });
+}
+
+int32_t megamoe_create_bootstrap_id(megamoe_bootstrap_id* id) {
+  return guarded([&]() -> Status {
+    if (id == nullptr) return null_argument("megamoe_create_bootstrap_id", "id");
+    std::memset(id->bytes, 0, sizeof(id->bytes));
+#if MEGAMOE_WITH_CUDA
+    static_assert(sizeof(megamoe::BootstrapId) == MEGAMOE_BOOTSTRAP_ID_BYTES);
+    megamoe::BootstrapId bootstrap{};
+    MEGAMOE_RETURN_IF_ERROR(megamoe::ProcessRankGroup::create_bootstrap_id(&bootstrap));
+    std::memcpy(id->bytes, bootstrap.data(), sizeof(id->bytes));
+    return Status::ok();
+#else
+    return not_built_with_cuda("megamoe_create_bootstrap_id");
+#endif
+  });
+}
+
+int32_t megamoe_pgroup_create(const megamoe_config* config, const megamoe_options* options, int32_t rank,
+                              const megamoe_bootstrap_id* id, megamoe_pgroup** group) {
+  if (group != nullptr) *group = nullptr;
+  return guarded([&]() -> Status {
+    if (config == nullptr) return null_argument("megamoe_pgroup_create", "config");
+    if (id == nullptr) return null_argument("megamoe_pgroup_create", "id");
+    if (group == nullptr) return null_argument("megamoe_pgroup_create", "group");
+    megamoe::LayerConfig c;
+    MEGAMOE_RETURN_IF_ERROR(to_config(config, &c));
+    // Checked here too (the C++ create checks it after nothing collective has started either): a binding
+    // gets the same message from a build without CUDA.
+    if (rank < 0 || rank >= c.num_ranks)
+      return Status::invalid("megamoe_pgroup_create: rank must be in [0, num_ranks=" + std::to_string(c.num_ranks) +
+                             "), got " + std::to_string(rank));
+#if MEGAMOE_WITH_CUDA
+    MEGAMOE_RETURN_IF_ERROR(require_device("megamoe_pgroup_create"));
+    auto handle = std::make_unique<megamoe_pgroup>();
+    handle->num_ranks = static_cast<int32_t>(c.num_ranks);
+    MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&handle->device), "cudaGetDevice"));
+    // Events first: once create has returned the peers count on this rank, so nothing may fail after it.
+    MEGAMOE_RETURN_IF_ERROR(cuda_status(
+        cudaEventCreateWithFlags(&handle->caller_ready, cudaEventDisableTiming), "cudaEventCreateWithFlags"));
+    MEGAMOE_RETURN_IF_ERROR(cuda_status(cudaEventCreateWithFlags(&handle->rank_done, cudaEventDisableTiming),
+                                        "cudaEventCreateWithFlags"));
+    megamoe::BootstrapId bootstrap{};
+    std::memcpy(bootstrap.data(), id->bytes, bootstrap.size());
+    MEGAMOE_RETURN_IF_ERROR(megamoe::ProcessRankGroup::create(c, to_options(options), rank, bootstrap, &handle->group));
+    *group = handle.release();
+    return Status::ok();
+#else
+    (void)options;
+    return not_built_with_cuda("megamoe_pgroup_create");
+#endif
+  });
+}
+
+void megamoe_pgroup_destroy(megamoe_pgroup* group) {
+  try {
+    if (group == nullptr || group->tag != kLivePGroupTag) return;
+    delete group;
+  } catch (...) {
+    // Destruction has no status to report to; never let it reach the caller.
+  }
+}
+
+int32_t megamoe_pgroup_rank(const megamoe_pgroup* group, int32_t* rank) {
+  return guarded([&]() -> Status {
+    MEGAMOE_RETURN_IF_ERROR(check_pgroup(group, "megamoe_pgroup_rank"));
+    if (rank == nullptr) return null_argument("megamoe_pgroup_rank", "rank");
+#if MEGAMOE_WITH_CUDA
+    *rank = group->group->rank();
+    return Status::ok();
+#else
+    return not_built_with_cuda("megamoe_pgroup_rank");
+#endif
+  });
+}
+
+int32_t megamoe_pgroup_num_ranks(const megamoe_pgroup* group, int32_t* num_ranks) {
+  return guarded([&]() -> Status {
+    MEGAMOE_RETURN_IF_ERROR(check_pgroup(group, "megamoe_pgroup_num_ranks"));
+    if (num_ranks == nullptr) return null_argument("megamoe_pgroup_num_ranks", "num_ranks");
+#if MEGAMOE_WITH_CUDA
+    *num_ranks = group->num_ranks;
+    return Status::ok();
+#else
+    return not_built_with_cuda("megamoe_pgroup_num_ranks");
+#endif
+  });
+}
+
+int32_t megamoe_pgroup_expert_row_capacity(const megamoe_pgroup* group, int64_t* rows) {
+  return guarded([&]() -> Status {
+    MEGAMOE_RETURN_IF_ERROR(check_pgroup(group, "megamoe_pgroup_expert_row_capacity"));
+    if (rows == nullptr) return null_argument("megamoe_pgroup_expert_row_capacity", "rows");
+#if MEGAMOE_WITH_CUDA
+    *rows = group->group->layer().expert_row_capacity();
+    return Status::ok();
+#else
+    return not_built_with_cuda("megamoe_pgroup_expert_row_capacity");
+#endif
+  });
+}
+
+int32_t megamoe_pgroup_forward(megamoe_pgroup* group, const megamoe_forward_args* args, void* stream) {
+  return guarded([&]() -> Status {
+    MEGAMOE_RETURN_IF_ERROR(check_pgroup(group, "megamoe_pgroup_forward"));
+    if (args == nullptr) return null_argument("megamoe_pgroup_forward", "args");
+#if MEGAMOE_WITH_CUDA
+    megamoe::ForwardArgs f;
+    MEGAMOE_RETURN_IF_ERROR(to_forward_args(*args, &f));
+    return group->run(stream, [&](megamoe::ExpertParallelLayer& layer) { return layer.forward(f); });
+#else
+    (void)stream;
+    return not_built_with_cuda("megamoe_pgroup_forward");
+#endif
+  });
+}
+
+int32_t megamoe_pgroup_backward(megamoe_pgroup* group, const megamoe_backward_args* args, void* stream) {
+  return guarded([&]() -> Status {
+    MEGAMOE_RETURN_IF_ERROR(check_pgroup(group, "megamoe_pgroup_backward"));
+    if (args == nullptr) return null_argument("megamoe_pgroup_backward", "args");
+#if MEGAMOE_WITH_CUDA
+    megamoe::BackwardArgs b;
+    MEGAMOE_RETURN_IF_ERROR(to_backward_args(*args, &b));
+    return group->run(stream, [&](megamoe::ExpertParallelLayer& layer) { return layer.backward(b); });
+#else
+    (void)stream;
+    return not_built_with_cuda("megamoe_pgroup_backward");
+#endif
+  });
+}
+
+int32_t megamoe_pgroup_synchronize_and_check(megamoe_pgroup* group) {
+  return guarded([&]() -> Status {
+    MEGAMOE_RETURN_IF_ERROR(check_pgroup(group, "megamoe_pgroup_synchronize_and_check"));
+#if MEGAMOE_WITH_CUDA
+    DeviceScope scope;
+    MEGAMOE_RETURN_IF_ERROR(scope.enter(group->device));
+    return group->group->synchronize_and_check();
+#else
+    return not_built_with_cuda("megamoe_pgroup_synchronize_and_check");
 #endif
   });
 }

@@ -1,6 +1,7 @@
 // The C ABI as a binding sees it: status codes, messages, and no crash when the GPU layer is missing.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
 #include <thread>
 
@@ -136,6 +137,132 @@ TEST(CApiTest, LastErrorIsPerThread) {
   t.join();
   EXPECT_EQ(other, "");
   EXPECT_FALSE(last_error().empty());
+}
+
+// ---- process groups ----
+
+TEST(CApiTest, ProcessGroupNullPointersAreErrorsNotCrashes) {
+  megamoe_config c = small_config();
+  megamoe_bootstrap_id id{};
+  megamoe_pgroup* group = reinterpret_cast<megamoe_pgroup*>(&c);  // must be overwritten with NULL
+  EXPECT_EQ(megamoe_pgroup_create(nullptr, nullptr, 0, &id, &group), MEGAMOE_INVALID_ARGUMENT);
+  EXPECT_EQ(group, nullptr);
+  EXPECT_NE(last_error().find("config must not be NULL"), std::string::npos) << last_error();
+  EXPECT_EQ(megamoe_pgroup_create(&c, nullptr, 0, nullptr, &group), MEGAMOE_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("id must not be NULL"), std::string::npos) << last_error();
+  EXPECT_EQ(megamoe_pgroup_create(&c, nullptr, 0, &id, nullptr), MEGAMOE_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("group must not be NULL"), std::string::npos) << last_error();
+  EXPECT_EQ(megamoe_create_bootstrap_id(nullptr), MEGAMOE_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("id must not be NULL"), std::string::npos) << last_error();
+
+  megamoe_forward_args f{};
+  megamoe_backward_args b{};
+  EXPECT_EQ(megamoe_pgroup_forward(nullptr, &f, nullptr), MEGAMOE_INVALID_ARGUMENT);
+  EXPECT_NE(last_error().find("megamoe_pgroup_forward: group must not be NULL"), std::string::npos) << last_error();
+  EXPECT_EQ(megamoe_pgroup_backward(nullptr, &b, nullptr), MEGAMOE_INVALID_ARGUMENT);
+  EXPECT_EQ(megamoe_pgroup_synchronize_and_check(nullptr), MEGAMOE_INVALID_ARGUMENT);
+  int32_t value = -1;
+  int64_t rows = -1;
+  EXPECT_EQ(megamoe_pgroup_rank(nullptr, &value), MEGAMOE_INVALID_ARGUMENT);
+  EXPECT_EQ(megamoe_pgroup_num_ranks(nullptr, &value), MEGAMOE_INVALID_ARGUMENT);
+  EXPECT_EQ(megamoe_pgroup_expert_row_capacity(nullptr, &rows), MEGAMOE_INVALID_ARGUMENT);
+  megamoe_pgroup_destroy(nullptr);
+}
+
+TEST(CApiTest, ProcessGroupCreateChecksConfigAndRankFirst) {
+  megamoe_bootstrap_id id{};
+  megamoe_config c = small_config();
+  c.top_k = 0;
+  megamoe_pgroup* group = reinterpret_cast<megamoe_pgroup*>(&c);
+  EXPECT_EQ(megamoe_pgroup_create(&c, nullptr, 0, &id, &group), MEGAMOE_INVALID_ARGUMENT);
+  EXPECT_EQ(group, nullptr);
+  EXPECT_NE(last_error().find("top_k (K) must be positive"), std::string::npos) << last_error();
+
+  c = small_config();  // num_ranks = 2
+  for (int32_t rank : {-1, 2, 7}) {
+    group = reinterpret_cast<megamoe_pgroup*>(&c);
+    EXPECT_EQ(megamoe_pgroup_create(&c, nullptr, rank, &id, &group), MEGAMOE_INVALID_ARGUMENT) << rank;
+    EXPECT_EQ(group, nullptr);
+    EXPECT_NE(last_error().find("rank must be in [0, num_ranks=2), got " + std::to_string(rank)), std::string::npos)
+        << last_error();
+  }
+}
+
+// Handles of either kind cross bindings as untyped pointers: a handle that is not a live pgroup (here
+// memory that holds a vgroup's tag, and memory that holds nothing) must be refused, not used.
+TEST(CApiTest, ProcessGroupFunctionsRefuseOtherHandles) {
+  alignas(64) unsigned char storage[256] = {};
+  constexpr uint64_t kVgroupTag = 0x70756f7267656f6dULL;
+  for (uint64_t tag : {kVgroupTag, uint64_t{0}}) {
+    std::memcpy(storage, &tag, sizeof(tag));
+    auto* fake = reinterpret_cast<megamoe_pgroup*>(storage);
+    EXPECT_EQ(megamoe_pgroup_synchronize_and_check(fake), MEGAMOE_INVALID_ARGUMENT);
+    EXPECT_NE(last_error().find("not a live megamoe_pgroup"), std::string::npos) << last_error();
+    int32_t rank = -1;
+    EXPECT_EQ(megamoe_pgroup_rank(fake, &rank), MEGAMOE_INVALID_ARGUMENT);
+    EXPECT_EQ(rank, -1);
+    megamoe_pgroup_destroy(fake);  // ignored: not a live pgroup
+  }
+}
+
+// No CUDA in the build: not supported, with a message, and the id comes back zeroed. A CUDA build makes an
+// id where NCCL is present (a GPU is not needed for that) and reports why where it is not.
+TEST(CApiTest, BootstrapIdIsMadeOrCleanlyRefused) {
+  megamoe_bootstrap_id id;
+  std::memset(id.bytes, 0x5a, sizeof(id.bytes));
+  const int32_t rc = megamoe_create_bootstrap_id(&id);
+  if (!megamoe_built_with_cuda()) {
+    EXPECT_EQ(rc, MEGAMOE_NOT_SUPPORTED);
+    EXPECT_NE(last_error().find("megamoe_create_bootstrap_id"), std::string::npos) << last_error();
+    EXPECT_NE(last_error().find("built without CUDA"), std::string::npos) << last_error();
+    for (char byte : id.bytes) EXPECT_EQ(byte, 0);
+    return;
+  }
+  if (rc == MEGAMOE_OK) {
+    EXPECT_EQ(last_error(), "");
+    bool nonzero = false;
+    for (char byte : id.bytes) nonzero = nonzero || byte != 0;
+    EXPECT_TRUE(nonzero);
+  } else {
+    EXPECT_TRUE(rc == MEGAMOE_NOT_SUPPORTED || rc == MEGAMOE_CUDA_ERROR) << megamoe_status_name(rc);
+    EXPECT_FALSE(last_error().empty());
+  }
+}
+
+// Without a GPU (or CUDA) create fails cleanly; with one, a group of one rank bootstraps in this process.
+TEST(CApiTest, ProcessGroupCreateWithoutGpuIsAnErrorNotACrash) {
+  megamoe_config c = small_config();
+  c.num_ranks = 1;
+  megamoe_bootstrap_id id{};
+  if (megamoe_built_with_cuda() && megamoe_create_bootstrap_id(&id) != MEGAMOE_OK)
+    GTEST_SKIP() << "no bootstrap id: " << last_error();
+  megamoe_pgroup* group = nullptr;
+  const int32_t rc = megamoe_pgroup_create(&c, nullptr, 0, &id, &group);
+  if (rc == MEGAMOE_OK) {
+    ASSERT_NE(group, nullptr);
+    int32_t value = -1;
+    EXPECT_EQ(megamoe_pgroup_rank(group, &value), MEGAMOE_OK);
+    EXPECT_EQ(value, 0);
+    EXPECT_EQ(megamoe_pgroup_num_ranks(group, &value), MEGAMOE_OK);
+    EXPECT_EQ(value, 1);
+    int64_t rows = 0;
+    EXPECT_EQ(megamoe_pgroup_expert_row_capacity(group, &rows), MEGAMOE_OK);
+    EXPECT_GT(rows, 0);
+    EXPECT_EQ(megamoe_pgroup_synchronize_and_check(group), MEGAMOE_OK) << last_error();
+    // A pgroup is not a vgroup.
+    EXPECT_EQ(megamoe_vgroup_synchronize_and_check(reinterpret_cast<megamoe_vgroup*>(group)),
+              MEGAMOE_INVALID_ARGUMENT);
+    megamoe_pgroup_destroy(group);
+    GTEST_SKIP() << "a GPU is present: create succeeded";
+  }
+  EXPECT_EQ(group, nullptr);
+  EXPECT_TRUE(rc == MEGAMOE_NOT_SUPPORTED || rc == MEGAMOE_CUDA_ERROR) << megamoe_status_name(rc);
+  EXPECT_FALSE(last_error().empty());
+  if (!megamoe_built_with_cuda()) {
+    EXPECT_EQ(rc, MEGAMOE_NOT_SUPPORTED);
+    EXPECT_NE(last_error().find("megamoe_pgroup_create"), std::string::npos) << last_error();
+    EXPECT_NE(last_error().find("built without CUDA"), std::string::npos) << last_error();
+  }
 }
 
 }  // namespace
