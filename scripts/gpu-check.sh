@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine: build with all cores, run the GPU and CPU test suites, run every
 # benchmark, write logs and summary.json into OUTDIR, print a short table last.
-#   scripts/gpu-check.sh OUTDIR [--skip-bench] [--gtest-filter PATTERN]
+#   scripts/gpu-check.sh OUTDIR [--skip-bench] [--gtest-filter PATTERN] [--with-python]
+# --with-python also installs the Python package and runs its tests and benchmark
+# (scripts/python-gpu-check.sh OUTDIR/python), so one device call covers everything.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: scripts/gpu-check.sh OUTDIR [--skip-bench] [--gtest-filter PATTERN]}
+out=${1:?usage: scripts/gpu-check.sh OUTDIR [--skip-bench] [--gtest-filter PATTERN] [--with-python]}
 shift
 skip_bench=0
+with_python=0
 gtest_filter='*'
 while [ $# -gt 0 ]; do
   case "$1" in
     --skip-bench) skip_bench=1 ;;
+    --with-python) with_python=1 ;;
     --gtest-filter) gtest_filter=$2; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -98,6 +102,10 @@ for r in rows: print(f"{r[0]:<12} {r[1]:>7} {r[2]:>7} {r[3]:>8} {r[4]}")
 PY
 if [ $skip_bench -eq 0 ] && [ -s "$out/bench.log" ]; then
   echo; echo "benchmark tables ($out/bench.log):"; grep -E '^(\||===|case|fwd|dgrad|wgrad|dense)' "$out/bench.log" | tail -70
+fi
+if [ $with_python -eq 1 ]; then
+  echo
+  bash scripts/python-gpu-check.sh "$out/python" || status=1
 fi
 note "done, status $status"
 exit $status
