@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_check.hpp"
 #include "kernels/grouped_gemm.hpp"
 
 using bf16 = __nv_bfloat16;
@@ -29,14 +30,6 @@ using megamoe::kernels::GemmActivation;
 using megamoe::kernels::GemmEpilogue;
 using megamoe::kernels::GemmTuning;
 
-#define CK(call)                                                                                 \
-  do {                                                                                           \
-    cudaError_t e_ = (call);                                                                     \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
 #define CB(call)                                                                         \
   do {                                                                                   \
     cublasStatus_t s_ = (call);                                                          \
@@ -45,15 +38,6 @@ using megamoe::kernels::GemmTuning;
       std::exit(1);                                                                      \
     }                                                                                    \
   } while (0)
-#define CS(expr)                                                                       \
-  do {                                                                                 \
-    megamoe::Status st_ = (expr);                                                      \
-    if (!st_.is_ok()) {                                                                \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, st_.to_string().c_str()); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
-
 namespace {
 
 __global__ void fill_random(bf16* p, size_t n, uint64_t seed, float scale) {
@@ -97,34 +81,34 @@ __global__ void diff_norms(const T* a, const T* ref, size_t n, double* out) {
 template <typename T>
 double rel_err(const T* a, const T* ref, size_t n) {
   double* d;
-  CK(cudaMalloc(&d, 2 * sizeof(double)));
-  CK(cudaMemset(d, 0, 2 * sizeof(double)));
+  BENCH_CHECK_CUDA(cudaMalloc(&d, 2 * sizeof(double)));
+  BENCH_CHECK_CUDA(cudaMemset(d, 0, 2 * sizeof(double)));
   diff_norms<<<1024, 256>>>(a, ref, n, d);
-  CK(cudaGetLastError());
+  BENCH_CHECK_CUDA(cudaGetLastError());
   double h[2];
-  CK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
-  CK(cudaFree(d));
+  BENCH_CHECK_CUDA(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
+  BENCH_CHECK_CUDA(cudaFree(d));
   std::printf("  check: ||C - C_cublas||^2 = %.6e, ||C_cublas||^2 = %.6e over %zu values\n", h[0], h[1], n);
   return std::sqrt(h[0] / std::max(h[1], 1e-300));
 }
 
 double median_ms(const std::function<void()>& fn, int warmup = 5, int iters = 30) {
   for (int i = 0; i < warmup; ++i) fn();
-  CK(cudaDeviceSynchronize());
+  BENCH_CHECK_CUDA(cudaDeviceSynchronize());
   cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
+  BENCH_CHECK_CUDA(cudaEventCreate(&a));
+  BENCH_CHECK_CUDA(cudaEventCreate(&b));
   std::vector<float> t(iters);
   for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(a));
+    BENCH_CHECK_CUDA(cudaEventRecord(a));
     fn();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    CK(cudaEventElapsedTime(&t[i], a, b));
+    BENCH_CHECK_CUDA(cudaEventRecord(b));
+    BENCH_CHECK_CUDA(cudaEventSynchronize(b));
+    BENCH_CHECK_CUDA(cudaEventElapsedTime(&t[i], a, b));
   }
-  CK(cudaGetLastError());
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
+  BENCH_CHECK_CUDA(cudaGetLastError());
+  BENCH_CHECK_CUDA(cudaEventDestroy(a));
+  BENCH_CHECK_CUDA(cudaEventDestroy(b));
   std::sort(t.begin(), t.end());
   return t[iters / 2];
 }
@@ -194,7 +178,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--baseline") baseline = argv[i + 1];
   const auto torch = read_torch_csv(baseline);
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
+  BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   cublasHandle_t h;
   CB(cublasCreate(&h));
@@ -212,25 +196,25 @@ int main(int argc, char** argv) {
   bf16 *A, *B, *C, *Cref;
   float *C32, *C32ref;
   int32_t *off_bal, *off_skew, *off_dense;
-  CK(cudaMalloc(&A, max_elems_a * 2));
-  CK(cudaMalloc(&B, std::max(max_elems_b, size_t(T) * 4096) * 2));  // form 3 uses B as [T, N]
-  CK(cudaMalloc(&C, max_elems_c * 2));
-  CK(cudaMalloc(&Cref, max_elems_c * 2));
-  CK(cudaMalloc(&C32, size_t(E) * 4096 * 4096 * 4));
-  CK(cudaMalloc(&C32ref, size_t(E) * 4096 * 4096 * 4));
-  CK(cudaMalloc(&off_bal, (E + 1) * 4));
-  CK(cudaMalloc(&off_skew, (E + 1) * 4));
-  CK(cudaMalloc(&off_dense, 2 * 4));
+  BENCH_CHECK_CUDA(cudaMalloc(&A, max_elems_a * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(&B, std::max(max_elems_b, size_t(T) * 4096) * 2));  // form 3 uses B as [T, N]
+  BENCH_CHECK_CUDA(cudaMalloc(&C, max_elems_c * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(&Cref, max_elems_c * 2));
+  BENCH_CHECK_CUDA(cudaMalloc(&C32, size_t(E) * 4096 * 4096 * 4));
+  BENCH_CHECK_CUDA(cudaMalloc(&C32ref, size_t(E) * 4096 * 4096 * 4));
+  BENCH_CHECK_CUDA(cudaMalloc(&off_bal, (E + 1) * 4));
+  BENCH_CHECK_CUDA(cudaMalloc(&off_skew, (E + 1) * 4));
+  BENCH_CHECK_CUDA(cudaMalloc(&off_dense, 2 * 4));
   fill_random<<<4096, 256>>>(A, max_elems_a, 1, 1.0f);
   fill_random<<<4096, 256>>>(B, std::max(max_elems_b, size_t(T) * 4096), 2, 1.0f);
-  CK(cudaGetLastError());
+  BENCH_CHECK_CUDA(cudaGetLastError());
   const auto ob = offsets_of(std::vector<int>(E, rows_per));
   const auto skew = skewed_sizes(E, rows_per);
   const auto os = offsets_of(skew);
   const int32_t od[2] = {0, 8192};
-  CK(cudaMemcpy(off_bal, ob.data(), ob.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(off_skew, os.data(), os.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(off_dense, od, sizeof(od), cudaMemcpyHostToDevice));
+  BENCH_CHECK_CUDA(cudaMemcpy(off_bal, ob.data(), ob.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CHECK_CUDA(cudaMemcpy(off_skew, os.data(), os.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CHECK_CUDA(cudaMemcpy(off_dense, od, sizeof(od), cudaMemcpyHostToDevice));
   std::printf("skewed sizes:");
   for (int s : skew) std::printf(" %d", s);
   std::printf(" (total %d)\n", os[E]);
@@ -252,7 +236,7 @@ int main(int argc, char** argv) {
                                     N, int64_t(rows_per) * N, E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     };
     auto eng_nt = [&](const int32_t* off) {
-      CS(megamoe::kernels::grouped_gemm_nt(A, B, C, off, E, T, N, K, GemmEpilogue{}, nullptr));
+      BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off, E, T, N, K, GemmEpilogue{}, nullptr));
     };
     const double t_cub = median_ms(cublas_nt);
     const double t_eng = median_ms([&] { eng_nt(off_bal); });
@@ -264,7 +248,7 @@ int main(int argc, char** argv) {
     rows.push_back({name, flops, t_skew, 0, torch_ms("nt", N, K, "skewed"), 0});
     {
       const double t1 = median_ms([&] {
-        CS(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr, GemmTuning{2}));
+        BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr, GemmTuning{2}));
       });
       std::snprintf(name, sizeof(name), "fwd NT  N=%d K=%d balanced, cluster 2", N, K);
       rows.push_back({name, flops, t1, t_cub, torch_ms("nt", N, K, "balanced"), rel_err(C, Cref, size_t(T) * N)});
@@ -275,7 +259,7 @@ int main(int argc, char** argv) {
       GemmEpilogue epi;
       epi.activation = GemmActivation::kSwiGLU;
       const double t =
-          median_ms([&] { CS(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, epi, nullptr)); });
+          median_ms([&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, epi, nullptr)); });
       std::snprintf(name, sizeof(name), "fwd NT+SwiGLU N=%d K=%d", N, K);
       rows.push_back({name, flops, t, 0, 0, 0});
     }
@@ -289,7 +273,7 @@ int main(int argc, char** argv) {
     {
       const double tc = median_ms(cublas_nn);
       const double te = median_ms(
-          [&] { CS(megamoe::kernels::grouped_gemm_nn(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr)); });
+          [&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nn(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr)); });
       const double e2 = rel_err(C, Cref, size_t(T) * N);
       std::snprintf(name, sizeof(name), "dgrad NN N=%d K=%d balanced", N, K);
       rows.push_back({name, flops, te, tc, torch_ms("nn", N, K, "balanced"), e2});
@@ -305,22 +289,22 @@ int main(int argc, char** argv) {
       };
       const double tc = median_ms(cublas_tn);
       const double te =
-          median_ms([&] { CS(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, false, nullptr)); });
+          median_ms([&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, false, nullptr)); });
       const double e3 = rel_err(C32, C32ref, size_t(E) * Mw * Nw);
       std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d balanced", Mw, Nw);
       rows.push_back({name, flops, te, tc, torch_ms("tn", N, K, "balanced"), e3});
       const double ts =
-          median_ms([&] { CS(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_skew, E, T, Mw, Nw, false, nullptr)); });
+          median_ms([&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_skew, E, T, Mw, Nw, false, nullptr)); });
       std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d skewed", Mw, Nw);
       rows.push_back({name, flops, ts, 0, torch_ms("tn", N, K, "skewed"), 0});
       const double t1 = median_ms([&] {
-        CS(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, false, nullptr, GemmTuning{2}));
+        BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, false, nullptr, GemmTuning{2}));
       });
       std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d balanced, cluster 2", Mw, Nw);
       rows.push_back(
           {name, flops, t1, tc, torch_ms("tn", N, K, "balanced"), rel_err(C32, C32ref, size_t(E) * Mw * Nw)});
       const double ta =
-          median_ms([&] { CS(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, true, nullptr)); });
+          median_ms([&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, true, nullptr)); });
       std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d accumulate", Mw, Nw);
       rows.push_back({name, flops, ta, 0, 0, 0});
     }
@@ -336,11 +320,11 @@ int main(int argc, char** argv) {
     };
     const double tc = median_ms(cub);
     const double te = median_ms(
-        [&] { CS(megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr)); });
+        [&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr)); });
     const double err = rel_err(C, Cref, size_t(n) * n);
     rows.push_back({"dense NT 8192^3", flops, te, tc, torch_ms("dense", n, n, "1"), err});
     const double te1 = median_ms([&] {
-      CS(megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr, GemmTuning{2}));
+      BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr, GemmTuning{2}));
     });
     rows.push_back(
         {"dense NT 8192^3, cluster 2", flops, te1, tc, torch_ms("dense", n, n, "1"), rel_err(C, Cref, size_t(n) * n)});
@@ -351,7 +335,7 @@ int main(int argc, char** argv) {
     };
     const double tc2 = median_ms(cub_nn);
     const double te2 = median_ms(
-        [&] { CS(megamoe::kernels::grouped_gemm_nn(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr)); });
+        [&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nn(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr)); });
     const double err2 = rel_err(C, Cref, size_t(n) * n);
     rows.push_back({"dense NN 8192^3", flops, te2, tc2, 0, err2});
     auto cub_tn = [&] {
@@ -360,7 +344,7 @@ int main(int argc, char** argv) {
     };
     const double tc3 = median_ms(cub_tn);
     const double te3 =
-        median_ms([&] { CS(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_dense, 1, n, n, n, false, nullptr)); });
+        median_ms([&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_dense, 1, n, n, n, false, nullptr)); });
     const double err3 = rel_err(C32, C32ref, size_t(n) * n);
     rows.push_back({"dense TN 8192^3 (fp32 out)", flops, te3, tc3, 0, err3});
   }

@@ -15,33 +15,16 @@
 #include <string>
 #include <vector>
 
+#include "bench_check.hpp"
 #include "kernels/hashed_fill.hpp"
 #include "megamoe/layer.hpp"
 
 namespace {
 
-#define CHECK_CUDA(call)                                                                  \
-  do {                                                                                    \
-    cudaError_t e_ = (call);                                                              \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
-
-#define CHECK_OK(expr)                                                    \
-  do {                                                                    \
-    megamoe::Status s_ = (expr);                                          \
-    if (!s_.is_ok()) {                                                    \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.to_string().c_str()); \
-      std::exit(1);                                                       \
-    }                                                                     \
-  } while (0)
-
 template <typename T>
 T* device_alloc(int64_t count) {
   T* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, sizeof(T) * std::max<int64_t>(count, 1)));
+  BENCH_CHECK_CUDA(cudaMalloc(&p, sizeof(T) * std::max<int64_t>(count, 1)));
   return p;
 }
 
@@ -66,7 +49,7 @@ Result run(int64_t H, int64_t I, int iters) {
   c.max_tokens_per_rank = 16384;
   const int64_t T = c.max_tokens_per_rank, K = c.top_k, E = c.num_experts;
   std::unique_ptr<megamoe::VirtualRankGroup> group;
-  CHECK_OK(megamoe::VirtualRankGroup::create(c, megamoe::LayerOptions{}, &group));
+  BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, megamoe::LayerOptions{}, &group));
   cudaStream_t stream = group->stream(0);
 
   constexpr int kSets = 2;  // alternate two token sets so x and d_out are not L2-resident between runs
@@ -93,8 +76,8 @@ Result run(int64_t H, int64_t I, int iters) {
     }
     idx[s] = device_alloc<int64_t>(T * K);
     weights[s] = device_alloc<float>(T * K);
-    CHECK_CUDA(cudaMemcpy(idx[s], h_idx.data(), 8 * T * K, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(weights[s], h_w.data(), 4 * T * K, cudaMemcpyHostToDevice));
+    BENCH_CHECK_CUDA(cudaMemcpy(idx[s], h_idx.data(), 8 * T * K, cudaMemcpyHostToDevice));
+    BENCH_CHECK_CUDA(cudaMemcpy(weights[s], h_w.data(), 4 * T * K, cudaMemcpyHostToDevice));
   }
   auto* w13 = device_alloc<__nv_bfloat16>(E * 2 * I * H);
   auto* w2 = device_alloc<__nv_bfloat16>(E * H * I);
@@ -106,7 +89,7 @@ Result run(int64_t H, int64_t I, int iters) {
   auto* d_weights = device_alloc<float>(T * K);
   auto* d_w13 = device_alloc<float>(E * 2 * I * H);
   auto* d_w2 = device_alloc<float>(E * H * I);
-  CHECK_CUDA(cudaDeviceSynchronize());
+  BENCH_CHECK_CUDA(cudaDeviceSynchronize());
 
   auto forward = [&](int s) {
     megamoe::ForwardArgs f;
@@ -117,7 +100,7 @@ Result run(int64_t H, int64_t I, int iters) {
     f.w13 = w13;
     f.w2 = w2;
     f.out = out;
-    CHECK_OK(group->layer(0).forward(f));
+    BENCH_CHECK_OK(group->layer(0).forward(f));
   };
   auto backward = [&](int s) {
     megamoe::BackwardArgs b;
@@ -126,30 +109,30 @@ Result run(int64_t H, int64_t I, int iters) {
     b.d_topk_weights = d_weights;
     b.d_w13 = d_w13;
     b.d_w2 = d_w2;
-    CHECK_OK(group->layer(0).backward(b));
+    BENCH_CHECK_OK(group->layer(0).backward(b));
   };
   cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
+  BENCH_CHECK_CUDA(cudaEventCreate(&start));
+  BENCH_CHECK_CUDA(cudaEventCreate(&stop));
   std::vector<float> fwd, total;
   for (int it = -3; it < iters; ++it) {
     const int s = (it + 3) % kSets;
     float ms = 0;
-    CHECK_CUDA(cudaEventRecord(start, stream));
+    BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
     forward(s);
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
+    BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
+    BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
     if (it >= 0) fwd.push_back(ms);
-    CHECK_CUDA(cudaEventRecord(start, stream));
+    BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
     forward(s);
     backward(s);
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
+    BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
+    BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
     if (it >= 0) total.push_back(ms);
   }
-  CHECK_OK(group->synchronize_and_check());
+  BENCH_CHECK_OK(group->synchronize_and_check());
   Result r{H, I, median(fwd), median(total), 0, 0};
   const double pairs = static_cast<double>(T * K);
   r.forward_tflops = c.forward_flops(static_cast<int64_t>(pairs)) / (r.forward_ms * 1e-3) / 1e12;
