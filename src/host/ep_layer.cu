@@ -104,6 +104,36 @@ struct ExpertParallelLayer::Impl {
   Status gemm(const GroupedGemmArgs& args) const {
     return kernels::simple_grouped_gemm(args, placement.stream, max_blocks);
   }
+  // Simple-engine arguments over the local experts' rows: M-grouped (rows are the output rows) and
+  // K-grouped (rows are the reduction; one fp32 C per expert, [m, n] each).
+  GroupedGemmArgs rows_gemm(int64_t n, int64_t k, GemmOperand a, GemmOperand b) const {
+    GroupedGemmArgs g;
+    g.mode = GroupMode::kM;
+    g.num_groups = static_cast<int>(config.experts_per_rank());
+    g.group_offsets = expert_offsets();
+    g.n = n;
+    g.k = k;
+    g.a = a;
+    g.b = b;
+    return g;
+  }
+  GroupedGemmArgs weight_grad_gemm(int64_t m, int64_t n, GemmOperand a, GemmOperand b, float* c,
+                                   bool accumulate) const {
+    GroupedGemmArgs g;
+    g.mode = GroupMode::kK;
+    g.num_groups = static_cast<int>(config.experts_per_rank());
+    g.group_offsets = expert_offsets();
+    g.m = m;
+    g.n = n;
+    g.a = a;
+    g.b = b;
+    g.c = c;
+    g.ldc = n;
+    g.c_group_stride = m * n;
+    g.output = OutputType::kFP32;
+    g.accumulate = accumulate;
+    return g;
+  }
 
   // GEMM1 -> SwiGLU -> GEMM2, y rows delivered to the sources' combine slots.
   Status expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2) const;
@@ -131,26 +161,14 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward(const ep::Params& p, const 
                                                      static_cast<int>(I), plain, stream, gemm_tuning()));
     return ep::launch_send_rows(p, y, stream, max_blocks);
   }
-  GroupedGemmArgs gemm1;  // h = x . W13^T
-  gemm1.mode = GroupMode::kM;
-  gemm1.num_groups = EL;
-  gemm1.group_offsets = expert_offsets();
-  gemm1.n = 2 * I;
-  gemm1.k = H;
-  gemm1.a = GemmOperand{rows_x, H, true, 0};
-  gemm1.b = GemmOperand{w13, H, false, 2 * I * H};
+  GroupedGemmArgs gemm1 = rows_gemm(2 * I, H, GemmOperand{rows_x, H, true, 0},  // h = x . W13^T
+                                     GemmOperand{w13, H, false, 2 * I * H});
   gemm1.c = h;
   gemm1.ldc = 2 * I;
   MEGAMOE_RETURN_IF_ERROR(gemm(gemm1));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_forward(p, stream, max_blocks));
-  GroupedGemmArgs gemm2;  // y = a . W2^T, each row stored straight into its source's combine slot
-  gemm2.mode = GroupMode::kM;
-  gemm2.num_groups = EL;
-  gemm2.group_offsets = expert_offsets();
-  gemm2.n = H;
-  gemm2.k = I;
-  gemm2.a = GemmOperand{a, I, true, 0};
-  gemm2.b = GemmOperand{w2, I, false, H * I};
+  // y = a . W2^T, each row stored straight into its source's combine slot
+  GroupedGemmArgs gemm2 = rows_gemm(H, I, GemmOperand{a, I, true, 0}, GemmOperand{w2, I, false, H * I});
   gemm2.row_destinations = buffer<void*>(p.layout.row_dest);
   return gemm(gemm2);
 }
@@ -183,60 +201,24 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward(const ep::Params& p, const
     return kernels::grouped_gemm_tn(dh, rows_x, args.d_w13, expert_offsets(), EL, C, static_cast<int>(2 * I),
                                     static_cast<int>(H), args.accumulate_weight_grads, stream, gemm_tuning());
   }
-  GroupedGemmArgs dgrad2;  // da = d_out . W2 (W2 read N-major, no transposed copy)
-  dgrad2.mode = GroupMode::kM;
-  dgrad2.num_groups = EL;
-  dgrad2.group_offsets = expert_offsets();
-  dgrad2.n = I;
-  dgrad2.k = H;
-  dgrad2.a = GemmOperand{rows_dout, H, true, 0};
-  dgrad2.b = GemmOperand{forward_w2, I, true, H * I};
+  // da = d_out . W2 (W2 read N-major, no transposed copy)
+  GroupedGemmArgs dgrad2 = rows_gemm(I, H, GemmOperand{rows_dout, H, true, 0},
+                                     GemmOperand{forward_w2, I, true, H * I});
   dgrad2.c = buffer<float>(p.layout.da);
   dgrad2.ldc = I;
   dgrad2.output = OutputType::kFP32;
   MEGAMOE_RETURN_IF_ERROR(gemm(dgrad2));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_backward(p, false, stream, max_blocks));
-
-  GroupedGemmArgs dgrad1;  // dx rows = dh . W13, stored into the source's combine slot
-  dgrad1.mode = GroupMode::kM;
-  dgrad1.num_groups = EL;
-  dgrad1.group_offsets = expert_offsets();
-  dgrad1.n = H;
-  dgrad1.k = 2 * I;
-  dgrad1.a = GemmOperand{dh, 2 * I, true, 0};
-  dgrad1.b = GemmOperand{forward_w13, H, true, 2 * I * H};
+  // dx rows = dh . W13, stored into the source's combine slot
+  GroupedGemmArgs dgrad1 = rows_gemm(H, 2 * I, GemmOperand{dh, 2 * I, true, 0},
+                                     GemmOperand{forward_w13, H, true, 2 * I * H});
   dgrad1.row_destinations = buffer<void*>(p.layout.row_dest);
   MEGAMOE_RETURN_IF_ERROR(gemm(dgrad1));
-
-  GroupedGemmArgs wgrad2;  // dW2[e] = dy^T a over expert e's rows
-  wgrad2.mode = GroupMode::kK;
-  wgrad2.num_groups = EL;
-  wgrad2.group_offsets = expert_offsets();
-  wgrad2.m = H;
-  wgrad2.n = I;
-  wgrad2.a = GemmOperand{rows_dy, H, false, 0};
-  wgrad2.b = GemmOperand{a, I, true, 0};
-  wgrad2.c = args.d_w2;
-  wgrad2.ldc = I;
-  wgrad2.c_group_stride = H * I;
-  wgrad2.output = OutputType::kFP32;
-  wgrad2.accumulate = args.accumulate_weight_grads;
-  MEGAMOE_RETURN_IF_ERROR(gemm(wgrad2));
-
-  GroupedGemmArgs wgrad13;  // dW13[e] = dh^T x over expert e's rows
-  wgrad13.mode = GroupMode::kK;
-  wgrad13.num_groups = EL;
-  wgrad13.group_offsets = expert_offsets();
-  wgrad13.m = 2 * I;
-  wgrad13.n = H;
-  wgrad13.a = GemmOperand{dh, 2 * I, false, 0};
-  wgrad13.b = GemmOperand{rows_x, H, true, 0};
-  wgrad13.c = args.d_w13;
-  wgrad13.ldc = H;
-  wgrad13.c_group_stride = 2 * I * H;
-  wgrad13.output = OutputType::kFP32;
-  wgrad13.accumulate = args.accumulate_weight_grads;
-  return gemm(wgrad13);
+  // dW2[e] = dy^T a and dW13[e] = dh^T x over expert e's rows
+  MEGAMOE_RETURN_IF_ERROR(gemm(weight_grad_gemm(H, I, GemmOperand{rows_dy, H, false, 0}, GemmOperand{a, I, true, 0},
+                                                args.d_w2, args.accumulate_weight_grads)));
+  return gemm(weight_grad_gemm(2 * I, H, GemmOperand{dh, 2 * I, false, 0}, GemmOperand{rows_x, H, true, 0},
+                               args.d_w13, args.accumulate_weight_grads));
 }
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
