@@ -150,6 +150,78 @@ std::map<std::string, double> read_torch_csv(const char* path) {
   return m;
 }
 
+// Launch shapes of the engine compared in the same run (the main table uses the default tuning).
+struct Variant {
+  const char* name;
+  GemmTuning tuning;
+};
+std::vector<Variant> variants() {
+  using megamoe::kernels::GemmStoreMode;
+  return {{"threads", {1, 0, GemmStoreMode::kThreads}},         {"tma box", {1, 0, GemmStoreMode::kTmaBox}},
+          {"tma tile", {1, 0, GemmStoreMode::kTmaTile}},        {"c2 threads", {2, 0, GemmStoreMode::kThreads}},
+          {"c2 tma box", {2, 0, GemmStoreMode::kTmaBox}},       {"c2 tma tile", {2, 0, GemmStoreMode::kTmaTile}}};
+}
+
+// Medians of several launch variants measured interleaved: round after round every variant runs
+// `per_round` single timed launches, the first variant of a round rotating. Back-to-back medians of the
+// very same kernel differed by up to 20% in run 8 (the clock/power state drifts from one measurement to the
+// next); interleaving exposes every variant to the same drift, so their ratios are fair.
+std::vector<double> interleaved_median_ms(const std::vector<std::function<void()>>& fns, int rounds = 20,
+                                          int per_round = 3) {
+  const size_t n = fns.size();
+  for (const auto& f : fns) {
+    f();
+    f();
+  }
+  BENCH_CHECK_CUDA(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  BENCH_CHECK_CUDA(cudaEventCreate(&a));
+  BENCH_CHECK_CUDA(cudaEventCreate(&b));
+  std::vector<std::vector<float>> t(n);
+  for (int r = 0; r < rounds; ++r) {
+    for (size_t i = 0; i < n; ++i) {
+      const size_t v = (i + static_cast<size_t>(r)) % n;
+      for (int k = 0; k < per_round; ++k) {
+        float ms = 0;
+        BENCH_CHECK_CUDA(cudaEventRecord(a));
+        fns[v]();
+        BENCH_CHECK_CUDA(cudaEventRecord(b));
+        BENCH_CHECK_CUDA(cudaEventSynchronize(b));
+        BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+        t[v].push_back(ms);
+      }
+    }
+  }
+  BENCH_CHECK_CUDA(cudaGetLastError());
+  BENCH_CHECK_CUDA(cudaEventDestroy(a));
+  BENCH_CHECK_CUDA(cudaEventDestroy(b));
+  std::vector<double> med(n);
+  for (size_t v = 0; v < n; ++v) {
+    std::sort(t[v].begin(), t[v].end());
+    med[v] = t[v][t[v].size() / 2];
+  }
+  return med;
+}
+
+struct Comparison {
+  std::string what;
+  double flops;
+  std::vector<std::string> names;
+  std::vector<double> ms;
+};
+
+// TFLOP/s of every variant and its speed relative to the first (the previous default: threads, cluster 1).
+void print_comparisons(const std::vector<Comparison>& cs) {
+  std::printf("\nlaunch shapes, interleaved (TFLOP/s, x = speed vs the first column)\n");
+  for (const auto& c : cs) {
+    std::printf("%-34s", c.what.c_str());
+    for (size_t i = 0; i < c.ms.size(); ++i) {
+      std::printf(" | %s %6.1f x%.3f", c.names[i].c_str(), c.flops / (c.ms[i] * 1e-3) / 1e12, c.ms[0] / c.ms[i]);
+    }
+    std::printf("\n");
+  }
+}
+
 struct Row {
   std::string what;
   double flops;
@@ -158,11 +230,11 @@ struct Row {
 };
 
 void print_rows(const std::vector<Row>& rows) {
-  std::printf("\n%-44s %9s %8s %9s %8s %9s %8s %7s %7s %9s\n", "case", "engine_ms", "TFLOP/s", "cublas_ms", "TFLOP/s",
+  std::printf("\n%-50s %9s %8s %9s %8s %9s %8s %7s %7s %9s\n", "case", "engine_ms", "TFLOP/s", "cublas_ms", "TFLOP/s",
               "torch_ms", "TFLOP/s", "x_cubl", "x_torch", "rel_err");
   for (const auto& r : rows) {
     auto tf = [&](double ms) { return ms > 0 ? r.flops / (ms * 1e-3) / 1e12 : 0.0; };
-    std::printf("%-44s %9.3f %8.1f %9.3f %8.1f %9.3f %8.1f %7.3f %7.3f %9.2e\n", r.what.c_str(), r.engine_ms,
+    std::printf("%-50s %9.3f %8.1f %9.3f %8.1f %9.3f %8.1f %7.3f %7.3f %9.2e\n", r.what.c_str(), r.engine_ms,
                 tf(r.engine_ms), r.cublas_ms, tf(r.cublas_ms), r.torch_ms, tf(r.torch_ms),
                 r.cublas_ms > 0 ? r.cublas_ms / r.engine_ms : 0.0, r.torch_ms > 0 ? r.torch_ms / r.engine_ms : 0.0,
                 r.err);
@@ -196,6 +268,8 @@ int main(int argc, char** argv) {
   bf16 *A, *B, *C, *Cref;
   float *C32, *C32ref;
   int32_t *off_bal, *off_skew, *off_dense;
+  int* work_counter;  // dynamic scheduling (GemmTuning::work_counter)
+  BENCH_CHECK_CUDA(cudaMalloc(&work_counter, sizeof(int)));
   BENCH_CHECK_CUDA(cudaMalloc(&A, max_elems_a * 2));
   BENCH_CHECK_CUDA(cudaMalloc(&B, std::max(max_elems_b, size_t(T) * 4096) * 2));  // form 3 uses B as [T, N]
   BENCH_CHECK_CUDA(cudaMalloc(&C, max_elems_c * 2));
@@ -220,6 +294,7 @@ int main(int argc, char** argv) {
   std::printf(" (total %d)\n", os[E]);
 
   std::vector<Row> rows;
+  std::vector<Comparison> comparisons;
   auto torch_ms = [&](const char* form, int n, int k, const char* groups) {
     auto it = torch.find(std::string(form) + "," + std::to_string(n) + "," + std::to_string(k) + "," + groups);
     return it == torch.end() ? 0.0 : it->second;
@@ -246,12 +321,25 @@ int main(int argc, char** argv) {
     const double t_skew = median_ms([&] { eng_nt(off_skew); });
     std::snprintf(name, sizeof(name), "fwd NT  N=%d K=%d skewed", N, K);
     rows.push_back({name, flops, t_skew, 0, torch_ms("nt", N, K, "skewed"), 0});
+    // Every launch shape, interleaved; each one's output checked against cuBLAS first.
     {
-      const double t1 = median_ms([&] {
-        BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr, GemmTuning{2}));
-      });
-      std::snprintf(name, sizeof(name), "fwd NT  N=%d K=%d balanced, cluster 2", N, K);
-      rows.push_back({name, flops, t1, t_cub, torch_ms("nt", N, K, "balanced"), rel_err(C, Cref, size_t(T) * N)});
+      std::vector<std::function<void()>> fns;
+      Comparison cmp{"", flops, {}, {}};
+      for (const Variant& v : variants()) {
+        fns.push_back([&, v] {
+          BENCH_CHECK_OK(
+              megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr, v.tuning));
+        });
+        BENCH_CHECK_CUDA(cudaMemset(C, 0xFF, size_t(T) * N * sizeof(bf16)));  // NaN: unwritten values show
+        fns.back()();
+        const double e = rel_err(C, Cref, size_t(T) * N);
+        if (e != 0.0) std::printf("  NOTE: %s differs from cuBLAS: rel err %.3e\n", v.name, e);
+        cmp.names.push_back(v.name);
+      }
+      std::snprintf(name, sizeof(name), "fwd NT  N=%d K=%d", N, K);
+      cmp.what = name;
+      cmp.ms = interleaved_median_ms(fns);
+      comparisons.push_back(cmp);
     }
 
     // ---- form 1 + SwiGLU (N = 2I interleaved), a written N/2 wide
@@ -262,6 +350,17 @@ int main(int argc, char** argv) {
           median_ms([&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, epi, nullptr)); });
       std::snprintf(name, sizeof(name), "fwd NT+SwiGLU N=%d K=%d", N, K);
       rows.push_back({name, flops, t, 0, 0, 0});
+      std::vector<std::function<void()>> fns;
+      Comparison cmp{"", flops, {}, {}};
+      for (const Variant& v : variants()) {
+        fns.push_back(
+            [&, v] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, epi, nullptr, v.tuning)); });
+        cmp.names.push_back(v.name);
+      }
+      std::snprintf(name, sizeof(name), "fwd NT+SwiGLU N=%d K=%d", N, K);
+      cmp.what = name;
+      cmp.ms = interleaved_median_ms(fns);
+      comparisons.push_back(cmp);
     }
 
     // ---- form 2: C[T, N] = A[T, K] . B[e][K, N]
@@ -277,6 +376,23 @@ int main(int argc, char** argv) {
       const double e2 = rel_err(C, Cref, size_t(T) * N);
       std::snprintf(name, sizeof(name), "dgrad NN N=%d K=%d balanced", N, K);
       rows.push_back({name, flops, te, tc, torch_ms("nn", N, K, "balanced"), e2});
+      std::vector<std::function<void()>> fns;
+      Comparison cmp{"", flops, {}, {}};
+      for (const Variant& v : variants()) {
+        fns.push_back([&, v] {
+          BENCH_CHECK_OK(
+              megamoe::kernels::grouped_gemm_nn(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr, v.tuning));
+        });
+        BENCH_CHECK_CUDA(cudaMemset(C, 0xFF, size_t(T) * N * sizeof(bf16)));  // NaN: unwritten values show
+        fns.back()();
+        const double e = rel_err(C, Cref, size_t(T) * N);
+        if (e != 0.0) std::printf("  NOTE: NN %s differs from cuBLAS: rel err %.3e\n", v.name, e);
+        cmp.names.push_back(v.name);
+      }
+      std::snprintf(name, sizeof(name), "dgrad NN N=%d K=%d", N, K);
+      cmp.what = name;
+      cmp.ms = interleaved_median_ms(fns);
+      comparisons.push_back(cmp);
     }
 
     // ---- form 3: C[e][N, K] = A[rows_e, N]^T . B[rows_e, K]  (fp32 out; M = N, N = K)
@@ -297,12 +413,28 @@ int main(int argc, char** argv) {
           median_ms([&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_skew, E, T, Mw, Nw, false, nullptr)); });
       std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d skewed", Mw, Nw);
       rows.push_back({name, flops, ts, 0, torch_ms("tn", N, K, "skewed"), 0});
-      const double t1 = median_ms([&] {
-        BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, false, nullptr, GemmTuning{2}));
-      });
-      std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d balanced, cluster 2", Mw, Nw);
-      rows.push_back(
-          {name, flops, t1, tc, torch_ms("tn", N, K, "balanced"), rel_err(C32, C32ref, size_t(E) * Mw * Nw)});
+      GemmTuning dynamic;
+      dynamic.work_counter = work_counter;
+      const double tsd = median_ms(
+          [&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_skew, E, T, Mw, Nw, false, nullptr, dynamic)); });
+      std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d skewed, dynamic", Mw, Nw);
+      rows.push_back({name, flops, tsd, 0, torch_ms("tn", N, K, "skewed"), 0});
+      {
+        std::vector<std::function<void()>> fns;
+        for (int v = 0; v < 3; ++v) {
+          GemmTuning tuning{v == 1 ? 2 : 1};
+          if (v == 2) tuning.work_counter = work_counter;
+          fns.push_back([&, tuning] {
+            BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, false, nullptr, tuning));
+          });
+          BENCH_CHECK_CUDA(cudaMemset(C32, 0xFF, size_t(E) * Mw * Nw * sizeof(float)));
+          fns.back()();
+          const double e = rel_err(C32, C32ref, size_t(E) * Mw * Nw);
+          if (e != 0.0) std::printf("  NOTE: TN variant %d differs from cuBLAS: rel err %.3e\n", v, e);
+        }
+        std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d", Mw, Nw);
+        comparisons.push_back({name, flops, {"cluster 1", "cluster 2", "dynamic"}, interleaved_median_ms(fns)});
+      }
       const double ta =
           median_ms([&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, true, nullptr)); });
       std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d accumulate", Mw, Nw);
@@ -323,11 +455,23 @@ int main(int argc, char** argv) {
         [&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr)); });
     const double err = rel_err(C, Cref, size_t(n) * n);
     rows.push_back({"dense NT 8192^3", flops, te, tc, torch_ms("dense", n, n, "1"), err});
-    const double te1 = median_ms([&] {
-      BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr, GemmTuning{2}));
-    });
-    rows.push_back(
-        {"dense NT 8192^3, cluster 2", flops, te1, tc, torch_ms("dense", n, n, "1"), rel_err(C, Cref, size_t(n) * n)});
+    {
+      std::vector<std::function<void()>> fns;
+      Comparison cmp{"dense NT 8192^3", flops, {}, {}};
+      for (const Variant& v : variants()) {
+        fns.push_back([&, v] {
+          BENCH_CHECK_OK(
+              megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr, v.tuning));
+        });
+        BENCH_CHECK_CUDA(cudaMemset(C, 0xFF, size_t(n) * n * sizeof(bf16)));
+        fns.back()();
+        const double e = rel_err(C, Cref, size_t(n) * n);
+        if (e != 0.0) std::printf("  NOTE: dense %s differs from cuBLAS: rel err %.3e\n", v.name, e);
+        cmp.names.push_back(v.name);
+      }
+      cmp.ms = interleaved_median_ms(fns);
+      comparisons.push_back(cmp);
+    }
     // The same product through forms 2 and 3 (B N-major; both operands MN-major, fp32 out).
     auto cub_nn = [&] {
       CB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, B, CUDA_R_16BF, n, A, CUDA_R_16BF, n, &zero, Cref,
@@ -349,6 +493,7 @@ int main(int argc, char** argv) {
     rows.push_back({"dense TN 8192^3 (fp32 out)", flops, te3, tc3, 0, err3});
   }
   print_rows(rows);
+  print_comparisons(comparisons);
   CB(cublasDestroy(h));
   return 0;
 }

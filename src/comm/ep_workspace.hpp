@@ -70,6 +70,7 @@ struct WorkspaceLayout {
   int64_t recv_routes = 0;     // SlotRoute [R, T, K]
   int64_t recv_weights = 0;    // f32 [R, T, K]
   int64_t expert_offsets = 0;  // int32 [E_local + 1]: expert-major row offsets (device-side counts)
+  int64_t gemm_work_counter = 0;  // int32: work-item counter of the weight-gradient GEMMs (dynamic scheduling)
   int64_t src_expert_base = 0; // int32 [R, E_local]: first row of (source, expert)
   int64_t row_origin = 0;      // RowOrigin [C]
   int64_t row_weight = 0;      // f32 [C]
@@ -106,6 +107,7 @@ struct WorkspaceLayout {
     l.recv_routes = take(static_cast<int64_t>(sizeof(SlotRoute)) * R * T * K);
     l.recv_weights = take(4 * R * T * K);
     l.expert_offsets = take(4 * (EL + 1));
+    l.gemm_work_counter = take(4);
     l.src_expert_base = take(4 * R * EL);
     l.row_origin = take(static_cast<int64_t>(sizeof(RowOrigin)) * C);
     l.row_weight = take(4 * C);

@@ -100,6 +100,13 @@ struct ExpertParallelLayer::Impl {
     tuning.max_ctas = max_blocks;
     return tuning;
   }
+  // Weight gradients: expert row counts are uneven in training, so their work items are handed out
+  // dynamically, longest first (each rank's own counter in its workspace; the two calls are stream-ordered).
+  kernels::GemmTuning weight_grad_tuning() const {
+    kernels::GemmTuning tuning = gemm_tuning();
+    tuning.work_counter = buffer<int>(params.layout.gemm_work_counter);
+    return tuning;
+  }
 
   Status gemm(const GroupedGemmArgs& args) const {
     return kernels::simple_grouped_gemm(args, placement.stream, max_blocks);
@@ -197,9 +204,9 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward(const ep::Params& p, const
     MEGAMOE_RETURN_IF_ERROR(ep::launch_send_rows(p, rows_dout, stream, max_blocks));
     MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_tn(rows_dy, a, args.d_w2, expert_offsets(), EL, C,
                                                      static_cast<int>(H), static_cast<int>(I),
-                                                     args.accumulate_weight_grads, stream, gemm_tuning()));
+                                                     args.accumulate_weight_grads, stream, weight_grad_tuning()));
     return kernels::grouped_gemm_tn(dh, rows_x, args.d_w13, expert_offsets(), EL, C, static_cast<int>(2 * I),
-                                    static_cast<int>(H), args.accumulate_weight_grads, stream, gemm_tuning());
+                                    static_cast<int>(H), args.accumulate_weight_grads, stream, weight_grad_tuning());
   }
   // da = d_out . W2 (W2 read N-major, no transposed copy)
   GroupedGemmArgs dgrad2 = rows_gemm(I, H, GemmOperand{rows_dout, H, true, 0},

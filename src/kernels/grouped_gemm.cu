@@ -33,7 +33,6 @@ namespace ptx = cuda::ptx;
 constexpr int kBM = 128;
 constexpr int kBN = 256;
 constexpr int kBK = 64;
-constexpr int kStages = 4;
 constexpr int kBandM = 16;                // tile-order band height (m-tiles), see decode_tile
 constexpr uint16_t kMulticastMask = 0x3;  // both CTAs of a 2-CTA cluster
 constexpr int kThreads = 384;
@@ -42,12 +41,22 @@ constexpr int kChunkBytes = 64 * 128;           // one 64 x 64 bf16 swizzled box
 constexpr int kABytes = kBM * kBK * 2;          // 16 KB
 constexpr int kBBytes = kBN * kBK * 2;          // 32 KB
 constexpr int kStageBytes = kABytes + kBBytes;  // 48 KB
-constexpr int kStagingBytes = 64 * 128;         // epilogue buffer per consumer warpgroup, 8 KB
+constexpr int kStagingBytes = 64 * 128;         // one epilogue staging box (64 rows x 128 B), 8 KB
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register budget");
 
 enum class Form : int { kNT = 0, kNN = 1, kTN = 2 };
+
+// Pipeline depth and staging boxes per consumer warpgroup of each store mode (GemmStoreMode).
+constexpr int stages_of(GemmStoreMode m) { return m == GemmStoreMode::kTmaTile ? 3 : 4; }
+constexpr int slots_of(GemmStoreMode m) { return m == GemmStoreMode::kTmaTile ? 4 : 1; }
+constexpr bool tma_store_of(GemmStoreMode m) {
+  return m == GemmStoreMode::kTmaBox || m == GemmStoreMode::kTmaTile;
+}
+// The mode kDefault stands for: measured fastest on the H200 (docs/GEMM.md run 9, interleaved): +0.5 to
+// +5.2% over kThreads for forms 1 and 2 on the four benchmark shapes, SwiGLU within +-1.5%.
+constexpr GemmStoreMode kDefaultStore = GemmStoreMode::kTmaTile;
 
 struct KernelParams {
   const int32_t* group_offsets;
@@ -65,17 +74,25 @@ struct KernelParams {
   const __nv_bfloat16* h_in;
   int64_t ld_h;
   int accumulate;
+  int tma_store;  // 1: the C (and aux) tensor maps are valid (no scatter)
+  int* work_counter;  // non-null: work items are handed out by atomicAdd on it (zeroed before the launch)
+  int longest_first;  // 1: number the work items of the experts with the most rows first (form 3, dynamic)
 };
 
-struct SmemLayout {
-  static constexpr int kBarOffset = kStages * kStageBytes;
-  static constexpr int kOffsetsOffset = kBarOffset + 2 * kStages * 8;
+constexpr int kTileRing = 8;  // work items in flight from the producer to the consumers (dynamic scheduling)
+
+template <int kStages, int kSlots>
+struct SmemLayoutOf {
+  static constexpr int kBarOffset = kStages * kStageBytes;  // full[kStages], empty[kStages], tile full/empty
+  static constexpr int kTileRingOffset = kBarOffset + (2 * kStages + 2 * kTileRing) * 8;
+  static constexpr int kOffsetsOffset = kTileRingOffset + kTileRing * 4;
   static constexpr int kTileStartOffset = kOffsetsOffset + (kGemmMaxGroups + 1) * 4;
-  static constexpr int kStagingOffset = (kTileStartOffset + (kGemmMaxGroups + 1) * 4 + 1023) / 1024 * 1024;
-  static constexpr int kEnd = kStagingOffset + 2 * kStagingBytes;
+  static constexpr int kOrderOffset = kTileStartOffset + (kGemmMaxGroups + 1) * 4;
+  static constexpr int kStagingOffset = (kOrderOffset + kGemmMaxGroups * 4 + 1023) / 1024 * 1024;
+  static constexpr int kEnd = kStagingOffset + 2 * kSlots * kStagingBytes;
   static constexpr int kDynamicBytes = kEnd + 1024;  // slack to align the base to 1024
+  static_assert(kDynamicBytes <= 227 * 1024, "shared memory budget");
 };
-static_assert(SmemLayout::kDynamicBytes <= 227 * 1024, "shared memory budget");
 
 struct Tile {
   int e;
@@ -95,8 +112,8 @@ __device__ __forceinline__ void wait_parity(uint64_t* bar, uint32_t parity) {
 // the B panel; CTA `rank` of the cluster takes tile m = kCluster * u + rank (possibly past the expert's
 // last m-tile: then it computes on zero/foreign rows and stores nothing, but still loads its half of B).
 template <Form kForm, int kCluster>
-__device__ __forceinline__ Tile decode_tile(int t, const int* offsets, const int* tile_start, int num_groups,
-                                            int n_tiles, int rank, const KernelParams& p) {
+__device__ __forceinline__ Tile decode_tile(int t, const int* offsets, const int* tile_start, const int* order,
+                                            int num_groups, int n_tiles, int rank, const KernelParams& p) {
   int lo = 0, hi = num_groups;
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
@@ -106,10 +123,11 @@ __device__ __forceinline__ Tile decode_tile(int t, const int* offsets, const int
       hi = mid;
     }
   }
+  // Position lo of the work numbering holds expert order[lo] (the identity unless longest-first).
   Tile tile;
-  tile.e = lo;
-  const int off = offsets[lo];
-  const int rows_e = offsets[lo + 1] - off;
+  tile.e = order[lo];
+  const int off = offsets[tile.e];
+  const int rows_e = offsets[tile.e + 1] - off;
   // Within an expert, tiles go in bands of kBandM m-tiles, m fastest inside a band: the CTAs running at
   // the same time cover about kBandM x (grid / kBandM) tiles, so their A and B panels are shared in L2.
   const int m_tiles = kForm == Form::kTN ? (p.M + kBM - 1) / kBM : (rows_e + kBM - 1) / kBM;
@@ -142,17 +160,32 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // large negative g underflows to 0 cleanly, since rcp(inf) = 0).
 __device__ __forceinline__ float sigmoid_f(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
 
-template <Form kForm, GemmActivation kAct, int kCluster>
+template <Form kForm, GemmActivation kAct, int kCluster, GemmStoreMode kStore>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                        const __grid_constant__ CUtensorMap tm_c, const __grid_constant__ CUtensorMap tm_aux,
                         const KernelParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  constexpr int kStages = stages_of(kStore);
+  constexpr int kSlots = slots_of(kStore);
+  constexpr bool kTmaStore = tma_store_of(kStore);
+  static_assert(!kTmaStore || (kForm != Form::kTN && kAct != GemmActivation::kSwiGLUBackward),
+                "TMA stores serve the bf16 staging epilogues of forms 1 and 2");
+  using SmemLayout = SmemLayoutOf<kStages, kSlots>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + SmemLayout::kBarOffset);
   uint64_t* empty_bar = full_bar + kStages;
   int* offsets = reinterpret_cast<int*>(smem + SmemLayout::kOffsetsOffset);
   int* tile_start = reinterpret_cast<int*>(smem + SmemLayout::kTileStartOffset);
+  int* order = reinterpret_cast<int*>(smem + SmemLayout::kOrderOffset);
+  uint64_t* tile_full = empty_bar + kStages;
+  uint64_t* tile_empty = tile_full + kTileRing;
+  volatile int* tile_ring = reinterpret_cast<volatile int*>(smem + SmemLayout::kTileRingOffset);
+  // Dynamic scheduling (single CTAs only, checked on the host): the producer takes the next work item from
+  // a global counter and hands it to the consumers through tile_ring, so a CTA that drew long items simply
+  // draws fewer; the static order is a grid stride.
+  const bool dynamic = kCluster == 1 && p.work_counter != nullptr;
 
   const int tid = threadIdx.x;
   const int E = p.num_groups;
@@ -169,6 +202,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Released by both consumer warpgroups of every CTA whose TMA writes into this stage.
       ptx::mbarrier_init(&empty_bar[s], 2 * kCluster);
     }
+    for (int s = 0; s < kTileRing; ++s) {
+      ptx::mbarrier_init(&tile_full[s], 1);
+      ptx::mbarrier_init(&tile_empty[s], kConsumerThreads);
+    }
     ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
   }
   // Offsets read on the device, clamped into [0, max_rows], so that a bad table can never send TMA or the
@@ -182,13 +219,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     __syncthreads();
   }
+  // Numbering order of the experts. Longest-first (form 3 with dynamic scheduling): the experts with the
+  // most rows, i.e. the longest work items, are handed out first, so that short items fill the tail
+  // (greedy longest-processing-time order); ties keep the expert order. Rank by counting: O(E^2 / threads).
+  for (int i = tid; i < E; i += kThreads) {
+    int pos = i;
+    if (p.longest_first) {
+      const int rows_i = max(offsets[i + 1] - offsets[i], 0);
+      pos = 0;
+      for (int f = 0; f < E; ++f) {
+        const int rows_f = max(offsets[f + 1] - offsets[f], 0);
+        pos += (rows_f > rows_i || (rows_f == rows_i && f < i)) ? 1 : 0;
+      }
+    }
+    order[pos] = i;
+  }
+  __syncthreads();
   if (tid < 32) {
-    // Work-item prefix sums: warp 0 scans 32 experts at a time.
+    // Work-item prefix sums over the numbering order: warp 0 scans 32 positions at a time.
     int carry = 0;
     for (int base = 0; base < E; base += 32) {
-      const int e = base + tid;
+      const int pos = base + tid;
+      const int e = pos < E ? order[pos] : E;
       int count = 0;
-      if (e < E) {
+      if (pos < E) {
         const int lo_row = offsets[e];
         const int hi_row = max(offsets[e + 1], lo_row);
         const int m_tiles = kForm == Form::kTN ? m_tiles_tn : (hi_row - lo_row + kBM - 1) / kBM;
@@ -200,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int v = __shfl_up_sync(0xffffffffu, incl, d);
         if (tid >= d) incl += v;
       }
-      if (e < E) tile_start[e] = carry + incl - count;
+      if (pos < E) tile_start[pos] = carry + incl - count;
       carry += __shfl_sync(0xffffffffu, incl, 31);
     }
     if (tid == 0) tile_start[E] = carry;
@@ -217,8 +271,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       int stage = 0;
       uint32_t phase = 0;
       const uint16_t mc_mask = kMulticastMask;
-      for (int t = cluster_id; t < total_tiles; t += num_clusters) {
-        const Tile tile = decode_tile<kForm, kCluster>(t, offsets, tile_start, E, n_tiles, rank, p);
+      int t = dynamic ? atomicAdd(p.work_counter, 1) : cluster_id;
+      for (int j = 0;; ++j) {
+        if (dynamic) {
+          // Publish the item (or the end: t >= total_tiles) to the consumers, in order.
+          const int slot = j % kTileRing;
+          wait_parity(&tile_empty[slot], ((j / kTileRing) & 1) ^ 1);
+          tile_ring[slot] = t;
+          (void)ptx::mbarrier_arrive(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &tile_full[slot]);
+        }
+        if (t >= total_tiles) break;
+        const Tile tile = decode_tile<kForm, kCluster>(t, offsets, tile_start, order, E, n_tiles, rank, p);
         const int k_tiles = max(tile.k_tiles, 0);
         const int n0 = tile.n_idx * kBN;
         for (int kt = 0; kt < k_tiles; ++kt) {
@@ -280,6 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             phase ^= 1;
           }
         }
+        t = dynamic ? atomicAdd(p.work_counter, 1) : t + num_clusters;
       }
     }
   } else {
@@ -299,16 +363,31 @@ __global__ void __launch_bounds__(kThreads, 1)
     // A stage is free once every CTA whose TMA writes into it is done with it: with a 2-CTA cluster the
     // peer multicasts into our stages, so we release the peer's empty barrier as well as our own.
     const uint32_t empty_s = static_cast<uint32_t>(__cvta_generic_to_shared(empty_bar));
+    // Lane 0 arrives on our barrier and lane 1 on the peer's, side by side.
     auto release = [&](int s) {
-      (void)ptx::mbarrier_arrive(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &empty_bar[s]);
-      if constexpr (kCluster > 1) sm90::mbarrier_arrive_cluster_peer(empty_s + 8 * s, rank ^ 1);
+      if (lt == 0) (void)ptx::mbarrier_arrive(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &empty_bar[s]);
+      if constexpr (kCluster > 1) {
+        if (lt == 1) sm90::mbarrier_arrive_cluster_peer(empty_s + 8 * s, rank ^ 1);
+      }
     };
 
     int stage = 0;
     uint32_t phase = 0;
     float acc[kBN / 2];
-    for (int t = cluster_id; t < total_tiles; t += num_clusters) {
-      const Tile tile = decode_tile<kForm, kCluster>(t, offsets, tile_start, E, n_tiles, rank, p);
+    int t_static = cluster_id;
+    for (int j = 0;; ++j) {
+      int t;
+      if (dynamic) {
+        const int slot = j % kTileRing;
+        wait_parity(&tile_full[slot], (j / kTileRing) & 1);
+        t = tile_ring[slot];
+        (void)ptx::mbarrier_arrive(ptx::sem_release, ptx::scope_cta, ptx::space_shared, &tile_empty[slot]);
+      } else {
+        t = t_static;
+        t_static += num_clusters;
+      }
+      if (t >= total_tiles) break;
+      const Tile tile = decode_tile<kForm, kCluster>(t, offsets, tile_start, order, E, n_tiles, rank, p);
       const int k_tiles = max(tile.k_tiles, 0);
 #pragma unroll
       for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
@@ -346,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         sm90::wgmma_commit();
         sm90::wgmma_wait<1>();
-        if (kt > 0 && lt == 0) release(prev_stage);
+        if (kt > 0) release(prev_stage);
         prev_stage = stage;
         if (++stage == kStages) {
           stage = 0;
@@ -354,7 +433,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       sm90::wgmma_wait<0>();
-      if (k_tiles > 0 && lt == 0) release(prev_stage);
+      if (k_tiles > 0) release(prev_stage);
       sm90::fence_accumulators(acc);
 
       // ---- epilogue ----
@@ -365,8 +444,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       // global stores: a warp writes whole 128-byte lines instead of 8 rows x 16 bytes.
       const int n0 = tile.n_idx * kBN;
       const int q = lane & 3;
-      uint8_t* stg = smem + SmemLayout::kStagingOffset + cwg * kStagingBytes;
-      const uint32_t stg_s = smem_base + SmemLayout::kStagingOffset + cwg * kStagingBytes;
+      // This warpgroup's kSlots staging boxes (8 KB each, 1024-aligned: the 128-byte swizzle of a TMA box).
+      uint8_t* stg = smem + SmemLayout::kStagingOffset + cwg * kSlots * kStagingBytes;
+      const uint32_t stg_s = smem_base + SmemLayout::kStagingOffset + cwg * kSlots * kStagingBytes;
       const int bar_id = 2 + cwg;
       // Read-back geometry: thread lt handles chunk lt%8 of rows lt/8 + 16*it, it = 0..3.
       const int rb_chunk = lt & 7;
@@ -469,30 +549,68 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int r = cwg * 64 + warp * 16 + (lane >> 2) + 8 * h;
           sc[h] = (p.row_scale != nullptr && r < tile.rows) ? p.row_scale[tile.row0 + r] : 1.0f;
         }
-        // Fragment -> staging buffer for 8 column groups (64 bf16 columns) given as packed bf16x2 values
-        // v[jj][h]; stmatrix.x4 stores 4 8x8 matrices: (rows 0-7 | 8-15) x (group jj | jj+1).
+        // TMA stores need every row of this warpgroup's slice inside the expert (a TMA box is clipped only at
+        // the tensor's edge, and rows past the expert belong to the next one) and no scatter. The decision
+        // is uniform over the warpgroup.
+        const bool tma_slice = kTmaStore && p.tma_store != 0 && tile.rows >= cwg * 64 + 64;
+        if constexpr (kTmaStore) {
+          // The previous tile's TMA stores were issued a whole main loop ago; make sure they have read the
+          // staging boxes before anything is written into them again.
+          if (lt == 0) ptx::cp_async_bulk_wait_group_read(ptx::n32_t<0>{});
+          sm90::named_barrier_sync(bar_id, 128);
+        }
+        // Fragment -> staging box for 8 column groups (64 bf16 columns) given as packed bf16x2 values
+        // v[jj][h]; stmatrix.x4 stores 4 8x8 matrices: (rows 0-7 | 8-15) x (group jj | jj+1). The 16-byte
+        // chunks are XOR-swizzled by row: exactly the 128-byte swizzle a TMA box uses.
         const int sm_row = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
         const int sm_grp = lane >> 4;
-        auto stage_out = [&](const uint32_t(&v)[8][2]) {
+        auto stage_out = [&](const uint32_t(&v)[8][2], int slot) {
+          const uint32_t box_s = stg_s + slot * kStagingBytes;
 #pragma unroll
           for (int jj = 0; jj < 8; jj += 2) {
-            const uint32_t addr = stg_s + sm_row * 128 + (((jj + sm_grp) ^ (sm_row & 7)) << 4);
+            const uint32_t addr = box_s + sm_row * 128 + (((jj + sm_grp) ^ (sm_row & 7)) << 4);
             sm90::stmatrix_x4(addr, v[jj][0], v[jj][1], v[jj + 1][0], v[jj + 1][1]);
           }
         };
-        // Staging buffer -> global: 64 rows x 64 columns starting at column `col0` of row stride `ld`.
-        auto drain = [&](__nv_bfloat16* out, int64_t ld, int col0, int ncols) {
+        // Staging box -> global by the threads: 64 rows x 64 columns starting at column `col0`.
+        auto drain = [&](int slot, __nv_bfloat16* out, int64_t ld, int col0, int ncols) {
+          const uint8_t* box = stg + slot * kStagingBytes;
           sm90::named_barrier_sync(bar_id, 128);
           const int col = col0 + rb_chunk * 8;
 #pragma unroll
           for (int it = 0; it < 4; ++it) {
             const int row = rb_row + 16 * it;
             if (dst_off[it] >= 0 && col < ncols) {
-              const uint4 v = *reinterpret_cast<const uint4*>(stg + row * 128 + ((rb_chunk ^ (row & 7)) << 4));
+              const uint4 v = *reinterpret_cast<const uint4*>(box + row * 128 + ((rb_chunk ^ (row & 7)) << 4));
               *reinterpret_cast<uint4*>(out + dst_off[it] * ld + col) = v;
             }
           }
           sm90::named_barrier_sync(bar_id, 128);
+        };
+        // One 64 x 64 output box of this warpgroup: box number `b` of the tile goes through slot b % kSlots.
+        int box_no = 0;
+        auto emit = [&](const uint32_t(&v)[8][2], const CUtensorMap* map, __nv_bfloat16* out, int64_t ld, int col0,
+                        int ncols) {
+          const int b = box_no++;
+          const int slot = b % kSlots;
+          if (tma_slice) {
+            if (b >= kSlots) {
+              // Slot reuse inside the tile: the box stored kSlots boxes ago must have been read.
+              if (lt == 0) ptx::cp_async_bulk_wait_group_read(ptx::n32_t<kSlots - 1>{});
+              sm90::named_barrier_sync(bar_id, 128);
+            }
+            stage_out(v, slot);
+            ptx::fence_proxy_async(ptx::space_shared);  // make the stmatrix writes visible to TMA
+            sm90::named_barrier_sync(bar_id, 128);
+            if (lt == 0) {
+              const int32_t crd[2] = {col0, tile.row0 + cwg * 64};
+              ptx::cp_async_bulk_tensor(ptx::space_global, ptx::space_shared, map, crd, stg + slot * kStagingBytes);
+              ptx::cp_async_bulk_commit_group();
+            }
+          } else {
+            stage_out(v, slot);
+            drain(slot, out, ld, col0, ncols);
+          }
         };
         __nv_bfloat16* C = static_cast<__nv_bfloat16*>(p.C);
         if constexpr (kAct == GemmActivation::kNone) {
@@ -507,8 +625,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 const int j = pass * 8 + jj;
                 v[jj][h] = pack_bf16x2(acc[4 * j + 2 * h] * sc[h], acc[4 * j + 2 * h + 1] * sc[h]);
               }
-            stage_out(v);
-            drain(C, p.ldc, n0 + pass * 64, p.N);
+            emit(v, &tm_c, C, p.ldc, n0 + pass * 64, p.N);
           }
         } else {
           // SwiGLU: internal columns are 64 gate, 64 up, 64 gate, 64 up in a 256-wide tile; a is N/2 wide.
@@ -525,8 +642,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 const float u0 = acc[4 * ju + 2 * h], u1 = acc[4 * ju + 2 * h + 1];
                 v[jj][h] = pack_bf16x2(g0 * sigmoid_f(g0) * u0 * sc[h], g1 * sigmoid_f(g1) * u1 * sc[h]);
               }
-            stage_out(v);
-            drain(C, p.ldc, n0 / 2 + pair * 64, p.N / 2);
+            emit(v, &tm_c, C, p.ldc, n0 / 2 + pair * 64, p.N / 2);
           }
           if (p.aux_out != nullptr) {
 #pragma unroll
@@ -540,12 +656,15 @@ __global__ void __launch_bounds__(kThreads, 1)
                   const int j = pass * 8 + jj;
                   v[jj][h] = pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
                 }
-              stage_out(v);
-              drain(p.aux_out, p.ld_aux, n0 + pass * 64, p.N);
+              emit(v, &tm_aux, p.aux_out, p.ld_aux, n0 + pass * 64, p.N);
             }
           }
         }
       }
+    }
+    // The staging boxes must not be released while TMA may still read them.
+    if constexpr (kTmaStore) {
+      if (lt == 0) ptx::cp_async_bulk_wait_group(ptx::n32_t<0>{});
     }
   }
   if constexpr (kCluster > 1) {
@@ -611,12 +730,17 @@ Status check_device(int* num_sms) {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-template <Form kForm, GemmActivation kAct, int kCluster>
-Status launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const KernelParams& p, cudaStream_t stream,
-                      int max_ctas) {
+// The operand and output tensor maps of one launch (tc / taux are only read by the TMA store modes).
+struct TensorMaps {
+  CUtensorMap a, b, c, aux;
+};
+
+template <Form kForm, GemmActivation kAct, int kCluster, GemmStoreMode kStore>
+Status launch_cluster(const TensorMaps& maps, const KernelParams& p, cudaStream_t stream, int max_ctas) {
+  using SmemLayout = SmemLayoutOf<stages_of(kStore), slots_of(kStore)>;
   int num_sms = 0;
   MEGAMOE_RETURN_IF_ERROR(check_device(&num_sms));
-  auto kernel = grouped_gemm_kernel<kForm, kAct, kCluster>;
+  auto kernel = grouped_gemm_kernel<kForm, kAct, kCluster, kStore>;
   // Set on every call (cheap, and correct on every device of a multi-GPU process).
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SmemLayout::kDynamicBytes));
@@ -643,16 +767,40 @@ Status launch_cluster(const CUtensorMap& ta, const CUtensorMap& tb, const Kernel
   // A caller sharing the GPU (virtual ranks) caps the persistent grid at its share of the SMs.
   if (max_ctas > 0 && grid > max_ctas) grid = std::max(kCluster, max_ctas / kCluster * kCluster);
   cfg.gridDim = dim3(grid, 1, 1);
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, ta, tb, p));
+  if (p.work_counter != nullptr) {
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.work_counter, 0, sizeof(int), stream));
+  }
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, maps.a, maps.b, maps.c, maps.aux, p));
   MEGAMOE_CHECK_LAUNCH(stream, "grouped_gemm_kernel");
   return Status::ok();
 }
 
+template <Form kForm, GemmActivation kAct, GemmStoreMode kStore>
+Status launch_store(const TensorMaps& maps, const KernelParams& p, const GemmTuning& tuning, cudaStream_t stream) {
+  if (tuning.cluster_size == 2) return launch_cluster<kForm, kAct, 2, kStore>(maps, p, stream, tuning.max_ctas);
+  return launch_cluster<kForm, kAct, 1, kStore>(maps, p, stream, tuning.max_ctas);
+}
+
+// The resolved store mode of a launch: form 3 and the SwiGLU backward epilogue have only the thread path.
 template <Form kForm, GemmActivation kAct>
-Status launch(const CUtensorMap& ta, const CUtensorMap& tb, const KernelParams& p, const GemmTuning& tuning,
-              cudaStream_t stream) {
-  if (tuning.cluster_size == 2) return launch_cluster<kForm, kAct, 2>(ta, tb, p, stream, tuning.max_ctas);
-  return launch_cluster<kForm, kAct, 1>(ta, tb, p, stream, tuning.max_ctas);
+constexpr bool has_tma_store() {
+  return kForm != Form::kTN && kAct != GemmActivation::kSwiGLUBackward;
+}
+GemmStoreMode resolve_store(GemmStoreMode m) { return m == GemmStoreMode::kDefault ? kDefaultStore : m; }
+
+template <Form kForm, GemmActivation kAct>
+Status launch(const TensorMaps& maps, const KernelParams& p, const GemmTuning& tuning, cudaStream_t stream) {
+  if constexpr (has_tma_store<kForm, kAct>()) {
+    switch (resolve_store(tuning.store)) {
+      case GemmStoreMode::kTmaBox:
+        return launch_store<kForm, kAct, GemmStoreMode::kTmaBox>(maps, p, tuning, stream);
+      case GemmStoreMode::kTmaTile:
+        return launch_store<kForm, kAct, GemmStoreMode::kTmaTile>(maps, p, tuning, stream);
+      default:
+        break;
+    }
+  }
+  return launch_store<kForm, kAct, GemmStoreMode::kThreads>(maps, p, tuning, stream);
 }
 
 Status check_tuning(const GemmTuning& tuning) {
@@ -660,6 +808,13 @@ Status check_tuning(const GemmTuning& tuning) {
     return Status::invalid("GemmTuning::cluster_size must be 1 or 2, got " + std::to_string(tuning.cluster_size));
   }
   if (tuning.max_ctas < 0) return Status::invalid("GemmTuning::max_ctas must be >= 0");
+  const int store = static_cast<int>(tuning.store);
+  if (store < static_cast<int>(GemmStoreMode::kDefault) || store > static_cast<int>(GemmStoreMode::kTmaTile)) {
+    return Status::invalid("GemmTuning::store is not a GemmStoreMode, got " + std::to_string(store));
+  }
+  if (tuning.work_counter != nullptr && tuning.cluster_size != 1) {
+    return Status::invalid("GemmTuning::work_counter (dynamic scheduling) needs cluster_size 1");
+  }
   return Status::ok();
 }
 
@@ -700,6 +855,8 @@ Status m_grouped(Form form, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv
   p.h_in = epi.h_in;
   p.ld_h = 2 * int64_t{N};
   p.accumulate = 0;
+  p.work_counter = tuning.work_counter;
+  p.longest_first = 0;  // every work item of forms 1 and 2 has the same length
   if (epi.aux_out != nullptr && !aligned16(epi.aux_out)) return Status::invalid("aux_out must be 16-byte aligned");
   if (epi.activation == GemmActivation::kSwiGLU) {
     if (form != Form::kNT) return Status::invalid("SwiGLU forward epilogue is for grouped_gemm_nt");
@@ -714,28 +871,42 @@ Status m_grouped(Form form, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv
     return Status::invalid("aux_out is only written by the SwiGLU epilogues");
   }
 
-  CUtensorMap ta, tb;
+  TensorMaps maps{};
   const uint64_t rows_a = static_cast<uint64_t>(std::max<int64_t>(max_rows, 1));
   const uint64_t dims_a[2] = {static_cast<uint64_t>(K), rows_a};
   const uint32_t box_a[2] = {64, kBM};
-  MEGAMOE_RETURN_IF_ERROR(make_map(&ta, A, 2, dims_a, box_a));
+  MEGAMOE_RETURN_IF_ERROR(make_map(&maps.a, A, 2, dims_a, box_a));
+  // TMA stores: C (and aux) as [max_rows, width] row-major, in 64 x 64 boxes. Without scatter C has exactly
+  // max_rows rows (the contract); with scatter its row count is unknown and the thread path is taken.
+  const bool tma_store = tma_store_of(resolve_store(tuning.store)) && epi.scatter_rows == nullptr &&
+                         epi.activation != GemmActivation::kSwiGLUBackward;
+  if (tma_store) {
+    const uint32_t box_c[2] = {64, 64};
+    const uint64_t dims_c[2] = {static_cast<uint64_t>(p.ldc), rows_a};
+    MEGAMOE_RETURN_IF_ERROR(make_map(&maps.c, C, 2, dims_c, box_c));
+    if (epi.aux_out != nullptr) {
+      const uint64_t dims_aux[2] = {static_cast<uint64_t>(p.ld_aux), rows_a};
+      MEGAMOE_RETURN_IF_ERROR(make_map(&maps.aux, epi.aux_out, 2, dims_aux, box_c));
+    }
+    p.tma_store = 1;
+  }
   if (form == Form::kNT) {
     const uint64_t dims_b[3] = {static_cast<uint64_t>(K), static_cast<uint64_t>(N), static_cast<uint64_t>(num_groups)};
     // With a 2-CTA cluster each CTA loads (and multicasts) half of the B panel.
     const uint32_t box_b[3] = {64, static_cast<uint32_t>(kBN / tuning.cluster_size), 1};
-    MEGAMOE_RETURN_IF_ERROR(make_map(&tb, B, 3, dims_b, box_b));
+    MEGAMOE_RETURN_IF_ERROR(make_map(&maps.b, B, 3, dims_b, box_b));
     if (epi.activation == GemmActivation::kSwiGLU) {
-      return launch<Form::kNT, GemmActivation::kSwiGLU>(ta, tb, p, tuning, stream);
+      return launch<Form::kNT, GemmActivation::kSwiGLU>(maps, p, tuning, stream);
     }
-    return launch<Form::kNT, GemmActivation::kNone>(ta, tb, p, tuning, stream);
+    return launch<Form::kNT, GemmActivation::kNone>(maps, p, tuning, stream);
   }
   const uint64_t dims_b[3] = {static_cast<uint64_t>(N), static_cast<uint64_t>(K), static_cast<uint64_t>(num_groups)};
   const uint32_t box_b[3] = {64, 64, 1};
-  MEGAMOE_RETURN_IF_ERROR(make_map(&tb, B, 3, dims_b, box_b));
+  MEGAMOE_RETURN_IF_ERROR(make_map(&maps.b, B, 3, dims_b, box_b));
   if (epi.activation == GemmActivation::kSwiGLUBackward) {
-    return launch<Form::kNN, GemmActivation::kSwiGLUBackward>(ta, tb, p, tuning, stream);
+    return launch<Form::kNN, GemmActivation::kSwiGLUBackward>(maps, p, tuning, stream);
   }
-  return launch<Form::kNN, GemmActivation::kNone>(ta, tb, p, tuning, stream);
+  return launch<Form::kNN, GemmActivation::kNone>(maps, p, tuning, stream);
 }
 
 template <typename T>
@@ -799,14 +970,16 @@ Status grouped_gemm_tn(const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
   p.C = C;
   p.ldc = N;
   p.accumulate = accumulate ? 1 : 0;
-  CUtensorMap ta, tb;
+  p.work_counter = tuning.work_counter;
+  p.longest_first = tuning.work_counter != nullptr ? 1 : 0;
+  TensorMaps maps{};
   const uint64_t rows = static_cast<uint64_t>(std::max<int64_t>(max_rows, 1));
   const uint64_t dims_a[2] = {static_cast<uint64_t>(M), rows};
   const uint64_t dims_b[2] = {static_cast<uint64_t>(N), rows};
   const uint32_t box[2] = {64, 64};
-  MEGAMOE_RETURN_IF_ERROR(make_map(&ta, A, 2, dims_a, box));
-  MEGAMOE_RETURN_IF_ERROR(make_map(&tb, B, 2, dims_b, box));
-  return launch<Form::kTN, GemmActivation::kNone>(ta, tb, p, tuning, stream);
+  MEGAMOE_RETURN_IF_ERROR(make_map(&maps.a, A, 2, dims_a, box));
+  MEGAMOE_RETURN_IF_ERROR(make_map(&maps.b, B, 2, dims_b, box));
+  return launch<Form::kTN, GemmActivation::kNone>(maps, p, tuning, stream);
 }
 
 Status swiglu_permute_rows_bf16(const __nv_bfloat16* in, __nv_bfloat16* out, int64_t num_experts, int64_t I,
@@ -820,14 +993,20 @@ Status swiglu_permute_rows_f32(const float* in, float* out, int64_t num_experts,
 }
 
 Status grouped_gemm_preload() {
+  // The kernels the default tuning launches (cluster 1, the default store mode).
+  constexpr GemmStoreMode kS = kDefaultStore;
+  constexpr GemmStoreMode kT = GemmStoreMode::kThreads;
   cudaFuncAttributes attributes{};
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, grouped_gemm_kernel<Form::kNT, GemmActivation::kNone, 1>));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, grouped_gemm_kernel<Form::kNN, GemmActivation::kNone, 1>));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, grouped_gemm_kernel<Form::kTN, GemmActivation::kNone, 1>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attributes, grouped_gemm_kernel<Form::kNT, GemmActivation::kSwiGLU, 1>));
+      cudaFuncGetAttributes(&attributes, grouped_gemm_kernel<Form::kNT, GemmActivation::kNone, 1, kS>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attributes, grouped_gemm_kernel<Form::kNN, GemmActivation::kSwiGLUBackward, 1>));
+      cudaFuncGetAttributes(&attributes, grouped_gemm_kernel<Form::kNN, GemmActivation::kNone, 1, kS>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, grouped_gemm_kernel<Form::kTN, GemmActivation::kNone, 1, kT>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, grouped_gemm_kernel<Form::kNT, GemmActivation::kSwiGLU, 1, kS>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, grouped_gemm_kernel<Form::kNN, GemmActivation::kSwiGLUBackward, 1, kT>));
   return Status::ok();
 }
 

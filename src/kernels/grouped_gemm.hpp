@@ -80,12 +80,30 @@ struct GemmEpilogue {
   const __nv_bfloat16* h_in = nullptr;
 };
 
+// How forms 1 and 2 (plain and SwiGLU forward epilogues) write C. Every mode gives bitwise the same C; they
+// differ in speed only (docs/GEMM.md, run 8). A warpgroup's 64-row slice of a tile whose rows all belong
+// to the expert, without scatter, can leave through TMA stores; partial slices and scatter always take
+// the thread path. Form 3 and the SwiGLU backward epilogue always use the thread path.
+enum class GemmStoreMode : int {
+  kDefault = 0,  // the measured fastest of the modes below
+  kThreads = 1,  // 4-stage ring; the threads copy C out of one 8 KB staging box per consumer warpgroup
+  kTmaBox = 2,   // 4-stage ring; one 8 KB box per warpgroup, stored by TMA (each box waits for the last)
+  kTmaTile = 3,  // 3-stage ring; four boxes per warpgroup (its whole 64 x 256 slice), stored by TMA: the
+                 // epilogue never waits for its own stores, they drain during the next tile's main loop
+};
+
 // Launch shape. cluster_size 1 (default): independent persistent CTAs. 2: pairs of CTAs on vertically
-// adjacent tiles share the B panel through TMA multicast (half the B traffic from L2); correct (tested on
-// the GPU) but measured 20-35% slower than 1 on 2026-12-02 (docs/GEMM.md, run 3), so not the default.
+// adjacent tiles share the B panel through TMA multicast (half the B traffic from L2).
 struct GemmTuning {
   int cluster_size = 1;
   int max_ctas = 0;  // cap on the persistent grid (0 = every SM): virtual ranks share one GPU
+  GemmStoreMode store = GemmStoreMode::kDefault;
+  // Optional device int (cluster_size 1 only): work items are then handed out dynamically by atomicAdd on
+  // it, and form 3 numbers the experts with the most rows first, so uneven experts leave no long tail.
+  // The engine zeroes it (cudaMemsetAsync on the stream) before each launch; launches that can run at the
+  // same time need distinct counters. Results are bitwise the same either way (every output tile is
+  // computed whole by one CTA).
+  int* work_counter = nullptr;
 };
 
 // Loads the kernels with cluster size 1 now (under lazy module loading a first launch waits for running

@@ -65,15 +65,18 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uin
                : "memory");
 }
 
-// Arrive (release, cluster scope) on the mbarrier at the same shared-memory offset in CTA `cta_rank` of the
-// cluster. cuda::ptx has the arrive but no `mapa`, and its shared::cluster overload converts a generic
-// pointer; translating the 32-bit CTA-local address with mapa keeps the address space explicit.
+// Arrive on the mbarrier at the same shared-memory offset in CTA `cta_rank` of the cluster, with the
+// default semantics (release at CTA scope): the peer only needs to learn that this warpgroup's wgmma reads of
+// the stage are complete (wgmma.wait_group has returned), so no cluster-scope release fence belongs on the
+// critical path of every K stage (measured: with `.release.cluster` here, 2-CTA clusters ran 10-35% slower
+// than single CTAs, docs/GEMM.md runs 3 and 7). cuda::ptx has the arrive but no `mapa`; translating the 32-bit
+// CTA-local address with mapa keeps the address space explicit.
 __device__ __forceinline__ void mbarrier_arrive_cluster_peer(uint32_t local_smem_addr, uint32_t cta_rank) {
   asm volatile(
       "{\n"
       ".reg .b32 remote;\n"
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
       "}\n" ::"r"(local_smem_addr),
       "r"(cta_rank)
       : "memory");

@@ -202,7 +202,16 @@ struct MGroupedCase {
   bool scale, scatter;
 };
 
-void run_m_grouped_plain(bool nt, const MGroupedCase& c, int cluster) {
+// Every launch shape of forms 1 and 2: cluster 1 and 2, each store mode (they must give the same C).
+std::vector<GemmTuning> all_tunings() {
+  std::vector<GemmTuning> t;
+  for (int cluster : {1, 2})
+    for (GemmStoreMode m : {GemmStoreMode::kThreads, GemmStoreMode::kTmaBox, GemmStoreMode::kTmaTile})
+      t.push_back(GemmTuning{cluster, 0, m});
+  return t;
+}
+
+void run_m_grouped_plain(bool nt, const MGroupedCase& c, const GemmTuning& tuning) {
   const auto sizes = random_groups(c.E, c.max_per_group);
   const auto off = prefix(sizes);
   const int rows = off[c.E];
@@ -236,7 +245,6 @@ void run_m_grouped_plain(bool nt, const MGroupedCase& c, int cluster) {
   if (c.scale) epi.row_scale = dScale.get();
   if (c.scatter) epi.scatter_rows = dScatter.get();
   dC.poison();
-  const GemmTuning tuning{cluster};
   const Status st =
       nt ? grouped_gemm_nt(dA.get(), dB.get(), dC.get(), dOff.get(), c.E, max_rows, c.N, c.K, epi, nullptr, tuning)
          : grouped_gemm_nn(dA.get(), dB.get(), dC.get(), dOff.get(), c.E, max_rows, c.N, c.K, epi, nullptr, tuning);
@@ -264,32 +272,75 @@ void run_m_grouped_plain(bool nt, const MGroupedCase& c, int cluster) {
   EXPECT_EQ(err.nan, 0) << "unwritten or non-finite outputs";
   EXPECT_LE(err.rel, kTol);
   EXPECT_EQ(overwritten, 0) << "elements written outside the routed rows";
-  std::printf("[gemm_test] %s cluster=%d E=%d rows=%d N=%d K=%d scale=%d scatter=%d: rel err %.3e over %lld values\n",
-              nt ? "NT" : "NN", cluster, c.E, rows, c.N, c.K, c.scale, c.scatter, err.rel,
+  std::printf(
+      "[gemm_test] %s cluster=%d store=%d E=%d rows=%d N=%d K=%d scale=%d scatter=%d: rel err %.3e over %lld values\n",
+      nt ? "NT" : "NN", tuning.cluster_size, static_cast<int>(tuning.store), c.E, rows, c.N, c.K, c.scale, c.scatter,
+      err.rel,
               static_cast<long long>(err.count));
 }
 
 TEST(GroupedGemm, MGroupedKMajorPlain) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  for (int cl : {1, 2}) {
-    run_m_grouped_plain(true, {9, 400, 384, 200, false, false}, cl);
-    run_m_grouped_plain(true, {4, 700, 512, 512, false, false}, cl);
+  for (const GemmTuning& t : all_tunings()) {
+    run_m_grouped_plain(true, {9, 400, 384, 200, false, false}, t);
+    run_m_grouped_plain(true, {4, 700, 512, 512, false, false}, t);
+    run_m_grouped_plain(true, {3, 300, 264, 136, true, false}, t);  // last n-tile: one 8-column box
   }
 }
 
 TEST(GroupedGemm, MGroupedKMajorScaleScatter) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  for (int cl : {1, 2}) {
-    run_m_grouped_plain(true, {7, 300, 256, 136, true, false}, cl);
-    run_m_grouped_plain(true, {7, 300, 264, 136, true, true}, cl);
+  for (const GemmTuning& t : all_tunings()) {
+    run_m_grouped_plain(true, {7, 300, 256, 136, true, false}, t);
+    run_m_grouped_plain(true, {7, 300, 264, 136, true, true}, t);
   }
 }
 
 TEST(GroupedGemm, MGroupedNMajorPlain) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  for (int cl : {1, 2}) {
-    run_m_grouped_plain(false, {9, 400, 320, 200, false, false}, cl);
-    run_m_grouped_plain(false, {5, 600, 768, 264, true, true}, cl);
+  for (const GemmTuning& t : all_tunings()) {
+    run_m_grouped_plain(false, {9, 400, 320, 200, false, false}, t);
+    run_m_grouped_plain(false, {5, 600, 768, 264, true, true}, t);
+  }
+}
+
+// The store modes and cluster sizes change how C is written, never its bits.
+TEST(GroupedGemm, LaunchShapesAgreeBitwise) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const int E = 5, N = 576, K = 320;
+  const auto sizes = random_groups(E, 500);
+  const auto off = prefix(sizes);
+  const int rows = off[E];
+  const auto a = random_bf16(size_t(rows) * K), b = random_bf16(size_t(E) * N * K);
+  std::vector<float> scale(rows);
+  std::uniform_real_distribution<float> sd(0.25f, 2.0f);
+  for (auto& s : scale) s = sd(rng());
+  DeviceBuffer<bf16> dA(a.size()), dB(b.size()), dC(size_t(rows) * N);
+  DeviceBuffer<int32_t> dOff(off.size());
+  DeviceBuffer<float> dScale(scale.size());
+  dA.upload(a);
+  dB.upload(b);
+  dOff.upload(off);
+  dScale.upload(scale);
+  GemmEpilogue epi;
+  epi.row_scale = dScale.get();
+  for (bool nt : {true, false}) {
+    std::vector<bf16> first;
+    for (const GemmTuning& t : all_tunings()) {
+      dC.poison();
+      const Status st = nt ? grouped_gemm_nt(dA.get(), dB.get(), dC.get(), dOff.get(), E, rows, N, K, epi, nullptr, t)
+                           : grouped_gemm_nn(dA.get(), dB.get(), dC.get(), dOff.get(), E, rows, N, K, epi, nullptr, t);
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      auto got = dC.download();
+      for (const auto& v : got) ASSERT_FALSE(is_poisoned_bf16(v)) << "unwritten output";
+      if (first.empty()) {
+        first = std::move(got);
+      } else {
+        EXPECT_EQ(std::memcmp(first.data(), got.data(), got.size() * sizeof(bf16)), 0)
+            << (nt ? "NT" : "NN") << " cluster=" << t.cluster_size << " store=" << static_cast<int>(t.store);
+      }
+    }
   }
 }
 
@@ -371,12 +422,10 @@ TEST(GroupedGemm, SwiGLUForwardFromPublicW13) {
   epi.activation = GemmActivation::kSwiGLU;
   epi.row_scale = dScale.get();
   epi.aux_out = dH.get();
-  for (int cl : {1, 2}) {
+  for (const GemmTuning& t : all_tunings()) {
     dA.poison();
     dH.poison();
-    ASSERT_TRUE(
-        grouped_gemm_nt(dX.get(), dWint.get(), dA.get(), dOff.get(), E, rows, N, H, epi, nullptr, GemmTuning{cl})
-            .is_ok());
+    ASSERT_TRUE(grouped_gemm_nt(dX.get(), dWint.get(), dA.get(), dOff.get(), E, rows, N, H, epi, nullptr, t).is_ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const auto got_a = dA.download(), got_h = dH.download();
     // Reference in the public layout: h_pub = x . W13_pub^T, a = silu(h[:, :I]) * h[:, I:].
@@ -398,8 +447,8 @@ TEST(GroupedGemm, SwiGLUForwardFromPublicW13) {
     EXPECT_EQ(eh.nan, 0);
     EXPECT_LE(ea.rel, kTol);
     EXPECT_LE(eh.rel, kTol);
-    std::printf("[gemm_test] SwiGLU fwd cluster=%d rows=%d I=%d H=%d: a rel err %.3e, h rel err %.3e\n", cl, rows, I, H,
-                ea.rel, eh.rel);
+    std::printf("[gemm_test] SwiGLU fwd cluster=%d store=%d rows=%d I=%d H=%d: a rel err %.3e, h rel err %.3e\n",
+                t.cluster_size, static_cast<int>(t.store), rows, I, H, ea.rel, eh.rel);
   }
 }
 
@@ -470,7 +519,7 @@ TEST(GroupedGemm, SwiGLUBackwardNMajor) {
 
 // ---------------------------------------------------------------- form 3 (K-grouped)
 
-void run_k_grouped(int E, int max_per_group, int M, int N, bool accumulate, int cluster) {
+void run_k_grouped(int E, int max_per_group, int M, int N, bool accumulate, const GemmTuning& tuning) {
   const auto sizes = random_groups(E, max_per_group);
   const auto off = prefix(sizes);
   const int rows = off[E];
@@ -493,9 +542,8 @@ void run_k_grouped(int E, int max_per_group, int M, int N, bool accumulate, int 
     for (auto& v : init) v = d(rng());
     dC.upload(init);
   }
-  ASSERT_TRUE(grouped_gemm_tn(dA.get(), dB.get(), dC.get(), dOff.get(), E, max_rows, M, N, accumulate, nullptr,
-                              GemmTuning{cluster})
-                  .is_ok());
+  ASSERT_TRUE(
+      grouped_gemm_tn(dA.get(), dB.get(), dC.get(), dOff.get(), E, max_rows, M, N, accumulate, nullptr, tuning).is_ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto got = dC.download();
   const auto ref = run_ref_k(dA, dB, dOff, E, M, N);  // ref loops exactly over each expert's rows
@@ -512,22 +560,78 @@ void run_k_grouped(int E, int max_per_group, int M, int N, bool accumulate, int 
   EXPECT_EQ(err.nan, 0);
   EXPECT_LE(err.rel, kTol);
   EXPECT_EQ(empty_nonzero, 0) << "an empty expert must give exactly 0 (or leave the accumulator unchanged)";
-  std::printf("[gemm_test] TN cluster=%d E=%d rows=%d M=%d N=%d accumulate=%d: rel err %.3e\n", cluster, E, rows, M, N,
-              accumulate, err.rel);
+  std::printf("[gemm_test] TN cluster=%d dynamic=%d E=%d rows=%d M=%d N=%d accumulate=%d: rel err %.3e\n",
+              tuning.cluster_size, tuning.work_counter != nullptr, E, rows, M, N, accumulate, err.rel);
+}
+
+// Form 3 launch shapes: static order with clusters of 1 and 2, and dynamic scheduling (longest first).
+std::vector<GemmTuning> k_grouped_tunings(int* counter) {
+  GemmTuning dynamic;
+  dynamic.work_counter = counter;
+  return {GemmTuning{1}, GemmTuning{2}, dynamic};
 }
 
 TEST(GroupedGemm, KGroupedFp32) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  for (int cl : {1, 2}) {
-    run_k_grouped(8, 300, 200, 320, false, cl);
-    run_k_grouped(5, 700, 256, 512, false, cl);
-    run_k_grouped(6, 500, 328, 264, false, cl);  // 3 m-tiles: the second CTA of the last pair has none
+  DeviceBuffer<int32_t> counter(1);
+  for (const GemmTuning& t : k_grouped_tunings(counter.get())) {
+    run_k_grouped(8, 300, 200, 320, false, t);
+    run_k_grouped(5, 700, 256, 512, false, t);
+    run_k_grouped(6, 500, 328, 264, false, t);  // 3 m-tiles: the second CTA of the last pair has none
+    run_k_grouped(40, 200, 136, 128, false, t);  // more experts than a scan step, several empty
   }
 }
 
 TEST(GroupedGemm, KGroupedAccumulate) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  for (int cl : {1, 2}) run_k_grouped(7, 260, 136, 264, true, cl);
+  DeviceBuffer<int32_t> counter(1);
+  for (const GemmTuning& t : k_grouped_tunings(counter.get())) run_k_grouped(7, 260, 136, 264, true, t);
+}
+
+// Dynamic scheduling changes which CTA computes a tile, never its bits; the counter is reused.
+TEST(GroupedGemm, DynamicSchedulingAgreesBitwise) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const int E = 12, M = 264, N = 200;
+  std::vector<int> sizes = random_groups(E, 400);
+  sizes[E - 1] = 2000;  // one long expert at the end: longest-first moves it to the front
+  const auto off = prefix(sizes);
+  const int rows = off[E];
+  const auto a = random_bf16(size_t(rows) * M), b = random_bf16(size_t(rows) * N);
+  DeviceBuffer<bf16> dA(a.size()), dB(b.size());
+  DeviceBuffer<float> dC(size_t(E) * M * N);
+  DeviceBuffer<int32_t> dOff(off.size()), counter(1);
+  dA.upload(a);
+  dB.upload(b);
+  dOff.upload(off);
+  GemmTuning dynamic;
+  dynamic.work_counter = counter.get();
+  ASSERT_TRUE(grouped_gemm_tn(dA.get(), dB.get(), dC.get(), dOff.get(), E, rows, M, N, false, nullptr, {}).is_ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto ref = dC.download();
+  for (int rep = 0; rep < 3; ++rep) {
+    dC.poison();
+    ASSERT_TRUE(grouped_gemm_tn(dA.get(), dB.get(), dC.get(), dOff.get(), E, rows, M, N, false, nullptr, dynamic).is_ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto got = dC.download();
+    ASSERT_EQ(std::memcmp(ref.data(), got.data(), got.size() * sizeof(float)), 0) << "repeat " << rep;
+  }
+  // Forms 1 and 2 take the counter too (items in increasing order).
+  DeviceBuffer<bf16> dX(size_t(rows) * M), dW(size_t(E) * N * M), dY(size_t(rows) * N);
+  dX.upload(random_bf16(dX.size()));
+  dW.upload(random_bf16(dW.size()));
+  ASSERT_TRUE(grouped_gemm_nt(dX.get(), dW.get(), dY.get(), dOff.get(), E, rows, N, M, {}, nullptr, {}).is_ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto ref_y = dY.download();
+  dY.poison();
+  ASSERT_TRUE(grouped_gemm_nt(dX.get(), dW.get(), dY.get(), dOff.get(), E, rows, N, M, {}, nullptr, dynamic).is_ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got_y = dY.download();
+  EXPECT_EQ(std::memcmp(ref_y.data(), got_y.data(), got_y.size() * sizeof(bf16)), 0);
+  // Clusters and dynamic scheduling do not combine.
+  GemmTuning bad = dynamic;
+  bad.cluster_size = 2;
+  EXPECT_EQ(grouped_gemm_tn(dA.get(), dB.get(), dC.get(), dOff.get(), E, rows, M, N, false, nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(GroupedGemm, RejectsBadArguments) {
