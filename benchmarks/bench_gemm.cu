@@ -245,9 +245,14 @@ void print_rows(const std::vector<Row>& rows) {
 
 int main(int argc, char** argv) {
   // --baseline PATH: the CSV of benchmarks/bench_gemm_torch.py from the same device session.
+  // --profile: only a few single launches (cuBLAS, then the engine's threads and default store modes, on
+  // NT (1536, 2048) and (3072, 4096)) for a profiler such as Nsight Compute to look at.
   const char* baseline = nullptr;
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::string(argv[i]) == "--baseline") baseline = argv[i + 1];
+  bool profile = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--baseline" && i + 1 < argc) baseline = argv[i + 1];
+    if (std::string(argv[i]) == "--profile") profile = true;
+  }
   const auto torch = read_torch_csv(baseline);
   cudaDeviceProp prop;
   BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -289,6 +294,23 @@ int main(int argc, char** argv) {
   BENCH_CHECK_CUDA(cudaMemcpy(off_bal, ob.data(), ob.size() * 4, cudaMemcpyHostToDevice));
   BENCH_CHECK_CUDA(cudaMemcpy(off_skew, os.data(), os.size() * 4, cudaMemcpyHostToDevice));
   BENCH_CHECK_CUDA(cudaMemcpy(off_dense, od, sizeof(od), cudaMemcpyHostToDevice));
+  if (profile) {
+    for (int s : {0, 2}) {
+      const int N = shapes[s][0], K = shapes[s][1];
+      CB(cublasGemmStridedBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, rows_per, K, &one, B, CUDA_R_16BF, K,
+                                    int64_t(N) * K, A, CUDA_R_16BF, K, int64_t(rows_per) * K, &zero, Cref, CUDA_R_16BF,
+                                    N, int64_t(rows_per) * N, E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      for (auto mode : {megamoe::kernels::GemmStoreMode::kThreads, megamoe::kernels::GemmStoreMode::kDefault}) {
+        BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr,
+                                                         GemmTuning{1, 0, mode}));
+      }
+      std::printf("profile: NT N=%d K=%d: cuBLAS, engine threads, engine default: rel err %.3e\n", N, K,
+                  rel_err(C, Cref, size_t(T) * N));
+    }
+    BENCH_CHECK_CUDA(cudaDeviceSynchronize());
+    CB(cublasDestroy(h));
+    return 0;
+  }
   std::printf("skewed sizes:");
   for (int s : skew) std::printf(" %d", s);
   std::printf(" (total %d)\n", os[E]);
