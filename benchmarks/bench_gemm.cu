@@ -222,6 +222,26 @@ void print_comparisons(const std::vector<Comparison>& cs) {
   }
 }
 
+// Every variant runs once into `out` (NaN-poisoned first, so unwritten values show) and is compared with
+// `ref` (when given, n values), then all are timed interleaved.
+template <typename T>
+Comparison compare_variants(const std::string& what, double flops, const std::vector<Variant>& vs, T* out,
+                            const T* ref, size_t n, const std::function<void(const GemmTuning&)>& launch) {
+  std::vector<std::function<void()>> fns;
+  Comparison cmp{what, flops, {}, {}};
+  for (const Variant& v : vs) {
+    fns.push_back([&launch, v] { launch(v.tuning); });
+    cmp.names.push_back(v.name);
+    if (ref == nullptr) continue;
+    BENCH_CHECK_CUDA(cudaMemset(out, 0xFF, n * sizeof(T)));
+    fns.back()();
+    const double e = rel_err(out, ref, n);
+    if (e != 0.0) std::printf("  NOTE: %s, %s differs from cuBLAS: rel err %.3e\n", what.c_str(), v.name, e);
+  }
+  cmp.ms = interleaved_median_ms(fns);
+  return cmp;
+}
+
 struct Row {
   std::string what;
   double flops;
@@ -344,25 +364,11 @@ int main(int argc, char** argv) {
     std::snprintf(name, sizeof(name), "fwd NT  N=%d K=%d skewed", N, K);
     rows.push_back({name, flops, t_skew, 0, torch_ms("nt", N, K, "skewed"), 0});
     // Every launch shape, interleaved; each one's output checked against cuBLAS first.
-    {
-      std::vector<std::function<void()>> fns;
-      Comparison cmp{"", flops, {}, {}};
-      for (const Variant& v : variants()) {
-        fns.push_back([&, v] {
-          BENCH_CHECK_OK(
-              megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr, v.tuning));
-        });
-        BENCH_CHECK_CUDA(cudaMemset(C, 0xFF, size_t(T) * N * sizeof(bf16)));  // NaN: unwritten values show
-        fns.back()();
-        const double e = rel_err(C, Cref, size_t(T) * N);
-        if (e != 0.0) std::printf("  NOTE: %s differs from cuBLAS: rel err %.3e\n", v.name, e);
-        cmp.names.push_back(v.name);
-      }
-      std::snprintf(name, sizeof(name), "fwd NT  N=%d K=%d", N, K);
-      cmp.what = name;
-      cmp.ms = interleaved_median_ms(fns);
-      comparisons.push_back(cmp);
-    }
+    std::snprintf(name, sizeof(name), "fwd NT  N=%d K=%d", N, K);
+    comparisons.push_back(
+        compare_variants<bf16>(name, flops, variants(), C, Cref, size_t(T) * N, [&](const GemmTuning& t) {
+          BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr, t));
+        }));
 
     // ---- form 1 + SwiGLU (N = 2I interleaved), a written N/2 wide
     {
@@ -372,17 +378,10 @@ int main(int argc, char** argv) {
           median_ms([&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, epi, nullptr)); });
       std::snprintf(name, sizeof(name), "fwd NT+SwiGLU N=%d K=%d", N, K);
       rows.push_back({name, flops, t, 0, 0, 0});
-      std::vector<std::function<void()>> fns;
-      Comparison cmp{"", flops, {}, {}};
-      for (const Variant& v : variants()) {
-        fns.push_back(
-            [&, v] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, epi, nullptr, v.tuning)); });
-        cmp.names.push_back(v.name);
-      }
-      std::snprintf(name, sizeof(name), "fwd NT+SwiGLU N=%d K=%d", N, K);
-      cmp.what = name;
-      cmp.ms = interleaved_median_ms(fns);
-      comparisons.push_back(cmp);
+      // No cuBLAS reference for the fused activation: timing only (correctness is in the GPU tests).
+      comparisons.push_back(compare_variants<bf16>(name, flops, variants(), C, nullptr, 0, [&](const GemmTuning& tu) {
+        BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, epi, nullptr, tu));
+      }));
     }
 
     // ---- form 2: C[T, N] = A[T, K] . B[e][K, N]
@@ -398,23 +397,11 @@ int main(int argc, char** argv) {
       const double e2 = rel_err(C, Cref, size_t(T) * N);
       std::snprintf(name, sizeof(name), "dgrad NN N=%d K=%d balanced", N, K);
       rows.push_back({name, flops, te, tc, torch_ms("nn", N, K, "balanced"), e2});
-      std::vector<std::function<void()>> fns;
-      Comparison cmp{"", flops, {}, {}};
-      for (const Variant& v : variants()) {
-        fns.push_back([&, v] {
-          BENCH_CHECK_OK(
-              megamoe::kernels::grouped_gemm_nn(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr, v.tuning));
-        });
-        BENCH_CHECK_CUDA(cudaMemset(C, 0xFF, size_t(T) * N * sizeof(bf16)));  // NaN: unwritten values show
-        fns.back()();
-        const double e = rel_err(C, Cref, size_t(T) * N);
-        if (e != 0.0) std::printf("  NOTE: NN %s differs from cuBLAS: rel err %.3e\n", v.name, e);
-        cmp.names.push_back(v.name);
-      }
       std::snprintf(name, sizeof(name), "dgrad NN N=%d K=%d", N, K);
-      cmp.what = name;
-      cmp.ms = interleaved_median_ms(fns);
-      comparisons.push_back(cmp);
+      comparisons.push_back(
+          compare_variants<bf16>(name, flops, variants(), C, Cref, size_t(T) * N, [&](const GemmTuning& t) {
+            BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nn(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr, t));
+          }));
     }
 
     // ---- form 3: C[e][N, K] = A[rows_e, N]^T . B[rows_e, K]  (fp32 out; M = N, N = K)
@@ -441,22 +428,12 @@ int main(int argc, char** argv) {
           [&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_skew, E, T, Mw, Nw, false, nullptr, dynamic)); });
       std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d skewed, dynamic", Mw, Nw);
       rows.push_back({name, flops, tsd, 0, torch_ms("tn", N, K, "skewed"), 0});
-      {
-        std::vector<std::function<void()>> fns;
-        for (int v = 0; v < 3; ++v) {
-          GemmTuning tuning{v == 1 ? 2 : 1};
-          if (v == 2) tuning.work_counter = work_counter;
-          fns.push_back([&, tuning] {
-            BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, false, nullptr, tuning));
-          });
-          BENCH_CHECK_CUDA(cudaMemset(C32, 0xFF, size_t(E) * Mw * Nw * sizeof(float)));
-          fns.back()();
-          const double e = rel_err(C32, C32ref, size_t(E) * Mw * Nw);
-          if (e != 0.0) std::printf("  NOTE: TN variant %d differs from cuBLAS: rel err %.3e\n", v, e);
-        }
-        std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d", Mw, Nw);
-        comparisons.push_back({name, flops, {"cluster 1", "cluster 2", "dynamic"}, interleaved_median_ms(fns)});
-      }
+      std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d", Mw, Nw);
+      const std::vector<Variant> tn_variants = {{"cluster 1", GemmTuning{1}}, {"cluster 2", GemmTuning{2}}, {"dynamic", dynamic}};
+      comparisons.push_back(
+          compare_variants<float>(name, flops, tn_variants, C32, C32ref, size_t(E) * Mw * Nw, [&](const GemmTuning& t) {
+            BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, false, nullptr, t));
+          }));
       const double ta =
           median_ms([&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, true, nullptr)); });
       std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d accumulate", Mw, Nw);
@@ -477,23 +454,10 @@ int main(int argc, char** argv) {
         [&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr)); });
     const double err = rel_err(C, Cref, size_t(n) * n);
     rows.push_back({"dense NT 8192^3", flops, te, tc, torch_ms("dense", n, n, "1"), err});
-    {
-      std::vector<std::function<void()>> fns;
-      Comparison cmp{"dense NT 8192^3", flops, {}, {}};
-      for (const Variant& v : variants()) {
-        fns.push_back([&, v] {
-          BENCH_CHECK_OK(
-              megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr, v.tuning));
-        });
-        BENCH_CHECK_CUDA(cudaMemset(C, 0xFF, size_t(n) * n * sizeof(bf16)));
-        fns.back()();
-        const double e = rel_err(C, Cref, size_t(n) * n);
-        if (e != 0.0) std::printf("  NOTE: dense %s differs from cuBLAS: rel err %.3e\n", v.name, e);
-        cmp.names.push_back(v.name);
-      }
-      cmp.ms = interleaved_median_ms(fns);
-      comparisons.push_back(cmp);
-    }
+    comparisons.push_back(
+        compare_variants<bf16>("dense NT 8192^3", flops, variants(), C, Cref, size_t(n) * n, [&](const GemmTuning& t) {
+          BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr, t));
+        }));
     // The same product through forms 2 and 3 (B N-major; both operands MN-major, fp32 out).
     auto cub_nn = [&] {
       CB(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, B, CUDA_R_16BF, n, A, CUDA_R_16BF, n, &zero, Cref,

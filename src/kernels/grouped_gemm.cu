@@ -54,6 +54,11 @@ constexpr int slots_of(GemmStoreMode m) { return m == GemmStoreMode::kTmaTile ? 
 constexpr bool tma_store_of(GemmStoreMode m) {
   return m == GemmStoreMode::kTmaBox || m == GemmStoreMode::kTmaTile;
 }
+// Which epilogues can store through TMA: the bf16 staging ones of forms 1 and 2 (form 3 writes fp32 with
+// an optional read-add, the SwiGLU backward epilogue writes directly).
+constexpr bool has_tma_store(Form form, GemmActivation act) {
+  return form != Form::kTN && act != GemmActivation::kSwiGLUBackward;
+}
 // The mode kDefault stands for: measured fastest on the H200 (docs/GEMM.md run 9, interleaved): +0.5 to
 // +5.2% over kThreads for forms 1 and 2 on the four benchmark shapes, SwiGLU within +-1.5%.
 constexpr GemmStoreMode kDefaultStore = GemmStoreMode::kTmaTile;
@@ -169,8 +174,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kStages = stages_of(kStore);
   constexpr int kSlots = slots_of(kStore);
   constexpr bool kTmaStore = tma_store_of(kStore);
-  static_assert(!kTmaStore || (kForm != Form::kTN && kAct != GemmActivation::kSwiGLUBackward),
-                "TMA stores serve the bf16 staging epilogues of forms 1 and 2");
+  static_assert(!kTmaStore || has_tma_store(kForm, kAct), "TMA stores serve the bf16 staging epilogues");
   using SmemLayout = SmemLayoutOf<kStages, kSlots>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -781,16 +785,11 @@ Status launch_store(const TensorMaps& maps, const KernelParams& p, const GemmTun
   return launch_cluster<kForm, kAct, 1, kStore>(maps, p, stream, tuning.max_ctas);
 }
 
-// The resolved store mode of a launch: form 3 and the SwiGLU backward epilogue have only the thread path.
-template <Form kForm, GemmActivation kAct>
-constexpr bool has_tma_store() {
-  return kForm != Form::kTN && kAct != GemmActivation::kSwiGLUBackward;
-}
 GemmStoreMode resolve_store(GemmStoreMode m) { return m == GemmStoreMode::kDefault ? kDefaultStore : m; }
 
 template <Form kForm, GemmActivation kAct>
 Status launch(const TensorMaps& maps, const KernelParams& p, const GemmTuning& tuning, cudaStream_t stream) {
-  if constexpr (has_tma_store<kForm, kAct>()) {
+  if constexpr (has_tma_store(kForm, kAct)) {
     switch (resolve_store(tuning.store)) {
       case GemmStoreMode::kTmaBox:
         return launch_store<kForm, kAct, GemmStoreMode::kTmaBox>(maps, p, tuning, stream);
@@ -830,6 +829,22 @@ Status check_common(const void* A, const void* B, const void* C, const int32_t* 
   return Status::ok();
 }
 
+// The launch parameters every form sets the same way; the epilogue fields stay zero.
+KernelParams base_params(const int32_t* group_offsets, int num_groups, int64_t max_rows, int M, int N, int K, void* C,
+                         const GemmTuning& tuning) {
+  KernelParams p{};
+  p.group_offsets = group_offsets;
+  p.num_groups = num_groups;
+  p.max_rows = static_cast<int>(max_rows);
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.C = C;
+  p.ldc = N;
+  p.work_counter = tuning.work_counter;
+  return p;
+}
+
 Status m_grouped(Form form, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
                  const int32_t* group_offsets, int num_groups, int64_t max_rows, int N, int K, const GemmEpilogue& epi,
                  cudaStream_t stream, const GemmTuning& tuning) {
@@ -839,24 +854,13 @@ Status m_grouped(Form form, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv
     return Status::invalid("N and K must be positive multiples of 8, got N=" + std::to_string(N) +
                            " K=" + std::to_string(K));
   }
-  KernelParams p{};
-  p.group_offsets = group_offsets;
-  p.num_groups = num_groups;
-  p.max_rows = static_cast<int>(max_rows);
-  p.M = 0;
-  p.N = N;
-  p.K = K;
-  p.C = C;
-  p.ldc = N;
+  KernelParams p = base_params(group_offsets, num_groups, max_rows, 0, N, K, C, tuning);
   p.row_scale = epi.row_scale;
   p.scatter = epi.scatter_rows;
   p.aux_out = epi.aux_out;
   p.ld_aux = N;
   p.h_in = epi.h_in;
   p.ld_h = 2 * int64_t{N};
-  p.accumulate = 0;
-  p.work_counter = tuning.work_counter;
-  p.longest_first = 0;  // every work item of forms 1 and 2 has the same length
   if (epi.aux_out != nullptr && !aligned16(epi.aux_out)) return Status::invalid("aux_out must be 16-byte aligned");
   if (epi.activation == GemmActivation::kSwiGLU) {
     if (form != Form::kNT) return Status::invalid("SwiGLU forward epilogue is for grouped_gemm_nt");
@@ -879,7 +883,7 @@ Status m_grouped(Form form, const __nv_bfloat16* A, const __nv_bfloat16* B, __nv
   // TMA stores: C (and aux) as [max_rows, width] row-major, in 64 x 64 boxes. Without scatter C has exactly
   // max_rows rows (the contract); with scatter its row count is unknown and the thread path is taken.
   const bool tma_store = tma_store_of(resolve_store(tuning.store)) && epi.scatter_rows == nullptr &&
-                         epi.activation != GemmActivation::kSwiGLUBackward;
+                         has_tma_store(form, epi.activation);
   if (tma_store) {
     const uint32_t box_c[2] = {64, 64};
     const uint64_t dims_c[2] = {static_cast<uint64_t>(p.ldc), rows_a};
@@ -960,17 +964,9 @@ Status grouped_gemm_tn(const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
     return Status::invalid("M and N must be positive multiples of 8, got M=" + std::to_string(M) +
                            " N=" + std::to_string(N));
   }
-  KernelParams p{};
-  p.group_offsets = group_offsets;
-  p.num_groups = num_groups;
-  p.max_rows = static_cast<int>(max_rows);
-  p.M = M;
-  p.N = N;
-  p.K = 0;
-  p.C = C;
-  p.ldc = N;
+  KernelParams p = base_params(group_offsets, num_groups, max_rows, M, N, 0, C, tuning);
   p.accumulate = accumulate ? 1 : 0;
-  p.work_counter = tuning.work_counter;
+  // Work items of form 3 are as long as their expert's rows: hand out the longest first.
   p.longest_first = tuning.work_counter != nullptr ? 1 : 0;
   TensorMaps maps{};
   const uint64_t rows = static_cast<uint64_t>(std::max<int64_t>(max_rows, 1));
