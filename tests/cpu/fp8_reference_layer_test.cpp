@@ -20,16 +20,15 @@
 #include "megamoe/config.hpp"
 #include "megamoe/fp8.hpp"
 #include "megamoe/reference.hpp"
+#include "cpu/layer_problem.hpp"
 #include "megamoe/reference_fp8.hpp"
 
 namespace megamoe::reference {
 namespace {
 
-struct Problem {
-  LayerConfig config;
-  std::vector<RankInputs<float>> ranks;
-  std::vector<std::vector<float>> d_out;
-};
+using Problem = testing::LayerProblem<float>;
+using testing::concatenate;
+using testing::merge_into_one_rank;
 
 LayerConfig make_config(int64_t hidden, int64_t intermediate, int64_t num_experts, int64_t top_k, int64_t num_ranks,
                         int64_t max_tokens_per_rank) {
@@ -88,12 +87,6 @@ Problem make_problem(const LayerConfig& config, const std::vector<int64_t>& toke
   return p;
 }
 
-template <typename T>
-std::vector<T> concatenate(const std::vector<std::vector<T>>& parts) {
-  std::vector<T> all;
-  for (const std::vector<T>& part : parts) all.insert(all.end(), part.begin(), part.end());
-  return all;
-}
 
 std::vector<float> gather(const std::vector<RankGradients<float>>& grads,
                           std::vector<float> RankGradients<float>::*member) {
@@ -468,27 +461,6 @@ TEST(Fp8ReferenceTokenGroupsTest, FullGroupsMatchRowQuantizationAndEdgeCases) {
 
 // ---------------------------------------------------------------------------------------------------
 // Partition invariance: R = 4 ranks against one rank holding everything, bitwise.
-
-Problem merge_into_one_rank(const Problem& p) {
-  Problem merged;
-  merged.config = p.config;
-  merged.config.num_ranks = 1;
-  int64_t total_tokens = 0;
-  for (const RankInputs<float>& rank : p.ranks) total_tokens += rank.num_tokens;
-  merged.config.max_tokens_per_rank = total_tokens;
-  RankInputs<float> all;
-  all.num_tokens = total_tokens;
-  for (const RankInputs<float>& rank : p.ranks) {
-    all.x.insert(all.x.end(), rank.x.begin(), rank.x.end());
-    all.topk_idx.insert(all.topk_idx.end(), rank.topk_idx.begin(), rank.topk_idx.end());
-    all.topk_weights.insert(all.topk_weights.end(), rank.topk_weights.begin(), rank.topk_weights.end());
-    all.w13.insert(all.w13.end(), rank.w13.begin(), rank.w13.end());
-    all.w2.insert(all.w2.end(), rank.w2.begin(), rank.w2.end());
-  }
-  merged.ranks.push_back(std::move(all));
-  merged.d_out.push_back(concatenate(p.d_out));
-  return merged;
-}
 
 TEST(Fp8ReferenceLayerTest, PartitionInvarianceIsBitwise) {
   const LayerConfig config = make_config(/*hidden=*/128, /*intermediate=*/128, /*num_experts=*/8, /*top_k=*/2,

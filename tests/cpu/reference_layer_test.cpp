@@ -13,6 +13,7 @@
 
 #include "megamoe/config.hpp"
 #include "megamoe/reference.hpp"
+#include "cpu/layer_problem.hpp"
 #include "reference/layer_math.hpp"
 
 namespace megamoe::reference {
@@ -29,11 +30,9 @@ LayerConfig small_config(int64_t num_ranks, int64_t num_experts, int64_t top_k, 
   return config;
 }
 
-struct Problem {
-  LayerConfig config;
-  std::vector<RankInputs<double>> ranks;
-  std::vector<std::vector<double>> d_out;
-};
+using Problem = testing::LayerProblem<double>;
+using testing::concatenate;
+using testing::merge_into_one_rank;
 
 void fill_uniform(std::vector<double>& values, size_t count, double low, double high, std::mt19937_64& rng) {
   std::uniform_real_distribution<double> dist(low, high);
@@ -112,12 +111,6 @@ double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) 
   return m;
 }
 
-template <typename T>
-std::vector<T> concatenate(const std::vector<std::vector<T>>& parts) {
-  std::vector<T> all;
-  for (const std::vector<T>& part : parts) all.insert(all.end(), part.begin(), part.end());
-  return all;
-}
 
 // ---------------------------------------------------------------------------------------------------
 // Finite differences: every gradient against central differences of the loss, in double.
@@ -223,29 +216,6 @@ TEST(ReferenceLayerTest, GradientsMatchFiniteDifferences) {
 
 // ---------------------------------------------------------------------------------------------------
 // Partition invariance: R ranks compute the same numbers as one rank holding everything.
-
-Problem merge_into_one_rank(const Problem& p) {
-  Problem merged;
-  merged.config = p.config;
-  merged.config.num_ranks = 1;
-  int64_t total_tokens = 0;
-  for (const RankInputs<double>& rank : p.ranks) total_tokens += rank.num_tokens;
-  merged.config.max_tokens_per_rank = std::max<int64_t>(total_tokens, 1);
-  RankInputs<double> all;
-  all.num_tokens = total_tokens;
-  // Rank r holds experts r*E_local .. (r+1)*E_local-1, so concatenating weights in rank order gives the
-  // global expert order and the global ids in topk_idx stay valid.
-  for (const RankInputs<double>& rank : p.ranks) {
-    all.x.insert(all.x.end(), rank.x.begin(), rank.x.end());
-    all.topk_idx.insert(all.topk_idx.end(), rank.topk_idx.begin(), rank.topk_idx.end());
-    all.topk_weights.insert(all.topk_weights.end(), rank.topk_weights.begin(), rank.topk_weights.end());
-    all.w13.insert(all.w13.end(), rank.w13.begin(), rank.w13.end());
-    all.w2.insert(all.w2.end(), rank.w2.begin(), rank.w2.end());
-  }
-  merged.ranks.push_back(std::move(all));
-  merged.d_out.push_back(concatenate(p.d_out));
-  return merged;
-}
 
 TEST(ReferenceLayerTest, PartitionInvariance) {
   const std::vector<int64_t> tokens_per_rank_all = {3, 0, 5, 2, 1, 4, 2, 3};
