@@ -1,8 +1,8 @@
 // The main job: runs the MoE layer on its default configuration and says what it did.
-//   megamoe_run [--tokens T] [--ranks R] [--iters N] [--cpu]
+//   megamoe_run [--tokens T] [--ranks R] [--iters N] [--cpu] [--help]   (run_usage() in run_options.hpp)
 // With a GPU: the Qwen3-30B-A3B layer shape (H=2048, I=768, E=128, K=8) on R virtual ranks of one GPU,
 // forward + backward timed. Without one (or with --cpu): the CPU reference, bf16-exact and FP8 blockwise,
-// on a small configuration.
+// on a small configuration. The flags mean the same on both paths; only their defaults differ.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -10,12 +10,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "megamoe/config.hpp"
 #include "megamoe/device.hpp"
 #include "megamoe/reference.hpp"
 #include "megamoe/reference_fp8.hpp"
+#include "run_options.hpp"
 
 #if MEGAMOE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -27,12 +29,35 @@
 
 namespace {
 
-struct Options {
-  int64_t tokens = 4096;
-  int64_t ranks = 1;
-  int iters = 10;
-  bool cpu = false;
-};
+using megamoe::tool::RunOptions;
+
+int64_t or_default(int64_t given, int64_t fallback) { return given > 0 ? given : fallback; }
+
+std::string cuda_version_text(int version) {
+  return std::to_string(version / 1000) + "." + std::to_string(version % 1000 / 10);
+}
+
+// The CUDA runtime reports a machine without any NVIDIA driver as "CUDA driver version is insufficient",
+// the same error as a driver that is merely too old; the driver's version (0 when there is no driver)
+// tells the two apart.
+std::string why_no_gpu(const megamoe::DeviceInfo& device) {
+#if MEGAMOE_WITH_CUDA
+  int devices = 0;
+  const cudaError_t err = cudaGetDeviceCount(&devices);
+  int driver = 0, runtime = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+  if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) runtime = 0;
+  if (driver == 0) return "no NVIDIA driver is installed (no GPU on this machine)";
+  if (runtime > 0 && driver < runtime)
+    return "the NVIDIA driver supports CUDA " + cuda_version_text(driver) + ", older than the CUDA " +
+           cuda_version_text(runtime) + " runtime this build uses: update the driver";
+  if (err == cudaErrorNoDevice || (err == cudaSuccess && devices == 0))
+    return "the NVIDIA driver (CUDA " + cuda_version_text(driver) + ") sees no GPU";
+  return device.why_unavailable;
+#else
+  return device.why_unavailable + " (configure with -DMEGAMOE_ENABLE_CUDA=ON for the GPU layer)";
+#endif
+}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -53,21 +78,27 @@ double relative_difference(const std::vector<float>& a, const std::vector<float>
   return den > 0 ? std::sqrt(num / den) : 0.0;
 }
 
-int run_cpu_reference() {
+int run_cpu_reference(const RunOptions& o) {
   using namespace megamoe;
   LayerConfig c;
   c.hidden = 256;
   c.intermediate = 128;
-  c.num_experts = 8;
+  c.num_ranks = or_default(o.ranks, tool::kCpuDefaultRanks);
+  c.num_experts = 4 * c.num_ranks;  // 4 per rank: every R divides E, and two slots can pick distinct experts
   c.top_k = 2;
-  c.num_ranks = 2;
-  c.max_tokens_per_rank = 64;
-  std::printf("CPU reference on a small configuration: %s\n", c.to_string().c_str());
+  c.max_tokens_per_rank = or_default(o.tokens, tool::kCpuDefaultTokens);
+  const int64_t iters = or_default(o.iters, tool::kCpuDefaultIters);
+  if (Status s = validate(c); !s.is_ok()) {
+    std::fprintf(stderr, "megamoe_run: %s\n", s.to_string().c_str());
+    return 2;
+  }
+  std::printf("CPU reference on a small configuration: %s, %lld run(s)\n", c.to_string().c_str(),
+              static_cast<long long>(iters));
   std::mt19937 rng(2024);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int64_t> expert(0, c.num_experts - 1);
-  std::vector<reference::RankInputs<float>> ranks(c.num_ranks);
-  std::vector<std::vector<float>> d_out(c.num_ranks);
+  std::vector<reference::RankInputs<float>> ranks(static_cast<size_t>(c.num_ranks));
+  std::vector<std::vector<float>> d_out(static_cast<size_t>(c.num_ranks));
   const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, EL = c.experts_per_rank();
   for (auto& r : ranks) {
     r.num_tokens = c.max_tokens_per_rank;
@@ -84,34 +115,43 @@ int run_cpu_reference() {
   }
   for (auto& d : d_out)
     for (int64_t i = 0; i < c.max_tokens_per_rank * H; ++i) d.push_back(normal(rng));
-  const auto t0 = std::chrono::steady_clock::now();
   std::vector<std::vector<float>> out, out_fp8;
   std::vector<reference::RankGradients<float>> grads, grads_fp8;
-  for (Status s : {reference::forward(c, ranks, &out), reference::backward(c, ranks, d_out, &grads),
-                   reference::forward_fp8(c, ranks, &out_fp8), reference::backward_fp8(c, ranks, d_out, &grads_fp8)})
-    if (!s.is_ok()) {
-      std::fprintf(stderr, "megamoe_run: %s\n", s.to_string().c_str());
-      return 1;
-    }
-  const double elapsed = seconds_since(t0);
+  std::vector<double> times;
+  for (int64_t it = 0; it < iters; ++it) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (Status s : {reference::forward(c, ranks, &out), reference::backward(c, ranks, d_out, &grads),
+                     reference::forward_fp8(c, ranks, &out_fp8),
+                     reference::backward_fp8(c, ranks, d_out, &grads_fp8)})
+      if (!s.is_ok()) {
+        std::fprintf(stderr, "megamoe_run: %s\n", s.to_string().c_str());
+        return 1;
+      }
+    times.push_back(seconds_since(t0));
+  }
+  std::sort(times.begin(), times.end());
   const int64_t pairs = c.num_ranks * c.max_tokens_per_rank * K;
-  std::printf("forward + backward, exact and FP8 blockwise, %lld routed token-expert pairs: %.2f s\n",
-              static_cast<long long>(pairs), elapsed);
-  for (int64_t r = 0; r < c.num_ranks; ++r)
-    std::printf("rank %lld: |out| %.4g  |d_x| %.4g  |d_w13| %.4g  |d_w2| %.4g   FP8 vs exact: out %.2e  d_x %.2e  "
+  std::printf("forward + backward, exact and FP8 blockwise, %lld tokens x top-%lld on %lld rank(s) (%lld routed "
+              "token-expert pairs): median %.3f s over %lld run(s)\n",
+              static_cast<long long>(c.num_ranks * c.max_tokens_per_rank), static_cast<long long>(K),
+              static_cast<long long>(c.num_ranks), static_cast<long long>(pairs), times[times.size() / 2],
+              static_cast<long long>(iters));
+  for (size_t r = 0; r < ranks.size(); ++r)
+    std::printf("rank %zu: |out| %.4g  |d_x| %.4g  |d_w13| %.4g  |d_w2| %.4g   FP8 vs exact: out %.2e  d_x %.2e  "
                 "d_w13 %.2e\n",
-                static_cast<long long>(r), norm(out[r]), norm(grads[r].d_x), norm(grads[r].d_w13), norm(grads[r].d_w2),
+                r, norm(out[r]), norm(grads[r].d_x), norm(grads[r].d_w13), norm(grads[r].d_w2),
                 relative_difference(out_fp8[r], out[r]), relative_difference(grads_fp8[r].d_x, grads[r].d_x),
                 relative_difference(grads_fp8[r].d_w13, grads[r].d_w13));
   return 0;
 }
 
 #if MEGAMOE_WITH_CUDA
-int run_gpu_layer(const Options& o) {
+int run_gpu_layer(const RunOptions& o) {
   using namespace megamoe;
   LayerConfig c = LayerConfig::qwen3_30b_a3b();
-  c.num_ranks = o.ranks;
-  c.max_tokens_per_rank = o.tokens;
+  c.num_ranks = or_default(o.ranks, tool::kGpuDefaultRanks);
+  c.max_tokens_per_rank = or_default(o.tokens, tool::kGpuDefaultTokens);
+  const int iters = static_cast<int>(or_default(o.iters, tool::kGpuDefaultIters));
   if (Status s = validate(c); !s.is_ok()) {
     std::fprintf(stderr, "megamoe_run: %s\n", s.to_string().c_str());
     return 2;
@@ -177,7 +217,7 @@ int run_gpu_layer(const Options& o) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  for (int it = -2; it < o.iters; ++it) {
+  for (int it = -2; it < iters; ++it) {
     cudaEventRecord(start, group->stream(0));
     for (int64_t r = 0; r < c.num_ranks; ++r) {
       ForwardArgs f;
@@ -227,7 +267,7 @@ int run_gpu_layer(const Options& o) {
   std::printf("forward + backward of %lld tokens x top-%lld on %lld rank(s): median %.3f ms over %d runs "
               "(%.1f TFLOP/s, wall clock incl. host enqueue and the error check), rank 0 output NaNs: %lld\n",
               static_cast<long long>(T * c.num_ranks), static_cast<long long>(K), static_cast<long long>(c.num_ranks), ms,
-              o.iters, flops / (ms * 1e-3) / 1e12, static_cast<long long>(nans));
+              iters, flops / (ms * 1e-3) / 1e12, static_cast<long long>(nans));
   std::printf("correctness against the CPU reference: run the GPU tests (scripts/gpu-check.sh)\n");
   return nans == 0 ? 0 : 1;
 }
@@ -236,33 +276,34 @@ int run_gpu_layer(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) o.tokens = std::atoll(argv[++i]);
-    else if (!std::strcmp(argv[i], "--ranks") && i + 1 < argc) o.ranks = std::atoll(argv[++i]);
-    else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) o.iters = std::max(1, std::atoi(argv[++i]));
-    else if (!std::strcmp(argv[i], "--cpu")) o.cpu = true;
-    else {
-      std::fprintf(stderr, "usage: megamoe_run [--tokens T] [--ranks R] [--iters N] [--cpu]\n");
-      return 2;
-    }
+  const megamoe::tool::ParsedOptions parsed = megamoe::tool::parse_run_options(argc, argv);
+  if (!parsed.ok) {
+    const std::string usage = megamoe::tool::run_usage();
+    std::fprintf(stderr, "megamoe_run: %s\n%s(megamoe_run --help says what each flag does)\n", parsed.error.c_str(),
+                 usage.substr(0, usage.find('\n') + 1).c_str());
+    return 2;
   }
+  const RunOptions& o = parsed.options;
+  if (o.help) {
+    std::fputs(megamoe::tool::run_usage().c_str(), stdout);
+    return 0;
+  }
+  if (o.cpu) return run_cpu_reference(o);
   const megamoe::DeviceInfo device = megamoe::query_device();
-  if (o.cpu) return run_cpu_reference();
   if (!device.available) {
-    std::printf("megamoe_run: no GPU found (%s): running the CPU reference instead\n", device.why_unavailable.c_str());
-    return run_cpu_reference();
+    std::printf("megamoe_run: no GPU found: %s; running the CPU reference instead\n", why_no_gpu(device).c_str());
+    return run_cpu_reference(o);
   }
   std::printf("GPU: %s (compute %d.%d, %d SMs)\n", device.name.c_str(), device.compute_major, device.compute_minor,
               device.multiprocessors);
   if (!device.is_hopper()) {
     std::printf("megamoe_run: the kernels are built for Hopper (sm_90a); this GPU is not one: running the CPU "
                 "reference instead\n");
-    return run_cpu_reference();
+    return run_cpu_reference(o);
   }
 #if MEGAMOE_WITH_CUDA
   return run_gpu_layer(o);
 #else
-  return run_cpu_reference();
+  return run_cpu_reference(o);
 #endif
 }
