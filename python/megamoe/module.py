@@ -1,6 +1,6 @@
 """nn.Module holding the experts' weights, and exact converters from torchtitan's three-tensor layout.
 
-Layouts (DESIGN.md section 3): w13 [E, 2I, H] with the gate rows (w1) first and the up rows (w3) after;
+Layouts (docs/MODEL.md): w13 [E, 2I, H] with the gate rows (w1) first and the up rows (w3) after;
 w2 [E, H, I]. torchtitan's GroupedExperts stores w1 and w3 as separate [E, I, H] tensors and w2 as
 [E, H, I], so w2 is shared as is and w13 is a concatenation: the conversion moves values, never rounds.
 """
@@ -124,6 +124,11 @@ class MegaMoE(nn.Module):
             [self.w2[r * per_rank:(r + 1) * per_rank] for r in range(ranks)],
             config=self.config, key=self._key)
         return torch.cat(outs)
+
+    def synchronize_and_check(self) -> None:
+        """Waits for this layer's GPU work and raises MegaMoEError for an error the GPU recorded (bad expert
+        id, capacity, timeout); megamoe.synchronize_and_check(layer) does the same."""
+        ops.synchronize_and_check(self)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -218,7 +218,10 @@ class _LibraryBackend:
         group.backward(args, torch.cuda.current_stream(d_out[0].device).cuda_stream)
 
     def synchronize_and_check(self, state, device) -> None:
-        self.group(state, device).synchronize_and_check()
+        # A group that does not exist yet has recorded nothing; creating one here would only allocate.
+        group = state.groups.get(device.index if device.index is not None else torch.cuda.current_device())
+        if group is not None:
+            group.synchronize_and_check()
 
     def supports(self, device: torch.device) -> bool:
         return device.type == "cuda"
@@ -249,7 +252,11 @@ class _LibraryBackend:
         group.backward(args, torch.cuda.current_stream(d_out.device).cuda_stream)
 
     def process_synchronize_and_check(self, state, name, device) -> None:
-        self.process_group(state, name, device).synchronize_and_check()
+        # Never create a process group here: creating one is collective.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        group = state.process_groups.get((name, index))
+        if group is not None:
+            group.synchronize_and_check()
 
 
 _backend = _LibraryBackend()
@@ -485,7 +492,7 @@ def _key_for(config: LayerConfig, key: int | None) -> int:
 
 def moe_ranks(x: list[Tensor], topk_idx: list[Tensor], topk_weights: list[Tensor], w13: list[Tensor],
               w2: list[Tensor], *, config: LayerConfig, key: int | None = None) -> list[Tensor]:
-    """R virtual ranks on one GPU: one tensor per rank in each list (DESIGN.md section 3 shapes; rank r holds
+    """R virtual ranks on one GPU: one tensor per rank in each list (the shapes of docs/MODEL.md; rank r holds
     experts [r*E/R, (r+1)*E/R), ids are global). Differentiable in x, topk_weights, w13 and w2."""
     return torch.ops.megamoe.moe_forward(_key_for(config, key), config.as_list(), list(x), list(topk_idx),
                                          list(topk_weights), list(w13), list(w2))
@@ -513,12 +520,37 @@ def _moe_process(x, topk_idx, topk_weights, w13, w2, *, config: LayerConfig, key
                                                  topk_weights, w13, w2)
 
 
-def synchronize_and_check(config: LayerConfig, key: int | None = None, device=None, group=None) -> None:
-    """Waits for the layer's work on device and raises MegaMoEError for any error the GPU recorded (with
-    group: this process's rank of the layer on that group)."""
+def synchronize_and_check(layer=None, key: int | None = None, device=None, group=None) -> None:
+    """Waits for megamoe's GPU work and raises MegaMoEError for the first error the GPU recorded (bad expert
+    id, capacity, timeout), clearing it.
+
+    layer: a MegaMoE module (its own layer state, on its process group if it has one); a LayerConfig (the
+    layer of that config under `key`, or the default key that moe()/moe_ranks() use without one; with group:
+    this process's rank of it); or None: every layer state of this process, on `device` or on every device.
+    A layer that has not run on the device yet has nothing to check."""
+    if layer is None:
+        _check_all(None if device is None else torch.device(device))
+        return
+    config = getattr(layer, "config", layer)
+    if not isinstance(config, LayerConfig):
+        raise TypeError(f"megamoe.synchronize_and_check takes a MegaMoE module, a LayerConfig or None, got "
+                        f"{type(layer).__name__}")
+    if config is not layer:  # a module: its own key, group and device
+        key, group = layer._key, layer.group if group is None else group
+        device = layer.w13.device if device is None else device
     state = _state(_key_for(config, key), config)
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if group is not None:
         _backend.process_synchronize_and_check(state, group_name(group), device)
     else:
         _backend.synchronize_and_check(state, device)
+
+
+def _check_all(device) -> None:
+    with _states_lock:
+        states = list(_states.values())
+    for state in states:
+        groups = [*state.groups.items(), *((index, g) for (_, index), g in state.process_groups.items())]
+        for index, g in groups:
+            if device is None or device.index in (None, index):
+                g.synchronize_and_check()

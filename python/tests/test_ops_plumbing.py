@@ -2,46 +2,11 @@
 rule and torch.compile, with the library swapped for a backend that computes with the reference and keeps
 the routing of its latest forward exactly as the GPU layer does. The GPU layer itself: test_ops_gpu.py."""
 
-import concurrent.futures
-
 import pytest
 import torch
+from reference_backend import ReferenceBackend
 
 from megamoe import ops, reference
-
-
-class ReferenceBackend:
-    def __init__(self):
-        self.forwards = 0
-        self.latest = None  # what the library keeps: the routing of the latest forward
-
-    def supports(self, device):
-        return True
-
-    def forward(self, state, x, idx, w, w13, w2, out):
-        self.forwards += 1
-        self.latest = [t.float() for t in x], list(idx), [t.float() for t in w], [t.float() for t in w13], \
-            [t.float() for t in w2]
-        for o, r in zip(out, reference.moe_ranks(*self.latest)):
-            o.copy_(r)
-
-    def backward(self, state, d_out, d_x, d_w, d_w13, d_w2):
-        def reference_grads():
-            x, idx, w, w13, w2 = [[t.detach().clone().requires_grad_(t.is_floating_point()) for t in ts]
-                                  for ts in self.latest]
-            outs = reference.moe_ranks(x, idx, w, w13, w2)
-            return torch.autograd.grad(outs, [*x, *w, *w13, *w2], [g.float() for g in d_out])
-
-        # An op implementation runs below the autograd dispatch keys (thread-local): use a fresh thread.
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            grads = pool.submit(reference_grads).result()
-        r = len(d_out)
-        for dst, src in zip([*d_x, *d_w, *d_w13, *d_w2], grads):
-            dst.copy_(src)
-        assert len(grads) == 4 * r
-
-    def synchronize_and_check(self, state, device):
-        pass
 
 
 @pytest.fixture
@@ -150,3 +115,31 @@ def test_opcheck(backend):
     args = (ops.new_key(), cfg.as_list(), x, idx, w, w13, w2)
     torch.library.opcheck(torch.ops.megamoe.moe_forward.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+class CountingBackend(ReferenceBackend):
+    def __init__(self):
+        super().__init__()
+        self.checked = []
+
+    def synchronize_and_check(self, state, device):
+        self.checked.append((state.config, device))
+
+
+def test_synchronize_and_check_takes_a_module_a_config_or_nothing(monkeypatch):
+    import megamoe
+
+    backend = CountingBackend()
+    monkeypatch.setattr(ops, "_backend", backend)
+    monkeypatch.setattr(ops.LayerConfig, "validate", lambda self: None)
+    layer = megamoe.MegaMoE(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
+    megamoe.synchronize_and_check(layer)
+    layer.synchronize_and_check()
+    assert [c for c, _ in backend.checked] == [layer.config, layer.config]
+    assert all(d == layer.w13.device for _, d in backend.checked)
+    cfg, *_ = inputs(ranks=1, tokens=(3,))
+    megamoe.synchronize_and_check(cfg, device="cpu")
+    assert backend.checked[-1] == (cfg, torch.device("cpu"))
+    megamoe.synchronize_and_check()  # every live library group: none exists with this backend
+    with pytest.raises(TypeError, match="takes a MegaMoE module, a LayerConfig or None"):
+        megamoe.synchronize_and_check("layer")
