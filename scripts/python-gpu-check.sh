@@ -8,10 +8,11 @@
 #   pytest.log           the whole suite, -v -x, faulthandler on (fatal-signal kind and all thread stacks)
 #   pytest.xml           JUnit report of that run (absent when the interpreter died)
 #   sanitizer.log        optional (MEGAMOE_SANITIZER=1): a few GPU tests under compute-sanitizer memcheck
-#   megamoe_bench.json   python -m megamoe.bench --json PATH (bench.log: its table and progress)
+#   megamoe_bench.json   python -m megamoe.bench --json PATH --plot (bench.log: its table and progress)
+#   megamoe_bench.png    its picture: megamoe vs PyTorch per config, GEMM kernels and the rest
 #   summary.txt          what is printed last
 # Usage: scripts/python-gpu-check.sh OUTDIR        (MEGAMOE_SKIP_INSTALL=1 reuses the installed package)
-# Budget: about 5 minutes once libmegamoe is built (a cold CUDA build adds its own minutes to the install).
+# Budget: about 7 minutes once libmegamoe is built (a cold CUDA build adds its own minutes to the install).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -72,7 +73,7 @@ note "isolated: rc $(rc_name $iso_rc); $(grep -E '[0-9]+ (passed|failed)' "$out/
 
 # 2. The whole suite, stop at the first failure, every test named as it starts (-v).
 note "pytest (whole suite, -v -x) -> $out/pytest.log"
-timeout 240 "$py" -X faulthandler -m pytest -v -x -p no:cacheprovider -ra "${timeout_opt[@]}" \
+timeout 420 "$py" -X faulthandler -m pytest -v -x -p no:cacheprovider -ra "${timeout_opt[@]}" \
   --junitxml="$out/pytest.xml" "$tests" >"$out/pytest.log" 2>&1
 pytest_rc=$?
 note "pytest: rc $(rc_name $pytest_rc)"
@@ -88,9 +89,12 @@ if [ "${MEGAMOE_SANITIZER:-0}" = 1 ] && command -v compute-sanitizer >/dev/null;
   note "sanitizer: rc $(rc_name $?); $(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -1)"
 fi
 
-# 4. The benchmark (JSON to a file, table to bench.log).
-note "python -m megamoe.bench --json $out/megamoe_bench.json"
-timeout 150 "$py" -m megamoe.bench --json "$out/megamoe_bench.json" --warmup 3 --iters 10 >"$out/bench.log" 2>&1
+# 4. The benchmark (JSON to a file, table to bench.log, the picture where matplotlib is installed).
+plot_opt=()
+"$py" -c "import matplotlib" 2>/dev/null && plot_opt=(--plot "$out/megamoe_bench.png")
+note "python -m megamoe.bench --json $out/megamoe_bench.json ${plot_opt[*]}"
+timeout 200 "$py" -m megamoe.bench --json "$out/megamoe_bench.json" "${plot_opt[@]}" --warmup 3 --iters 10 \
+  >"$out/bench.log" 2>&1
 bench_rc=$?
 note "bench: rc $(rc_name $bench_rc)"
 
@@ -130,6 +134,8 @@ if os.path.exists(path):
                else f"megamoe error: {row.get('megamoe_error')}"))
 else:
     print(f"bench rc {bench_rc}: no JSON (see bench.log)")
+png = os.path.join(out, "megamoe_bench.png")
+print(f"bench plot: {png}" if os.path.exists(png) else "bench plot: none (matplotlib missing or the run failed)")
 PY
 cat "$out/summary.txt"
 [ $pytest_rc -eq 0 ] && [ $bench_rc -eq 0 ]

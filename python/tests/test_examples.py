@@ -15,7 +15,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 SMALL = ["--hidden", "128", "--intermediate", "128", "--steps", "4"]
 
 
-def run(args, timeout=600):
+def run(args, timeout=180):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     result = subprocess.run([sys.executable, *args], cwd=EXAMPLES.parent, env=env, capture_output=True, text=True,
                             timeout=timeout)
