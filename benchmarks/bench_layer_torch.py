@@ -1,4 +1,4 @@
-"""PyTorch baseline of the MoE layer (DESIGN.md section 7): permute, torch._grouped_mm x2, SwiGLU, weighted
+"""PyTorch baseline of the MoE layer (the benchmark configuration of docs/MODEL.md): permute, torch._grouped_mm x2, SwiGLU, weighted
 index_add_, autograd backward; bf16, R = 1, T = 16384, 16 experts, top-8. Run by scripts/gpu-check.sh right
 before bench_layer (same machine, same call), which reads the CSV written to --out and prints the ratios.
 

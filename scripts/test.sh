@@ -12,4 +12,5 @@ fi
 export PATH=/usr/local/cuda/bin:$PATH
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_ENABLE_CUDA=$cuda
 cmake --build "$build_dir" -j "$(nproc)"
-ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
+# MEGAMOE_CTEST_JUNIT=PATH: also a JUnit report (CI reads each skip's reason from it).
+ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)" ${MEGAMOE_CTEST_JUNIT:+--output-junit "$MEGAMOE_CTEST_JUNIT"}

@@ -67,7 +67,7 @@ typedef struct megamoe_options {
   double wait_timeout_seconds;
 } megamoe_options;
 
-/* One rank's forward (DESIGN.md section 3): device pointers, bf16 unless stated. */
+/* One rank's forward (shapes in docs/MODEL.md): device pointers, bf16 unless stated. */
 typedef struct megamoe_forward_args {
   int64_t num_tokens;          /* T, 0 <= T <= max_tokens_per_rank */
   const void* x;               /* [T, H] */

@@ -1,8 +1,8 @@
-// CPU reference of the whole expert-parallel MoE layer (DESIGN.md section 2), forward and backward,
+// CPU reference of the whole expert-parallel MoE layer (docs/MODEL.md), forward and backward,
 // over all ranks at once. It is the oracle of every GPU test: readable over fast.
 //
 // Storage is the template scalar (float for GPU checks, double for finite differences); every sum is
-// accumulated in double. Tensors are flat row-major std::vectors with the shapes of DESIGN.md section 3.
+// accumulated in double. Tensors are flat row-major std::vectors with the shapes of docs/MODEL.md.
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,7 @@
-// CPU reference of the expert-parallel MoE layer in blockwise FP8 (DeepSeek-V3 recipe, DESIGN.md
-// section 3): the exact layer of reference.hpp with E4M3 quantize-dequantize round trips at exactly the
-// places where the GPU FP8 path quantizes, and fp32 everywhere else. It is the oracle the GPU FP8 path is
-// compared against (relative error, DESIGN.md section 8); it is not expected to match the GPU bitwise
+// CPU reference of the expert-parallel MoE layer in blockwise FP8 (DeepSeek-V3 recipe, docs/MODEL.md):
+// the exact layer of reference.hpp with E4M3 quantize-dequantize round trips at exactly the places where
+// the GPU FP8 path quantizes, and fp32 everywhere else. It is the oracle the GPU FP8 path is compared
+// against (relative error, as docs/MODEL.md describes); it is not expected to match the GPU bitwise
 // (the GPU accumulates in a different order, with the FP8 wgmma's limited-precision accumulator).
 //
 // The list of quantization points, in the order the GPU follows them, is at the top of

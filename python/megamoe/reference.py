@@ -1,4 +1,4 @@
-"""The MoE layer in plain PyTorch (DESIGN.md sections 2-3): the test oracle (at fp32 or fp64) and the
+"""The MoE layer in plain PyTorch (docs/MODEL.md): the test oracle (at fp32 or fp64) and the
 baseline of the benchmark (bf16 on CUDA, where it uses torch._grouped_mm).
 
 Steps: permute the routed (token, slot) pairs into expert-major order, GEMM1 (gate+up), SwiGLU, GEMM2
@@ -80,7 +80,7 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
 
 def moe_ranks(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
               w13: list[torch.Tensor], w2: list[torch.Tensor], *, check: bool = True) -> list[torch.Tensor]:
-    """R virtual ranks as lists of per-rank tensors (DESIGN.md section 3 shapes; ids are global, expert e
+    """R virtual ranks as lists of per-rank tensors (the shapes of docs/MODEL.md; ids are global, expert e
     lives on rank e // E_local). Returns every rank's out; autograd reaches every rank's inputs."""
     num_ranks = len(xs)
     if not (len(topk_idx) == len(topk_weights) == len(w13) == len(w2) == num_ranks) or num_ranks == 0:

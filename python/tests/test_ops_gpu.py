@@ -1,4 +1,4 @@
-"""The GPU layer through the torch ops, against the fp32 reference (DESIGN.md section 8): forward and every
+"""The GPU layer through the torch ops, against the fp32 reference (the checks of docs/MODEL.md): forward and every
 gradient for 1, 2 and 4 virtual ranks and adversarial routing, torch.compile, CUDA graphs, input errors."""
 
 import gc

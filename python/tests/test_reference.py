@@ -21,7 +21,7 @@ def make_inputs(tokens, hidden, inter, experts, top_k, *, dtype=torch.float64, s
 
 
 def per_token_loop(x, idx, w, w13, w2):
-    """DESIGN.md section 2 written token by token, slot by slot."""
+    """The forward of docs/MODEL.md written token by token, slot by slot."""
     inter = w13.shape[1] // 2
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):

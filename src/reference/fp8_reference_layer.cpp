@@ -32,8 +32,8 @@
 //                        reuses the rounded copy of F6).
 //   B3  g = q(dOut_t) . W2_q,  da = w_j * g              fp32 (round_row(kActivationGrad) is a no-op).
 //       d_topk_weights[t, j] = <g, a_j>, a_j the fp32 SwiGLU output of F4 (NOT the FP8 a_q of F5), i.e.
-//                        the dgrad epilogue contracts on the I side (DESIGN.md section 2) with the activation
-//                        it recomputes from h. Computed here by fp8_routing_weight_grads below, because the
+//                        the dgrad epilogue contracts on the I side (docs/MODEL.md, Backward) with the
+//                        activation it recomputes from h. Computed here by fp8_routing_weight_grads below, because the
 //                        generic backward contracts <dOut_t, y_j> with the unquantized dOut.
 //   B4  dh = [dg, du]                fp32 SwiGLU backward from the fp32 h of F3 and the fp32 da of B3.
 //   B5  dh [2I]          q1x128 along 2I (public order: groups are 128 gate or 128 up channels, never

@@ -1,4 +1,4 @@
-// CPU reference of the expert-parallel MoE layer (DESIGN.md section 2). The structure follows the GPU
+// CPU reference of the expert-parallel MoE layer (docs/MODEL.md). The structure follows the GPU
 // data flow so a reduced-precision variant can round at the same places: dispatch (route_rows), expert
 // compute row by row, weight gradients per expert over its gathered rows, combine into per-token sums.
 #include <cmath>

@@ -307,7 +307,7 @@ TEST(ReferenceLayerTest, MaskedSlotsContributeNothing) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// One token against the formulas of DESIGN.md section 2 written out by hand.
+// One token against the formulas of docs/MODEL.md written out by hand.
 
 TEST(ReferenceLayerTest, SingleTokenMatchesHandComputation) {
   // Two ranks, one expert each, K = 1. The only token lives on rank 0 and is routed to expert 1, which
