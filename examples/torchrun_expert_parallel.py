@@ -127,7 +127,7 @@ def main():
               f"replicas of the experts; {args.experts // ep_size} experts per rank, {args.tokens} tokens per rank")
 
     model = Model(args, ep_group, dtype, device, ep_group.rank())
-    experts = set(model.experts.parameters())
+    experts = {id(p) for p in model.experts.parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     teacher = torch.randn(args.hidden, args.hidden, generator=torch.Generator().manual_seed(args.seed)) / \
         args.hidden ** 0.5
@@ -143,7 +143,7 @@ def main():
         loss = F.mse_loss(model(x).float(), target.float())
         (loss / world).backward()
         for p in model.parameters():
-            dist.all_reduce(p.grad, group=dp_group if p in experts else None)
+            dist.all_reduce(p.grad, group=dp_group if id(p) in experts else None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         mean_loss = loss.detach().clone()
@@ -155,8 +155,8 @@ def main():
         if rank == 0:
             print(f"step {step}: loss {float(mean_loss) / world:.5f}, {elapsed * 1e3:.1f} ms")
 
-    dense = [p for p in model.parameters() if p not in experts]
-    in_sync = same_everywhere(dense, None) and same_everywhere(list(experts), dp_group)
+    dense = [p for p in model.parameters() if id(p) not in experts]
+    in_sync = same_everywhere(dense, None) and same_everywhere(list(model.experts.parameters()), dp_group)
     if rank == 0:
         print("replicas in sync: dense weights equal on every rank, expert weights equal in every data-parallel group"
               if in_sync else "replicas OUT OF SYNC")

@@ -1,6 +1,8 @@
 """megamoe: an expert-parallel MoE layer for training on NVIDIA Hopper, from PyTorch.
 
 megamoe.reference needs only PyTorch; megamoe.ops and MegaMoE load libmegamoe (ctypes) on first use.
+megamoe.integrations.transformers (imported on its own) registers experts_implementation="megamoe" with
+Hugging Face transformers.
 """
 
 from . import reference

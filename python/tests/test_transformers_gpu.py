@@ -119,3 +119,23 @@ def test_growth_between_a_forward_and_its_backward():
         assert hf_models.rel_err(d_x, want_d_x) <= 1e-2 and hf_models.rel_err(d_w, want_d_w) <= 1e-2
         assert torch.all(d_w[idx >= E] == 0)
     assert torch.isfinite(out_big).all()
+
+
+def test_no_host_synchronisation_with_the_debug_checks_off():
+    config = hf_models.qwen3_moe_config(hidden=H, inter=I, experts=E, top_k=K, layers=1)
+    module = mt.experts_modules(hf_models.build(config, "megamoe", device="cuda"))[0]
+    x = torch.randn(64, H, device="cuda").bfloat16().requires_grad_()
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(64)]).cuda()
+    idx[::3, 0] = E  # expert-parallel sentinels
+    w = torch.rand(64, K, device="cuda").bfloat16().requires_grad_()
+    mt.experts_forward(module, x, idx, w).sum().backward()  # creates the layer
+    megamoe.set_debug_checks(False)
+    torch.cuda.set_sync_debug_mode("error")  # any torch op that waits for the GPU now raises
+    try:
+        out = mt.experts_forward(module, x, idx, w)
+        torch.autograd.backward(out, torch.ones_like(out))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        megamoe.set_debug_checks(True)
+    megamoe.synchronize_and_check()
+    assert torch.isfinite(out).all()
