@@ -219,6 +219,8 @@ class _LibraryBackend:
 
     def synchronize_and_check(self, state, device) -> None:
         # A group that does not exist yet has recorded nothing; creating one here would only allocate.
+        if device.type != "cuda":
+            return
         group = state.groups.get(device.index if device.index is not None else torch.cuda.current_device())
         if group is not None:
             group.synchronize_and_check()
@@ -253,6 +255,8 @@ class _LibraryBackend:
 
     def process_synchronize_and_check(self, state, name, device) -> None:
         # Never create a process group here: creating one is collective.
+        if device.type != "cuda":
+            return
         index = device.index if device.index is not None else torch.cuda.current_device()
         group = state.process_groups.get((name, index))
         if group is not None:
@@ -539,7 +543,11 @@ def synchronize_and_check(layer=None, key: int | None = None, device=None, group
         key, group = layer._key, layer.group if group is None else group
         device = layer.w13.device if device is None else device
     state = _state(_key_for(config, key), config)
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device is None:
+        if not torch.cuda.is_available():
+            return  # no GPU: nothing can have run
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
     if group is not None:
         _backend.process_synchronize_and_check(state, group_name(group), device)
     else:

@@ -143,3 +143,19 @@ def test_synchronize_and_check_takes_a_module_a_config_or_nothing(monkeypatch):
     megamoe.synchronize_and_check()  # every live library group: none exists with this backend
     with pytest.raises(TypeError, match="takes a MegaMoE module, a LayerConfig or None"):
         megamoe.synchronize_and_check("layer")
+
+
+def test_synchronize_and_check_before_any_gpu_work_checks_nothing_and_allocates_nothing():
+    import megamoe
+    from megamoe import _lib
+
+    try:
+        _lib.lib()
+    except ImportError as e:
+        pytest.skip(str(e))
+    layer = megamoe.MegaMoE(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
+    megamoe.synchronize_and_check(layer)  # a CPU module: nothing ran on a GPU
+    megamoe.synchronize_and_check()
+    cfg, *_ = inputs(ranks=1, tokens=(3,))
+    megamoe.synchronize_and_check(cfg, device="cpu")
+    assert not ops._states[layer._key].groups, "a check created a library group"
