@@ -164,7 +164,10 @@ def run_config(name, shape, args):
                                     fwd_flops + bwd_flops)
                 row["profile"]["megamoe"] = prof
                 if prof["gemm_tflops"]:
-                    # The engine's rate as measured in this profile, and the layer's GEMM work at that rate.
+                    # The engine's rate as measured in this same profile (useful FLOPs over the time of megamoe's
+                    # GEMM kernels), not from a separate GEMM benchmark: the package has no entry point for the
+                    # engine alone, and the layer's own GEMMs, at its shapes and routing, are what the line is
+                    # about. The line is then what the layer would cost if nothing but its GEMMs took time.
                     row["gemms_alone"] = dict(engine_tflops=prof["gemm_tflops"],
                                               ms=(fwd_flops + bwd_flops) / (prof["gemm_tflops"] * 1e12) * 1e3)
         finally:
