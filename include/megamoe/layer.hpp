@@ -3,11 +3,12 @@
 // Data path per call, all on the device with no host synchronisation (so forward and backward can be
 // captured in a CUDA graph):
 //   forward : layout (counts, slots) -> dispatch (each token once per destination rank) -> barrier
-//             -> expand to expert-major rows -> GEMM1 -> SwiGLU -> GEMM2 scattered into the source
-//             rank's per-slot buffer -> barrier -> weighted reduce over the K slots in a fixed order.
-//   backward: dispatch d_out with the forward's routing -> barrier -> dgrad GEMMs, SwiGLU backward,
-//             d_topk_weights on the I side -> d_x rows scattered home -> weight-gradient GEMMs (fp32)
-//             -> barrier -> reduce over the K slots.
+//             -> expert-major row numbering (no copy) -> GEMM1 reading the received rows by index, SwiGLU
+//             in its epilogue -> GEMM2 storing each row into the source rank's per-slot buffer -> barrier
+//             -> weighted reduce over the K slots in a fixed order.
+//   backward: dispatch d_out with the forward's routing -> barrier -> dgrad GEMM with the SwiGLU backward
+//             and the d_topk_weights partials in its epilogue -> dgrad GEMM storing d_x rows home ->
+//             weight-gradient GEMMs (fp32) -> barrier -> reduce over the K slots.
 // Ranks meet only at device-side barriers over a symmetric workspace (same layout on every rank, peers
 // reached through a table of base addresses); every wait has a timeout.
 //
@@ -28,10 +29,6 @@
 
 namespace megamoe {
 
-// Which GEMM kernels the modular layer runs: the Hopper engine (TMA + wgmma, the default) or the simple
-// WMMA engine, kept as an independent correctness twin.
-enum class GemmEngine { kHopper, kSimple };
-
 struct LayerOptions {
   // Expert-major rows a rank can receive in one call. 0 = the worst case,
   // num_ranks * max_tokens_per_rank * min(top_k, experts_per_rank) (every token of every rank routed
@@ -39,7 +36,6 @@ struct LayerOptions {
   int64_t expert_row_capacity = 0;
   // Bound on every device spin-wait; past it the call reports kTimeout naming the wait.
   double wait_timeout_seconds = 20.0;
-  GemmEngine gemm_engine = GemmEngine::kHopper;
 };
 
 enum class IndexType { kInt64, kInt32 };

@@ -8,15 +8,9 @@
 #include "kernels/cuda_check.hpp"
 #include "kernels/ep_kernels.hpp"
 #include "kernels/grouped_gemm.hpp"
-#include "kernels/simple_grouped_gemm.hpp"
 #include "megamoe/layer.hpp"
 
 namespace megamoe {
-
-using kernels::GemmOperand;
-using kernels::GroupedGemmArgs;
-using kernels::GroupMode;
-using kernels::OutputType;
 
 namespace {
 
@@ -40,6 +34,9 @@ Status resolve_capacity(const LayerConfig& config, const LayerOptions& options, 
   return Status::ok();
 }
 
+// The tuning of the GEMM whose epilogue writes the d_topk_weights partials (its n-tiles are the partials).
+kernels::GemmTuning dgrad_tuning() { return kernels::GemmTuning{}; }
+
 ep::Shape make_shape(const LayerConfig& c, int rank, int64_t capacity) {
   ep::Shape s{};
   s.hidden = static_cast<int32_t>(c.hidden);
@@ -51,6 +48,7 @@ ep::Shape make_shape(const LayerConfig& c, int rank, int64_t capacity) {
   s.rank = rank;
   s.max_tokens = static_cast<int32_t>(c.max_tokens_per_rank);
   s.row_capacity = capacity;
+  s.dot_parts = kernels::grouped_gemm_n_tiles(static_cast<int>(c.intermediate), dgrad_tuning());
   return s;
 }
 
@@ -68,6 +66,10 @@ std::string describe(const ep::DeviceError& e, const LayerConfig& c) {
     case ep::kErrorBarrierTimeout:
       s << "rank " << e.rank << ": barrier " << e.a << " timed out with " << e.b << " of " << c.num_ranks
         << " ranks arrived (a peer never reached it); recreate the layer";
+      break;
+    case ep::kErrorWaitTimeout:
+      s << "rank " << e.rank << ": wait " << e.a << " timed out at " << e.b << " of " << e.c
+        << " signals (its producer never finished); recreate the layer";
       break;
     default:
       s << "rank " << e.rank << ": device error " << e.what;
@@ -108,124 +110,77 @@ struct ExpertParallelLayer::Impl {
     return tuning;
   }
 
-  Status gemm(const GroupedGemmArgs& args) const {
-    return kernels::simple_grouped_gemm(args, placement.stream, max_blocks);
-  }
-  // Simple-engine arguments over the local experts' rows: M-grouped (rows are the output rows) and
-  // K-grouped (rows are the reduction; one fp32 C per expert, [m, n] each).
-  GroupedGemmArgs rows_gemm(int64_t n, int64_t k, GemmOperand a, GemmOperand b) const {
-    GroupedGemmArgs g;
-    g.mode = GroupMode::kM;
-    g.num_groups = static_cast<int>(config.experts_per_rank());
-    g.group_offsets = expert_offsets();
-    g.n = n;
-    g.k = k;
-    g.a = a;
-    g.b = b;
-    return g;
-  }
-  GroupedGemmArgs weight_grad_gemm(int64_t m, int64_t n, GemmOperand a, GemmOperand b, float* c,
-                                   bool accumulate) const {
-    GroupedGemmArgs g;
-    g.mode = GroupMode::kK;
-    g.num_groups = static_cast<int>(config.experts_per_rank());
-    g.group_offsets = expert_offsets();
-    g.m = m;
-    g.n = n;
-    g.a = a;
-    g.b = b;
-    g.c = c;
-    g.ldc = n;
-    g.c_group_stride = m * n;
-    g.output = OutputType::kFP32;
-    g.accumulate = accumulate;
+  // Operand rows read from a receive buffer (R * T rows) in expert order.
+  kernels::GemmGather received_rows() const {
+    kernels::GemmGather g;
+    g.a_rows = buffer<int32_t>(params.layout.row_src);
+    g.a_source_rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
     return g;
   }
 
-  // GEMM1 -> SwiGLU -> GEMM2, y rows delivered to the sources' combine slots.
+  // GEMM1 with SwiGLU -> GEMM2, y rows delivered to the sources' combine slots.
   Status expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2) const;
-  // dgrad GEMMs, SwiGLU backward (with d_topk_weights), d_x rows home, weight-gradient GEMMs.
+  // dgrad GEMMs with the SwiGLU backward and d_topk_weights, d_x rows home, weight-gradient GEMMs.
   Status expert_mlp_backward(const ep::Params& p, const BackwardArgs& args) const;
 };
 
+// h = x W13^T over the received rows (gathered by index, no expand copy), a = silu(g) * u in its epilogue
+// (h kept for the backward); y = a W2^T, each row stored straight into its combine slot on the source rank.
 Status ExpertParallelLayer::Impl::expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13,
                                                      const __nv_bfloat16* w2) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
   cudaStream_t stream = placement.stream;
-  auto* rows_x = buffer<__nv_bfloat16>(p.layout.rows_x);
-  auto* h = buffer<__nv_bfloat16>(p.layout.h);
   auto* a = buffer<__nv_bfloat16>(p.layout.a);
-  if (options.gemm_engine == GemmEngine::kHopper) {
-    // y rows are staged in the rows_dout buffer (free during the forward) and then sent home: the
-    // engine scatters by row index within one buffer, not to per-row peer addresses.
-    auto* y = buffer<__nv_bfloat16>(p.layout.rows_dout);
-    const kernels::GemmEpilogue plain;
-    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nt(rows_x, w13, h, expert_offsets(), EL, C, static_cast<int>(2 * I),
-                                                     static_cast<int>(H), plain, stream, gemm_tuning()));
-    MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_forward(p, stream, max_blocks));
-    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nt(a, w2, y, expert_offsets(), EL, C, static_cast<int>(H),
-                                                     static_cast<int>(I), plain, stream, gemm_tuning()));
-    return ep::launch_send_rows(p, y, stream, max_blocks);
-  }
-  GroupedGemmArgs gemm1 = rows_gemm(2 * I, H, GemmOperand{rows_x, H, true, 0},  // h = x . W13^T
-                                     GemmOperand{w13, H, false, 2 * I * H});
-  gemm1.c = h;
-  gemm1.ldc = 2 * I;
-  MEGAMOE_RETURN_IF_ERROR(gemm(gemm1));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_forward(p, stream, max_blocks));
-  // y = a . W2^T, each row stored straight into its source's combine slot
-  GroupedGemmArgs gemm2 = rows_gemm(H, I, GemmOperand{a, I, true, 0}, GemmOperand{w2, I, false, H * I});
-  gemm2.row_destinations = buffer<void*>(p.layout.row_dest);
-  return gemm(gemm2);
+  kernels::GemmEpilogue swiglu;
+  swiglu.activation = kernels::GemmActivation::kSwiGLU;
+  swiglu.aux_out = buffer<__nv_bfloat16>(p.layout.h);
+  MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nt(buffer<__nv_bfloat16>(p.layout.recv_x), w13, a, expert_offsets(), EL,
+                                                   C, static_cast<int>(2 * I), static_cast<int>(H), swiglu, stream,
+                                                   gemm_tuning(), received_rows()));
+  kernels::GemmEpilogue home;
+  home.row_pointers = buffer<void*>(p.layout.row_dest);
+  return kernels::grouped_gemm_nt(a, w2, buffer<__nv_bfloat16>(p.layout.combine), expert_offsets(), EL, C,
+                                  static_cast<int>(H), static_cast<int>(I), home, stream, gemm_tuning());
 }
 
+// da = d_out W2 (W2 read N-major, d_out rows gathered from the receive buffer); its epilogue: dh =
+// SwiGLU'(w * da), w * a for d_w2, and the per-tile partials of <da, a> sent to the source's slots. Then
+// dx rows = dh W13 straight into the combine slots; dW2 = d_out^T (w * a) and dW13 = dh^T x (fp32, rows
+// gathered where they come from a receive buffer).
 Status ExpertParallelLayer::Impl::expert_mlp_backward(const ep::Params& p, const BackwardArgs& args) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
   cudaStream_t stream = placement.stream;
-  auto* rows_x = buffer<__nv_bfloat16>(p.layout.rows_x);
-  auto* rows_dout = buffer<__nv_bfloat16>(p.layout.rows_dout);
-  auto* rows_dy = buffer<__nv_bfloat16>(p.layout.rows_dy);
+  auto* recv_dout = buffer<__nv_bfloat16>(p.layout.recv_dout);
   auto* a = buffer<__nv_bfloat16>(p.layout.a);
   auto* dh = buffer<__nv_bfloat16>(p.layout.dh);
-  if (options.gemm_engine == GemmEngine::kHopper) {
-    const kernels::GemmEpilogue plain;
-    auto* da = buffer<__nv_bfloat16>(p.layout.da);
-    // da = d_out . W2 (W2 read N-major, no transposed copy), in bf16
-    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nn(rows_dout, forward_w2, da, expert_offsets(), EL, C,
-                                                     static_cast<int>(I), static_cast<int>(H), plain, stream,
-                                                     gemm_tuning()));
-    MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_backward(p, true, stream, max_blocks));
-    // dx rows = dh . W13, staged in rows_dout (no longer needed) and sent home
-    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nn(dh, forward_w13, rows_dout, expert_offsets(), EL, C,
-                                                     static_cast<int>(H), static_cast<int>(2 * I), plain, stream,
-                                                     gemm_tuning()));
-    MEGAMOE_RETURN_IF_ERROR(ep::launch_send_rows(p, rows_dout, stream, max_blocks));
-    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_tn(rows_dy, a, args.d_w2, expert_offsets(), EL, C,
-                                                     static_cast<int>(H), static_cast<int>(I),
-                                                     args.accumulate_weight_grads, stream, weight_grad_tuning()));
-    return kernels::grouped_gemm_tn(dh, rows_x, args.d_w13, expert_offsets(), EL, C, static_cast<int>(2 * I),
-                                    static_cast<int>(H), args.accumulate_weight_grads, stream, weight_grad_tuning());
-  }
-  // da = d_out . W2 (W2 read N-major, no transposed copy)
-  GroupedGemmArgs dgrad2 = rows_gemm(I, H, GemmOperand{rows_dout, H, true, 0},
-                                     GemmOperand{forward_w2, I, true, H * I});
-  dgrad2.c = buffer<float>(p.layout.da);
-  dgrad2.ldc = I;
-  dgrad2.output = OutputType::kFP32;
-  MEGAMOE_RETURN_IF_ERROR(gemm(dgrad2));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_backward(p, false, stream, max_blocks));
-  // dx rows = dh . W13, stored into the source's combine slot
-  GroupedGemmArgs dgrad1 = rows_gemm(H, 2 * I, GemmOperand{dh, 2 * I, true, 0},
-                                     GemmOperand{forward_w13, H, true, 2 * I * H});
-  dgrad1.row_destinations = buffer<void*>(p.layout.row_dest);
-  MEGAMOE_RETURN_IF_ERROR(gemm(dgrad1));
-  // dW2[e] = dy^T a and dW13[e] = dh^T x over expert e's rows
-  MEGAMOE_RETURN_IF_ERROR(gemm(weight_grad_gemm(H, I, GemmOperand{rows_dy, H, false, 0}, GemmOperand{a, I, true, 0},
-                                                args.d_w2, args.accumulate_weight_grads)));
-  return gemm(weight_grad_gemm(2 * I, H, GemmOperand{dh, 2 * I, false, 0}, GemmOperand{rows_x, H, true, 0},
-                               args.d_w13, args.accumulate_weight_grads));
+  kernels::GemmEpilogue grad;
+  grad.activation = kernels::GemmActivation::kSwiGLUBackward;
+  grad.row_scale = buffer<float>(p.layout.row_weight);
+  grad.h_in = buffer<__nv_bfloat16>(p.layout.h);
+  grad.aux_out = a;
+  grad.row_dots = buffer<float*>(p.layout.row_dot_dest);
+  kernels::GemmTuning dgrad = dgrad_tuning();
+  dgrad.max_ctas = max_blocks;
+  MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nn(recv_dout, forward_w2, dh, expert_offsets(), EL, C,
+                                                   static_cast<int>(I), static_cast<int>(H), grad, stream, dgrad,
+                                                   received_rows()));
+  kernels::GemmEpilogue home;
+  home.row_pointers = buffer<void*>(p.layout.row_dest);
+  MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nn(dh, forward_w13, buffer<__nv_bfloat16>(p.layout.combine),
+                                                   expert_offsets(), EL, C, static_cast<int>(H), static_cast<int>(2 * I),
+                                                   home, stream, gemm_tuning()));
+  MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_tn(recv_dout, a, args.d_w2, expert_offsets(), EL, C,
+                                                   static_cast<int>(H), static_cast<int>(I),
+                                                   args.accumulate_weight_grads, stream, weight_grad_tuning(),
+                                                   received_rows()));
+  kernels::GemmGather x_rows;
+  x_rows.b_rows = buffer<int32_t>(p.layout.row_src);
+  x_rows.b_source_rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
+  return kernels::grouped_gemm_tn(dh, buffer<__nv_bfloat16>(p.layout.recv_x), args.d_w13, expert_offsets(), EL, C,
+                                  static_cast<int>(2 * I), static_cast<int>(H), args.accumulate_weight_grads, stream,
+                                  weight_grad_tuning(), x_rows);
 }
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -247,12 +202,9 @@ Status preload_kernels() {
   MEGAMOE_RETURN_IF_ERROR(load_barrier_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_layout_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_dispatch_kernels());
-  MEGAMOE_RETURN_IF_ERROR(load_expand_kernels());
-  MEGAMOE_RETURN_IF_ERROR(load_swiglu_kernels());
+  MEGAMOE_RETURN_IF_ERROR(load_route_rows_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_combine_kernels());
-  MEGAMOE_RETURN_IF_ERROR(load_send_rows_kernels());
-  MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_preload());
-  return kernels::simple_grouped_gemm_preload();
+  return kernels::grouped_gemm_preload();
 }
 
 }  // namespace ep
@@ -301,11 +253,10 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
   p.num_tokens = args.num_tokens;
   const bool idx64 = args.topk_idx_type == IndexType::kInt64;
 
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_layout(p, args.topk_idx, idx64, stream));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_layout(p, args.topk_idx, idx64, stream, m.max_blocks));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch(p, args.x, args.topk_idx, idx64, args.topk_weights, stream, m.max_blocks));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierDispatched, stream));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_expert_offsets(p, stream));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_expand_rows(p, stream, m.max_blocks));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_route_rows(p, stream, m.max_blocks));
 
   MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward(p, args.w13, args.w2));
 
@@ -330,7 +281,6 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch(p, args.d_out, nullptr, false, nullptr, stream, m.max_blocks));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradDispatched, stream));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_gather_grad_rows(p, stream, m.max_blocks));
 
   MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_backward(p, args));
 

@@ -26,7 +26,19 @@ __device__ __forceinline__ void warp_copy_row(const __nv_bfloat16* __restrict__ 
                                               int64_t elements, int lane) {
   const uint4* s = reinterpret_cast<const uint4*>(src);
   uint4* d = reinterpret_cast<uint4*>(dst);
-  for (int64_t i = lane; i < elements / 8; i += 32) d[i] = s[i];
+  const int64_t n = elements / 8;
+  // Four independent 16-byte loads in flight per lane before the first store (a row of H = 2048 is
+  // 256 of them: two batches per lane).
+  constexpr int kBatch = 4;
+  int64_t i = lane;
+  for (; i + 32 * (kBatch - 1) < n; i += 32 * kBatch) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) v[k] = s[i + 32 * k];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) d[i + 32 * k] = v[k];
+  }
+  for (; i < n; i += 32) d[i] = s[i];
 }
 
 struct Bf16x8 {

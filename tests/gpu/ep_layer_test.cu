@@ -42,7 +42,6 @@ struct Scenario {
   std::vector<int64_t> tokens;  // per rank
   Routing routing;
   int pool = 16;  // distinct experts used (the rest stay empty)
-  GemmEngine engine = GemmEngine::kHopper;
 };
 
 std::string scenario_name(const ::testing::TestParamInfo<Scenario>& info) { return info.param.name; }
@@ -318,9 +317,7 @@ TEST_P(EpLayerTest, MatchesReferenceAndIsDeterministic) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   const Problem p = make_problem(sc, seed);
   std::unique_ptr<VirtualRankGroup> group;
-  LayerOptions options;
-  options.gemm_engine = sc.engine;
-  const Status created = VirtualRankGroup::create(p.config, options, &group);
+  const Status created = VirtualRankGroup::create(p.config, LayerOptions{}, &group);
   ASSERT_TRUE(created.is_ok()) << created.to_string();
   std::vector<RankTensors> tensors = upload(p);
   Outputs first, second;
@@ -370,6 +367,16 @@ TEST_P(EpLayerTest, MatchesReferenceAndIsDeterministic) {
 
 LayerConfig qwen() { return LayerConfig::qwen3_30b_a3b(); }
 LayerConfig deepseek() { return LayerConfig::deepseek_v3(); }
+// A narrow layer for scenarios with many tokens (several layout CTAs of 256 tokens, several 128-row tiles
+// per expert) whose CPU reference stays cheap.
+LayerConfig narrow() {
+  LayerConfig c;
+  c.hidden = 256;
+  c.intermediate = 384;
+  c.num_experts = 16;
+  c.top_k = 4;
+  return c;
+}
 
 INSTANTIATE_TEST_SUITE_P(
     Layer, EpLayerTest,
@@ -384,10 +391,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Scenario{"DeepSeekV3_R4", deepseek(), 4, {2, 1, 0, 3}, Routing::kRandom, 12},
                       Scenario{"DeepSeekV3_R8", deepseek(), 8, {1, 0, 2, 1, 0, 1, 1, 0}, Routing::kRandom, 12},
                       Scenario{"DeepSeekV3_R2_Masked", deepseek(), 2, {3, 2}, Routing::kMaskedAndRagged, 10},
-                      // The simple WMMA engine, the layer's independent correctness twin.
-                      Scenario{"Qwen30B_R1_SimpleGemm", qwen(), 1, {29}, Routing::kRandom, 16, GemmEngine::kSimple},
-                      Scenario{"Qwen30B_R4_MaskedT0_SimpleGemm", qwen(), 4, {0, 9, 6, 11}, Routing::kMaskedAndRagged,
-                               16, GemmEngine::kSimple}),
+                      // Token counts that span several layout CTAs (256 tokens each) and several 128-row tiles.
+                      Scenario{"Narrow_R2_ManyTokens", narrow(), 2, {700, 613}, Routing::kRandom, 16},
+                      Scenario{"Narrow_R4_ManyTokensMasked", narrow(), 4, {520, 0, 301, 777}, Routing::kMaskedAndRagged,
+                               16}),
     scenario_name);
 
 // ---- failures: each gives its error, names the cause, and never hangs ----
