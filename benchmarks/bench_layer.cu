@@ -49,14 +49,14 @@ struct Result {
 // The layer's six GEMMs in launch order, with the FLOPs of each for P routed rows.
 struct GemmStep {
   const char* name;
-  double flops_per_row;  // times H * I
+  double hi_per_row;  // multiply-adds per routed row, in units of H * I
 };
-constexpr GemmStep kGemmSteps[6] = {{"GEMM1 x.W13^T + SwiGLU (gathered x)", 4},
-                                     {"GEMM2 a.W2^T -> combine slots", 2},
-                                     {"dgrad d_out.W2 + SwiGLU bwd + d_topk", 2},
-                                     {"dgrad dh.W13 -> combine slots", 4},
-                                     {"wgrad dW2 = d_out^T (w a)", 2},
-                                     {"wgrad dW13 = dh^T x", 4}};
+constexpr GemmStep kGemmSteps[6] = {{"GEMM1 x.W13^T + SwiGLU (gathered x)", 2},
+                                     {"GEMM2 a.W2^T -> combine slots", 1},
+                                     {"dgrad d_out.W2 + SwiGLU bwd + d_topk", 1},
+                                     {"dgrad dh.W13 -> combine slots", 2},
+                                     {"wgrad dW2 = d_out^T (w a)", 1},
+                                     {"wgrad dW13 = dh^T x", 2}};
 
 #if MEGAMOE_BENCH_CUPTI
 // Kernel time per forward + backward by kernel, and of each GEMM of the layer, averaged over `iters` runs.
@@ -91,7 +91,7 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
   std::printf("  %-44s %9s %8s\n", "GEMM", "ms", "TFLOP/s");
   for (int g = 0; g < 6; ++g) {
     const double ms = gemm_ms[g] / iters;
-    const double flops = 2.0 * pairs * kGemmSteps[g].flops_per_row * static_cast<double>(H) * static_cast<double>(I);
+    const double flops = 2.0 * pairs * kGemmSteps[g].hi_per_row * static_cast<double>(H) * static_cast<double>(I);
     std::printf("  %-44s %9.3f %8.1f\n", kGemmSteps[g].name, ms, ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0);
   }
   r->gemm_ms = gemm;

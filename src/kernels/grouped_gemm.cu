@@ -140,9 +140,9 @@ Status m_grouped(MForm form, const __nv_bfloat16* A, const __nv_bfloat16* B, __n
   GemmLaunch l{};
   MEGAMOE_RETURN_IF_ERROR(resolve_tuning(tuning, true, contiguous, gather.a_rows != nullptr, &l.tuning));
   const int BN = l.tuning.tile_n;
-  // The only configuration of the SwiGLU backward at tile 256 (grouped_gemm_kernel.cuh); it stores through
-  // the threads where the outputs are not contiguous.
-  if (epi.activation == GemmActivation::kSwiGLUBackward && BN == 256) l.tuning.store = GemmStoreMode::kTmaTile;
+  // The only configurations of the SwiGLU backward (grouped_gemm_kernel.cuh); they store through the threads
+  // where the outputs are not contiguous.
+  if (epi.activation == GemmActivation::kSwiGLUBackward) l.tuning.store = GemmStoreMode::kTmaTile;
   l.activation = epi.activation;
   l.gather_a = gather.a_rows != nullptr;
   GemmKernelParams& p = l.p;
@@ -167,9 +167,9 @@ Status m_grouped(MForm form, const __nv_bfloat16* A, const __nv_bfloat16* B, __n
       if (epi.h_in == nullptr || !aligned16(epi.h_in)) return Status::invalid("SwiGLU backward needs an aligned h_in");
       ldc = 2 * int64_t{N};
       e.up_offset = N;
-      e.h_in = epi.h_in;
-      e.ld_h = 2 * int64_t{N};
       e.dot_rows = epi.row_dots;
+      // h reaches the epilogue through the pipeline, in the boxes of 64 columns x 128 rows TMA loads.
+      MEGAMOE_RETURN_IF_ERROR(map_2d(&l.h, epi.h_in, 2 * int64_t{N}, max_rows, kBM));
       break;
     default:
       if (epi.aux_out != nullptr) return Status::invalid("aux_out is only written by the SwiGLU epilogues");

@@ -45,9 +45,10 @@ struct EngineConfig {
   using Loader = device::TileLoader<Shape, kGatherA, kGatherB>;
   using Tiles = device::GroupedTiles<Shape::kBM, kBN, Shape::kBK, kCluster, Shape::kKGrouped>;
   using Schedule = device::DynamicSchedule<kScheduleRing>;
-  // Gathering producers need registers for their row indices; the consumers give them up.
-  static constexpr int kProducerRegs = Loader::kGathers ? 56 : 40;
-  static constexpr int kConsumerRegs = Loader::kGathers ? 224 : 232;
+  // Gathering producers need registers for their row indices (and index look-ahead); the consumers give
+  // them up. Below these budgets ptxas spills in the producer branch.
+  static constexpr int kProducerRegs = Loader::kGathers ? 72 : 48;
+  static constexpr int kConsumerRegs = Loader::kGathers ? 216 : 232;
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register budget");
 
   struct alignas(1024) SharedStorage {
@@ -55,6 +56,7 @@ struct EngineConfig {
     uint8_t staging[2][kSlots][device::kBoxBytes];
     uint64_t full[kStages];
     uint64_t empty[kStages];
+    device::SliceRows slice_rows[2];
     typename Schedule::Storage schedule;
     typename Tiles::Storage tiles;
   };
@@ -63,7 +65,8 @@ struct EngineConfig {
 };
 
 template <class Cfg>
-__device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUtensorMap* tm_b, const GemmKernelParams& p,
+__device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUtensorMap* tm_b, const CUtensorMap* tm_h,
+                                             const GemmKernelParams& p,
                                              typename Cfg::SharedStorage& smem, const typename Cfg::Tiles& tiles,
                                              const device::StaticSchedule& sched, bool dynamic, int rank, int ptid) {
   using Shape = typename Cfg::Shape;
@@ -87,8 +90,38 @@ __device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUte
       loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, rank);
       st.advance();
     }
+    if constexpr (Cfg::kAct == GemmActivation::kSwiGLUBackward) {
+      // The epilogue's h, one stage per 64-column box of the tile (gate and up columns).
+      const int n0 = tile.n_idx * Shape::kBN;
+      for (int box = 0; box < Shape::kBN / 64 && n0 + box * 64 < p.N; ++box) {
+        pipe.producer_acquire(st);
+        loader.load_epilogue_boxes(pipe, st, smem.stages[st.index], tm_h, n0 + box * 64, p.N + n0 + box * 64,
+                                   tile.row0, ptid);
+        st.advance();
+      }
+    }
   }
 }
+
+// The consumer side of the epilogue inputs the producer streams through the ring (epilogue_swiglu_grad).
+template <class Shape>
+struct EpilogueStages {
+  const device::StagePipeline<Shape::kStages>& pipe;
+  device::PipeState<Shape::kStages>& st;
+  uint8_t* stages;
+  int bar_id, lt;
+  uint32_t rank;
+
+  __device__ __forceinline__ const uint8_t* acquire() const {
+    pipe.consumer_wait(st);
+    return stages + st.index * Shape::kStageBytes;
+  }
+  __device__ __forceinline__ void release() const {
+    device::named_barrier_sync(bar_id, 128);  // every thread of the warpgroup has read the stage
+    pipe.template consumer_release<Shape::kCluster>(st, lt, rank);
+    st.advance();
+  }
+};
 
 template <class Cfg>
 __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUtensorMap* tm_aux,
@@ -102,13 +135,13 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
   const int lt = tid & 127;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   const typename Cfg::Schedule schedule{&smem.schedule, p.work_counter};
-  device::BoxStore<Cfg::kSlots, Cfg::kTmaStore> store(smem.staging[cwg][0], 2 + cwg, lt);
+  device::BoxStore<Cfg::kSlots, Cfg::kTmaStore> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
   device::PipeState<Shape::kStages> st;
   float acc[kBN / 2];
-  const int total = tiles.total();
   for (int j = 0;; ++j) {
     const int t = dynamic ? schedule.read(j) : sched.item(j);
-    if (t >= total) break;
+    // Read from shared memory per item, not held across the epilogue (where every register counts).
+    if (t >= tiles.total_now()) break;
     const device::TileCoord tile = tiles.decode(t, rank);
     device::mma_tile<Shape, Cfg::Loader::kGathers>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt,
                                                     static_cast<uint32_t>(rank));
@@ -121,11 +154,12 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
       const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, n0, tile.n_idx, lt, lt >> 5, lt & 31};
       // A TMA box is clipped only at the tensor's edge, and rows past the expert belong to the next one: TMA
       // stores need the whole slice inside the expert (uniform over the warpgroup).
-      store.begin_tile(p.tma_store != 0 && s.valid >= 64);
+      store.begin_tile(p.tma_store != 0 && s.valid >= 64, p.epi.c, p.epi.aux, s.slice0, s.valid);
       if constexpr (Cfg::kAct == GemmActivation::kSwiGLU) {
         device::epilogue_swiglu<kBN>(acc, p.epi, s, tm_c, tm_aux, store);
       } else if constexpr (Cfg::kAct == GemmActivation::kSwiGLUBackward) {
-        device::epilogue_swiglu_grad<kBN>(acc, p.epi, s, tm_c, tm_aux, store);
+        EpilogueStages<Shape> hstages{pipe, st, smem.stages[0], 2 + cwg, lt, static_cast<uint32_t>(rank)};
+        device::epilogue_swiglu_grad<kBN>(acc, p.epi, s, cwg, tm_c, tm_aux, store, hstages);
       } else {
         device::epilogue_plain<kBN>(acc, p.epi, s, tm_c, store);
       }
@@ -138,7 +172,7 @@ template <class Cfg>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                         const __grid_constant__ CUtensorMap tm_c, const __grid_constant__ CUtensorMap tm_aux,
-                        const GemmKernelParams p) {
+                        const __grid_constant__ CUtensorMap tm_h, const GemmKernelParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using Shape = typename Cfg::Shape;
   extern __shared__ uint8_t smem_raw[];
@@ -168,7 +202,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const device::StaticSchedule sched{cluster, static_cast<int>(gridDim.x) / Shape::kCluster};
   if (tid < 128) {
     device::setmaxnreg_dec<Cfg::kProducerRegs>();
-    run_producer<Cfg>(&tm_a, &tm_b, p, smem, tiles, sched, dynamic, rank, tid);
+    run_producer<Cfg>(&tm_a, &tm_b, &tm_h, p, smem, tiles, sched, dynamic, rank, tid);
   } else {
     device::setmaxnreg_inc<Cfg::kConsumerRegs>();
     run_consumer<Cfg>(&tm_c, &tm_aux, p, smem, tiles, sched, dynamic, rank, tid);
@@ -215,7 +249,7 @@ Status launch_config(const GemmLaunch& l, cudaStream_t stream) {
   if (l.p.work_counter != nullptr) {
     MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(l.p.work_counter, 0, sizeof(int), stream));
   }
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, l.a, l.b, l.c, l.aux, l.p));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, l.a, l.b, l.c, l.aux, l.h, l.p));
   MEGAMOE_CHECK_LAUNCH(stream, "grouped_gemm_kernel");
   return Status::ok();
 }
@@ -231,15 +265,16 @@ Status preload_config() {
 // either store mode; tile 128 with single CTAs; gathered operands with single CTAs. `Visit` receives each
 // configuration type and whether it matches the launch; the first match launches (or, for preloading,
 // every configuration is visited).
-// The SwiGLU backward epilogue at tile 256 runs in the TMA-tile configuration only (its thread-store
-// configuration spills registers; the TMA one also serves outputs that take the thread path).
+// The SwiGLU backward epilogue runs in the TMA-tile configurations only: it stages several boxes at once,
+// which the single staging box of the thread-store configurations cannot hold (the TMA configurations
+// also serve outputs that take the thread path).
 template <GemmForm kForm, GemmActivation kAct, bool kGatherA, bool kGatherB, class Visit>
 Status for_each_config_gather(Visit&& visit) {
   constexpr bool kBf16 = kForm != GemmForm::kTN;
-  constexpr bool kWideThreads = kAct != GemmActivation::kSwiGLUBackward;
+  constexpr bool kWideThreads = kAct != GemmActivation::kSwiGLUBackward;  // thread-store configs
   constexpr GemmStoreMode kT = GemmStoreMode::kThreads, kM = GemmStoreMode::kTmaTile;
   if constexpr (kWideThreads) MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 256, 1, kT, kGatherA, kGatherB>{}));
-  MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 128, 1, kT, kGatherA, kGatherB>{}));
+  if constexpr (kWideThreads) MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 128, 1, kT, kGatherA, kGatherB>{}));
   if constexpr (kBf16) {
     MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 256, 1, kM, kGatherA, kGatherB>{}));
     MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 128, 1, kM, kGatherA, kGatherB>{}));

@@ -33,6 +33,7 @@ struct GemmKernelParams {
 
 struct GemmLaunch {
   CUtensorMap a, b, c, aux;  // a / b: unused when gathered; c / aux: read by the TMA store path only
+  CUtensorMap h;             // SwiGLU backward: the h input of the epilogue
   GemmKernelParams p;
   GemmActivation activation;
   bool gather_a, gather_b;

@@ -242,6 +242,11 @@ TEST(BuildingBlocks, SignalWaitSucceedsAcrossKernelsAndReportsATimeout) {
   DeviceBuffer<int> result(1);
   MEGAMOE_ASSERT_CUDA(cudaMemset(counter.get(), 0, sizeof(uint32_t)));
   MEGAMOE_ASSERT_CUDA(cudaMemset(record.get(), 0, sizeof(ep::DeviceError)));
+  // Loaded up front: under lazy module loading the first launch of a kernel waits for running kernels, so
+  // a signaller loaded while the waiter spins would only start after the waiter's timeout.
+  cudaFuncAttributes attributes{};
+  MEGAMOE_ASSERT_CUDA(cudaFuncGetAttributes(&attributes, wait_kernel));
+  MEGAMOE_ASSERT_CUDA(cudaFuncGetAttributes(&attributes, signal_kernel));
   cudaStream_t waiter, signaller;
   MEGAMOE_ASSERT_CUDA(cudaStreamCreateWithFlags(&waiter, cudaStreamNonBlocking));
   MEGAMOE_ASSERT_CUDA(cudaStreamCreateWithFlags(&signaller, cudaStreamNonBlocking));
@@ -308,6 +313,8 @@ TEST(BuildingBlocks, ReadinessGatedGemmWaitsForItsRowsAndReportsAMissingBlock) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   using bf16 = __nv_bfloat16;
   ASSERT_TRUE(kernels::grouped_gemm_preload().is_ok());
+  cudaFuncAttributes attributes{};  // loaded up front, see the signal/wait test
+  MEGAMOE_ASSERT_CUDA(cudaFuncGetAttributes(&attributes, produce_rows_kernel));
   const int E = 5, N = 384, K = 256;
   const std::vector<int> sizes = {300, 0, 129, 512, 77};
   std::vector<int32_t> off(E + 1, 0), block_row0, block_rows;

@@ -43,60 +43,83 @@ struct OutputRows {
   }
 };
 
+// The outputs of a tile: C and an optional second one (aux); emit() names which one a box belongs to.
+enum BoxOutput : int { kOutputC = 0, kOutputAux = 1 };
+
+// Row destinations of the current slice, one per output and row, in shared memory: worked out once per tile
+// by the warpgroup (not per box, and not in registers the accumulators need).
+struct SliceRows {
+  __nv_bfloat16* row[2][64];
+};
+
 template <int kSlots, bool kTma>
 struct BoxStore {
+  static constexpr int kSlotCount = kSlots;
   uint8_t* staging;    // this warpgroup's kSlots boxes (1024-aligned)
   uint32_t staging_s;  // the same, as a shared-memory address
+  SliceRows* rows;     // this warpgroup's row table
   int bar_id;          // named barrier of this warpgroup's 128 threads
   int lt;              // thread in the warpgroup
   int box_no;          // boxes emitted in the current tile
   bool tma_slice;      // the current tile's slice leaves through TMA
 
-  __device__ BoxStore(uint8_t* staging_, int bar_id_, int lt_)
-      : staging(staging_), staging_s(smem_addr(staging_)), bar_id(bar_id_), lt(lt_), box_no(0), tma_slice(false) {}
+  __device__ BoxStore(uint8_t* staging_, SliceRows* rows_, int bar_id_, int lt_)
+      : staging(staging_), staging_s(smem_addr(staging_)), rows(rows_), bar_id(bar_id_), lt(lt_), box_no(0),
+        tma_slice(false) {}
 
   __device__ __forceinline__ void barrier() const { named_barrier_sync(bar_id, 128); }
 
-  // tma: whether this tile's slice may leave through TMA (uniform over the warpgroup).
-  __device__ __forceinline__ void begin_tile(bool tma) {
+  // tma: whether this tile's slice may leave through TMA (uniform over the warpgroup: every output
+  // contiguous and every row of the slice inside the expert). Otherwise the row table is filled for the
+  // slice starting at source row slice0, `valid` rows of which exist.
+  __device__ __forceinline__ void begin_tile(bool tma, const OutputRows& c, const OutputRows& aux, int slice0,
+                                             int valid) {
     box_no = 0;
     tma_slice = kTma && tma;
     if constexpr (kTma) {
       // The previous tile's TMA stores were issued a whole main loop ago; make sure they have read the
       // staging boxes before anything is written into them again.
       if (lt == 0) tma_store_wait_read<0>();
-      barrier();
     }
+    if (!tma_slice) {
+      // The previous tile's boxes have been read out (each drain ends with a barrier).
+      const OutputRows& out = lt < 64 ? c : aux;
+      rows->row[lt >> 6][lt & 63] = out.base != nullptr || out.pointers != nullptr ? out.row_of(slice0, valid, lt & 63)
+                                                                                    : nullptr;
+    }
+    barrier();
   }
 
-  // v[jj][h]: packed bf16x2 of column group jj (8 columns) and row half h of the fragment, for the 64
-  // columns of one box. stmatrix.x4 stores 4 8x8 matrices: (rows 0-7 | 8-15) x (group jj | jj+1).
-  __device__ __forceinline__ void stage(const uint32_t (&v)[8][2], int slot) const {
+  // Reserves the next kN boxes of the tile (kN <= kSlots), staged and committed in any order before the
+  // next reservation; returns the first box number. On the TMA path a reused slot must have been read by
+  // the store issued into it before: all but the last kSlots - kN committed stores are waited for.
+  template <int kN>
+  __device__ __forceinline__ int reserve() {
+    static_assert(kN >= 1 && kN <= kSlots, "boxes reserved at once must fit the staging slots");
+    const int b = box_no;
+    box_no += kN;
+    if (kTma && tma_slice && b + kN > kSlots) {
+      if (lt == 0) tma_store_wait_read<kSlots - kN>();
+      barrier();
+    }
+    return b;
+  }
+
+  // Column groups jj and jj + 1 (8 columns each) of box `box`: v[g][h] is the packed bf16x2 of group jj + g
+  // and row half h of the fragment. stmatrix.x4 stores the four 8x8 matrices (rows 0-7 | 8-15) x (jj | jj+1).
+  __device__ __forceinline__ void stage_pair(int box, int jj, const uint32_t (&v)[2][2]) const {
     const int warp = lt >> 5, lane = lt & 31;
     const int sm_row = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
     const int sm_grp = lane >> 4;
-    const uint32_t box_s = staging_s + slot * kBoxBytes;
-#pragma unroll
-    for (int jj = 0; jj < 8; jj += 2) {
-      const uint32_t addr = box_s + sm_row * 128 + (((jj + sm_grp) ^ (sm_row & 7)) << 4);
-      stmatrix_x4(addr, v[jj][0], v[jj][1], v[jj + 1][0], v[jj + 1][1]);
-    }
+    const uint32_t addr = staging_s + (box % kSlots) * kBoxBytes + sm_row * 128 + (((jj + sm_grp) ^ (sm_row & 7)) << 4);
+    stmatrix_x4(addr, v[0][0], v[0][1], v[1][0], v[1][1]);
   }
 
-  // One box: columns [col0, col0 + 64) of `out` (`ncols` wide), rows of the slice starting at source row
-  // slice0 (`valid` of them exist). `map`: the TMA store target, used only on the TMA path (whose output is
-  // contiguous, so the box lands at row slice0).
-  __device__ void emit(const uint32_t (&v)[8][2], const CUtensorMap* map, const OutputRows& out, int slice0,
-                       int valid, int col0, int ncols) {
-    const int b = box_no++;
-    const int slot = b % kSlots;
+  // Box `box` leaves: columns [col0, col0 + 64) of output `which` (`ncols` wide). `map`: its TMA store target,
+  // used only on the TMA path (whose output is contiguous, so the box lands at row slice0).
+  __device__ void commit(int box, const CUtensorMap* map, BoxOutput which, int slice0, int col0, int ncols) {
+    const int slot = box % kSlots;
     if (kTma && tma_slice) {
-      if (b >= kSlots) {
-        // Slot reuse inside the tile: the box stored kSlots boxes ago must have been read.
-        if (lt == 0) tma_store_wait_read<kSlots - 1>();
-        barrier();
-      }
-      stage(v, slot);
       fence_proxy_async_smem();  // the stmatrix writes become visible to TMA
       barrier();
       if (lt == 0) {
@@ -104,22 +127,33 @@ struct BoxStore {
         tma_store_commit();
       }
     } else {
-      stage(v, slot);
       barrier();
       const int chunk = box_read_chunk(lt);
       const int col = col0 + chunk * 8;
-      const uint8_t* box = staging + slot * kBoxBytes;
+      const uint8_t* src = staging + slot * kBoxBytes;
 #pragma unroll
       for (int it = 0; it < 4; ++it) {
         const int row = box_read_row(lt) + 16 * it;
-        __nv_bfloat16* dst = out.row_of(slice0, valid, row);
+        __nv_bfloat16* dst = rows->row[which][row];
         if (dst != nullptr && col < ncols) {
-          const uint4 val = *reinterpret_cast<const uint4*>(box + row * 128 + ((chunk ^ (row & 7)) << 4));
+          const uint4 val = *reinterpret_cast<const uint4*>(src + row * 128 + ((chunk ^ (row & 7)) << 4));
           *reinterpret_cast<uint4*>(dst + col) = val;
         }
       }
       barrier();
     }
+  }
+
+  // A whole box at once: v[jj][h] for the 8 column groups of the box.
+  __device__ __forceinline__ void emit(const uint32_t (&v)[8][2], const CUtensorMap* map, BoxOutput which, int slice0,
+                                       int col0, int ncols) {
+    const int b = reserve<1>();
+#pragma unroll
+    for (int jj = 0; jj < 8; jj += 2) {
+      const uint32_t pair[2][2] = {{v[jj][0], v[jj][1]}, {v[jj + 1][0], v[jj + 1][1]}};
+      stage_pair(b, jj, pair);
+    }
+    commit(b, map, which, slice0, col0, ncols);
   }
 
   // Before the kernel ends: the staging boxes must not be released while TMA may still read them.

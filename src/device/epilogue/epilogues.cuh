@@ -3,7 +3,7 @@
 //   epilogue_plain          C = row_scale * acc                                   (bf16)
 //   epilogue_swiglu         acc = h: gate columns [0, BN/2), up columns [BN/2, BN) of the tile;
 //                           C = a = row_scale * silu(g) * u, aux = h (unscaled)   (bf16)
-//   epilogue_swiglu_grad    acc = da (unweighted), reads h: C = dh = SwiGLU'(row_scale * da) (gate part at
+//   epilogue_swiglu_grad    acc = da (unweighted), reads h (streamed through the pipeline): C = dh = SwiGLU'(row_scale * da) (gate part at
 //                           column c, up part at c + N), aux = row_scale * a, and per row the partial
 //                           <da, a> over the tile's columns, for the routing-weight gradient
 //   epilogue_fp32           C (+)= acc, fp32 (the weight gradients)
@@ -27,9 +27,8 @@ struct EpilogueArgs {
   int c_cols;                   // width of C
   int aux_cols;                 // width of aux
   const float* row_scale;       // optional, per source row
-  const __nv_bfloat16* h_in;    // SwiGLU backward: h [rows, 2N], gate columns then up columns
-  int64_t ld_h;
-  int up_offset;                // SwiGLU: column of up row 0 in h and dh (= I)
+  int up_offset;                // SwiGLU: column of up row 0 in h and dh (= I); h itself arrives through the
+                                // pipeline (epilogue_swiglu_grad)
   float* const* dot_rows;       // SwiGLU backward, optional: per source row, where the tile partials go
                                 // (partial of n-tile n at dot_rows[row][n])
 };
@@ -63,7 +62,7 @@ __device__ __forceinline__ void epilogue_plain(const float (&acc)[kBN / 2], cons
         const int j = box * 8 + jj;
         v[jj][h] = pack_bf16x2(acc[Fragment::reg(j, h, 0)] * sc[h], acc[Fragment::reg(j, h, 1)] * sc[h]);
       }
-    store.emit(v, map_c, e.c, s.slice0, s.valid, s.n0 + box * 64, e.c_cols);
+    store.emit(v, map_c, kOutputC, s.slice0, s.n0 + box * 64, e.c_cols);
   }
 }
 
@@ -86,7 +85,7 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kBN / 2], con
         v[jj][h] = pack_bf16x2(swiglu(acc[Fragment::reg(jg, h, 0)], acc[Fragment::reg(ju, h, 0)]) * sc[h],
                                swiglu(acc[Fragment::reg(jg, h, 1)], acc[Fragment::reg(ju, h, 1)]) * sc[h]);
       }
-    store.emit(v, map_c, e.c, s.slice0, s.valid, a0 + box * 64, e.c_cols);
+    store.emit(v, map_c, kOutputC, s.slice0, a0 + box * 64, e.c_cols);
   }
   if (e.aux.base == nullptr && e.aux.pointers == nullptr) return;
 #pragma unroll
@@ -101,76 +100,102 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kBN / 2], con
       }
     // Gate boxes land at the tile's activation columns, up boxes at the same columns of the up half.
     const int col = box < kHalf / 64 ? a0 + box * 64 : e.up_offset + a0 + (box - kHalf / 64) * 64;
-    store.emit(v, map_aux, e.aux, s.slice0, s.valid, col, e.aux_cols);
+    store.emit(v, map_aux, kOutputAux, s.slice0, col, e.aux_cols);
   }
 }
 
-template <int kBN, class Store>
+// hstages: where the tile's h arrives, one stage per 64-column box, through the main-loop pipeline (the
+// producer streams them in right after the tile's K stages, so their loads overlap the last K stages):
+// acquire() waits for the next box's stage and returns it (gate columns of the tile's 128 rows in the
+// first 16 KB, up columns in the next 16 KB, 128-byte swizzled as TMA writes them); release() hands it
+// back once the warpgroup has read it.
+template <int kBN, class Store, class HStages>
 __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2], const EpilogueArgs& e,
-                                                     const SliceCoord& s, const CUtensorMap* map_c,
-                                                     const CUtensorMap* map_aux, Store& store) {
+                                                     const SliceCoord& s, int cwg, const CUtensorMap* map_c,
+                                                     const CUtensorMap* map_aux, Store& store, HStages& hstages) {
   const int N = e.up_offset;  // activation width I (C = dh is 2N wide)
   const float sc[2] = {row_scale_of(e, s, 0), row_scale_of(e, s, 1)};
   const int r[2] = {Fragment::row(s.warp, s.lane, 0), Fragment::row(s.warp, s.lane, 1)};
   const bool has_aux = e.aux.base != nullptr || e.aux.pointers != nullptr;
   float dot[2] = {0.0f, 0.0f};
-  // g and u of a fragment pair, loaded from h (L1-resident on the second pass over the box).
-  auto load_gu = [&](int j, int h, float (&g)[2], float (&u)[2]) {
-    const int col = s.n0 + Fragment::col(s.lane, j);
-    const __nv_bfloat16* hrow = e.h_in + static_cast<int64_t>(s.slice0 + r[h]) * e.ld_h;
-    const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(hrow + col);
-    const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(hrow + N + col);
+  // g and u of a fragment pair, from the box's stage: row cwg * 64 + r of the 128-row boxes, column group jj.
+  auto load_gu = [&](const uint8_t* stage, int jj, int h, float (&g)[2], float (&u)[2]) {
+    const int row = cwg * 64 + r[h];
+    const int offset = row * 128 + ((jj ^ (row & 7)) << 4) + 4 * (s.lane & 3);
+    const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(stage + offset);
+    const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(stage + 128 * 128 + offset);
     g[0] = __low2float(g2), g[1] = __high2float(g2);
     u[0] = __low2float(u2), u[1] = __high2float(u2);
   };
+  // With three staging slots to spare, dh, w * a and the dot products come out of one pass over the box
+  // (one sigmoid per element); with fewer, a second pass recomputes a. Column groups go two at a time
+  // straight into their boxes, so no output array of the box is held in registers.
+  constexpr bool kOnePass = Store::kSlotCount >= 3;
 #pragma unroll
   for (int box = 0; box < kBN / 64; ++box) {
     if (s.n0 + box * 64 >= N) break;  // uniform: N % 64 == 0
     const int col0 = s.n0 + box * 64;
-    // Two passes over the box keep the registers in bounds: dh first, then a and the dot products.
-    {
-      uint32_t vg[8][2], vu[8][2];
+    const uint8_t* stage = hstages.acquire();
+    int b;
+    if constexpr (kOnePass) {
+      b = store.template reserve<3>();
+    } else {
+      b = store.template reserve<2>();
+    }
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
+    for (int jj = 0; jj < 8; jj += 2) {
+      uint32_t vg[2][2], vu[2][2], va[2][2];
+#pragma unroll
+      for (int d = 0; d < 2; ++d)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float dg[2] = {0, 0}, du[2] = {0, 0};
-          if (r[h] < s.valid) {
-            float g[2], u[2];
-            load_gu(box * 8 + jj, h, g, u);
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-              const SwiGLUGrad d = swiglu_backward(acc[Fragment::reg(box * 8 + jj, h, k)] * sc[h], g[k], u[k]);
-              dg[k] = d.dg;
-              du[k] = d.du;
-            }
-          }
-          vg[jj][h] = pack_bf16x2(dg[0], dg[1]);
-          vu[jj][h] = pack_bf16x2(du[0], du[1]);
-        }
-      store.emit(vg, map_c, e.c, s.slice0, s.valid, col0, 2 * N);
-      store.emit(vu, map_c, e.c, s.slice0, s.valid, N + col0, 2 * N);
-    }
-    if (!has_aux && e.dot_rows == nullptr) continue;
-    uint32_t va[8][2];
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float aw[2] = {0, 0};
-        if (r[h] < s.valid) {
-          float g[2], u[2];
-          load_gu(box * 8 + jj, h, g, u);
+          float g[2], u[2], dg[2], du[2], aw[2];
+          load_gu(stage, jj + d, h, g, u);
 #pragma unroll
           for (int k = 0; k < 2; ++k) {
-            const float a = swiglu(g[k], u[k]);
-            aw[k] = a * sc[h];
-            dot[h] += acc[Fragment::reg(box * 8 + jj, h, k)] * a;  // in column order: the same sum every run
+            const float da = acc[Fragment::reg(box * 8 + jj + d, h, k)];
+            const SwiGLUGrad grad = swiglu_backward(da * sc[h], g[k], u[k]);
+            dg[k] = grad.dg;
+            du[k] = grad.du;
+            aw[k] = grad.a * sc[h];
+            if constexpr (kOnePass) dot[h] += da * grad.a;  // in column order: the same sum every run
           }
+          vg[d][h] = pack_bf16x2(dg[0], dg[1]);
+          vu[d][h] = pack_bf16x2(du[0], du[1]);
+          va[d][h] = pack_bf16x2(aw[0], aw[1]);
         }
-        va[jj][h] = pack_bf16x2(aw[0], aw[1]);
+      store.stage_pair(b, jj, vg);
+      store.stage_pair(b + 1, jj, vu);
+      if constexpr (kOnePass) store.stage_pair(b + 2, jj, va);
+    }
+    store.commit(b, map_c, kOutputC, s.slice0, col0, 2 * N);
+    store.commit(b + 1, map_c, kOutputC, s.slice0, N + col0, 2 * N);
+    if constexpr (kOnePass) {
+      if (has_aux) store.commit(b + 2, map_aux, kOutputAux, s.slice0, col0, e.aux_cols);
+    } else if (has_aux || e.dot_rows != nullptr) {
+      const int ba = store.template reserve<1>();
+#pragma unroll
+      for (int jj = 0; jj < 8; jj += 2) {
+        uint32_t va[2][2];
+#pragma unroll
+        for (int d = 0; d < 2; ++d)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float g[2], u[2], aw[2];
+            load_gu(stage, jj + d, h, g, u);
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+              const float a = swiglu(g[k], u[k]);
+              aw[k] = a * sc[h];
+              dot[h] += acc[Fragment::reg(box * 8 + jj + d, h, k)] * a;
+            }
+            va[d][h] = pack_bf16x2(aw[0], aw[1]);
+          }
+        if (has_aux) store.stage_pair(ba, jj, va);
       }
-    if (has_aux) store.emit(va, map_aux, e.aux, s.slice0, s.valid, col0, e.aux_cols);
+      if (has_aux) store.commit(ba, map_aux, kOutputAux, s.slice0, col0, e.aux_cols);
+    }
+    hstages.release();
   }
   if (e.dot_rows == nullptr) return;
   // The four lanes of a quad hold a row's columns: a fixed butterfly makes the row's tile partial.

@@ -60,25 +60,51 @@ struct GatheredKMajorTile {
   }
 };
 
-// MN-major stage of 64 reduction rows x kWidth columns (kWidth / 64 boxes of 64 x 64) gathered by index:
-// rows [first, first + valid) of the operand, columns [col0, col0 + kWidth).
-template <int kWidth>
-__device__ __forceinline__ void load_gathered_mn(uint32_t dst, const GatherOperand& g, int first, int valid, int col0,
-                                                 int ptid) {
-  const int piece = ptid & 7;
+// MN-major stages gathered by index: a stage holds 64 reduction rows x kWidth columns (kWidth / 64 boxes of
+// 64 x 64). Thread t copies piece t % 8 of rows t / 8 + 16 i, i = 0..3, in every box. The source rows of a
+// stage are looked up two stages ahead, so that the index loads' latency is not paid stage after stage.
+struct GatheredMnRows {
+  static constexpr int kLookahead = 2;
+  int now[4], next[4], after[4];  // raw indices of this thread's rows of the next three stages; -1 = none
+
+  __device__ __forceinline__ void lookup(const GatherOperand& g, int first, int valid, int ptid, int (&out)[4]) const {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = (ptid >> 3) + 16 * i;
-    const int src = r < valid ? gather_row(g, first + r) : -1;
-#pragma unroll
-    for (int box = 0; box < kWidth / 64; ++box) {
-      const int col = col0 + box * 64 + 8 * piece;
-      const bool ok = src >= 0 && col < g.cols;
-      const __nv_bfloat16* from = ok ? g.base + static_cast<int64_t>(src) * g.ld + col : g.base;
-      cp_async_16(dst + box * kBoxBytes + r * 128 + ((piece ^ (r & 7)) << 4), from, ok);
+    for (int i = 0; i < 4; ++i) {
+      const int r = (ptid >> 3) + 16 * i;
+      out[i] = r < valid ? g.index[first + r] : -1;
     }
   }
-}
+  // Stage kt of the tile covers operand rows [row0 + 64 kt, ...) of which rows - 64 kt are the expert's.
+  __device__ __forceinline__ void begin(const GatherOperand& g, int row0, int rows, int ptid) {
+    lookup(g, row0, rows, ptid, now);
+    lookup(g, row0 + 64, rows - 64, ptid, next);
+  }
+  // Issues stage kt's copies (the stage begin() or the previous advance() looked up) and the lookup of
+  // stage kt + 2.
+  template <int kWidth>
+  __device__ __forceinline__ void load(uint32_t dst, const GatherOperand& g, int row0, int rows, int kt, int col0,
+                                       int ptid) {
+    lookup(g, row0 + (kt + kLookahead) * 64, rows - (kt + kLookahead) * 64, ptid, after);
+    const int piece = ptid & 7;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = (ptid >> 3) + 16 * i;
+      const int src = now[i] >= 0 ? min(now[i], max(g.source_rows - 1, 0)) : -1;
+#pragma unroll
+      for (int box = 0; box < kWidth / 64; ++box) {
+        const int col = col0 + box * 64 + 8 * piece;
+        const bool ok = src >= 0 && col < g.cols;
+        const __nv_bfloat16* from = ok ? g.base + static_cast<int64_t>(src) * g.ld + col : g.base;
+        cp_async_16(dst + box * kBoxBytes + r * 128 + ((piece ^ (r & 7)) << 4), from, ok);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      now[i] = next[i];
+      next[i] = after[i];
+    }
+  }
+};
 
 // Everything the producer needs to fill stages; one per kernel, by value.
 struct OperandSources {
@@ -104,13 +130,16 @@ struct TileLoader {
   const CUtensorMap* map_b;
   OperandSources src;
   GatheredKMajorTile rows_a;  // kGatherA, M-grouped forms
+  GatheredMnRows mn_a, mn_b;  // K-grouped form
 
   __device__ __forceinline__ void begin_tile(const TileCoord& tile, int ptid) {
     if constexpr (kGatherA && !Shape::kKGrouped) rows_a.prepare(src.a, tile.row0, tile.rows, ptid);
+    if constexpr (kGatherA && Shape::kKGrouped) mn_a.begin(src.a, tile.row0, tile.rows, ptid);
+    if constexpr (kGatherB) mn_b.begin(src.b, tile.row0, tile.rows, ptid);
   }
 
   __device__ __forceinline__ void load(const StagePipeline<Shape::kStages>& pipe, const PipeState<Shape::kStages>& st,
-                                       uint8_t* stage, const TileCoord& tile, int kt, int ptid, int rank) const {
+                                       uint8_t* stage, const TileCoord& tile, int kt, int ptid, int rank) {
     uint8_t* sa = stage;
     uint8_t* sb = stage + Shape::kABytes;
     uint64_t* bar = pipe.full_barrier(st);
@@ -164,15 +193,31 @@ struct TileLoader {
     }
     if constexpr (kGathers) {
       if constexpr (Shape::kKGrouped) {
-        const int valid = tile.rows - k0;
         if constexpr (kGatherA)
-          load_gathered_mn<Shape::kBM>(smem_addr(sa), src.a, tile.row0 + k0, valid, tile.m_idx * Shape::kBM, ptid);
-        if constexpr (kGatherB) load_gathered_mn<Shape::kBN>(smem_addr(sb), src.b, tile.row0 + k0, valid, n0, ptid);
+          mn_a.template load<Shape::kBM>(smem_addr(sa), src.a, tile.row0, tile.rows, kt, tile.m_idx * Shape::kBM, ptid);
+        if constexpr (kGatherB) mn_b.template load<Shape::kBN>(smem_addr(sb), src.b, tile.row0, tile.rows, kt, n0, ptid);
       } else {
         rows_a.load(smem_addr(sa), src.a, k0, ptid);
       }
       pipe.producer_commit_copies(st);
     }
+  }
+
+  // An epilogue input streamed through the ring after the tile's K stages: the boxes of 64 columns x 128
+  // rows at (col_lo, row0) and (col_hi, row0) of `map` into the first two box areas of the stage (every
+  // stage holds at least 32 KB). Every producer thread arrives, so the stage counts its usual arrivals.
+  __device__ __forceinline__ void load_epilogue_boxes(const StagePipeline<Shape::kStages>& pipe,
+                                                      const PipeState<Shape::kStages>& st, uint8_t* stage,
+                                                      const CUtensorMap* map, int col_lo, int col_hi, int row0,
+                                                      int ptid) const {
+    static_assert(Shape::kStageBytes >= 2 * Shape::kABytes, "two 128-row boxes per stage");
+    if (ptid == 0) {
+      uint64_t* bar = pipe.full_barrier(st);
+      pipe.producer_expect_tx(st, 2 * Shape::kABytes);
+      tma_load_2d(stage, map, col_lo, row0, bar);
+      tma_load_2d(stage + Shape::kABytes, map, col_hi, row0, bar);
+    }
+    if constexpr (kGathers) mbarrier_arrive(pipe.full_barrier(st));
   }
 };
 

@@ -46,6 +46,8 @@ struct GroupedTiles {
   int K;  // M-grouped: reduction length
 
   __device__ int total() const { return s->tile_start[num_groups]; }
+  // The same, read from shared memory at this point of the program (never kept in a register).
+  __device__ int total_now() const { return *reinterpret_cast<const volatile int*>(&s->tile_start[num_groups]); }
   __device__ int expert_at(int pos) const { return kKGrouped ? s->per_position[pos] : pos; }
 
   // All threads of the block. longest_first (K-grouped, dynamic scheduling): the experts with the most rows,
