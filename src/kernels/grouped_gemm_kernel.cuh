@@ -45,11 +45,17 @@ struct EngineConfig {
   using Loader = device::TileLoader<Shape, kGatherA, kGatherB>;
   using Tiles = device::GroupedTiles<Shape::kBM, kBN, Shape::kBK, kCluster, Shape::kKGrouped>;
   using Schedule = device::DynamicSchedule<kScheduleRing>;
-  // Gathering producers need registers for their row indices (and index look-ahead); the consumers give
-  // them up. Below these budgets ptxas spills in the producer branch.
-  static constexpr int kProducerRegs = Loader::kGathers ? 72 : 48;
-  static constexpr int kConsumerRegs = Loader::kGathers ? 216 : 232;
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register budget");
+  // Gathering producers need registers for their row indices (and index look-ahead), and the SwiGLU
+  // backward's producer a loop over the epilogue's stages; the consumers give them up. Below these budgets
+  // ptxas spills in the producer branch.
+  static constexpr bool kBusyProducer = Loader::kGathers || kAct == GemmActivation::kSwiGLUBackward;
+  static constexpr int kProducerRegs = Loader::kGathers ? 72 : (kBusyProducer ? 48 : 40);
+  static constexpr int kConsumerRegs = Loader::kGathers ? 216 : (kBusyProducer ? 224 : 232);
+  // setmaxnreg.inc waits until the CTA's pool has the registers: the pool is what the launch allocated
+  // (the register count at entry, 168 for 384 threads), so the budgets must fit in it or the consumers
+  // wait forever.
+  static constexpr int kRegsAtLaunch = 65536 / kGemmThreads / 8 * 8;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kRegsAtLaunch * kGemmThreads, "register budget");
 
   struct alignas(1024) SharedStorage {
     uint8_t stages[kStages][Shape::kStageBytes];  // each 1024-aligned: kStageBytes is a multiple of 1024
