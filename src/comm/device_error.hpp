@@ -14,7 +14,13 @@ enum ErrorWhat : int32_t {
   kErrorCapacity = 2,        // a: rows needed, b: capacity
   kErrorBarrierTimeout = 3,  // a: barrier id, b: arrivals seen
   kErrorWaitTimeout = 4,     // a: wait id (the counter's index), b: value seen; c: value waited for
+  kErrorBroken = 5,          // a call on a layer that an earlier timeout left unusable
+  kErrorPeerIndex = 6,       // a: source rank, b: the value a peer wrote, c: which field (PeerField)
+  kErrorForwardFailed = 7,   // a backward whose forward had failed
 };
+
+// Fields of the receive buffers that peers write and the receiver checks (kErrorPeerIndex, c).
+enum PeerField : int32_t { kPeerCount = 0, kPeerTokens = 1, kPeerLocalExpert = 2, kPeerRowIndex = 3, kPeerToken = 4 };
 
 struct DeviceError {
   int32_t code;  // 0 = no error

@@ -21,15 +21,20 @@ __device__ __forceinline__ DeviceError* error_record(char* base, const Workspace
   return at<DeviceError>(base, layout.error);
 }
 
+__device__ __forceinline__ bool is_broken(const Params& p) {
+  return *reinterpret_cast<const volatile int32_t*>(p.local + p.layout.broken) != 0;
+}
+
+// The current call cannot give valid results: an error was recorded, or the layer is broken.
 __device__ __forceinline__ bool has_error(const Params& p) {
-  return device::error_recorded(error_record(p.local, p.layout));
+  return device::error_recorded(error_record(p.local, p.layout)) || is_broken(p);
 }
 
 // Records the error on every rank of the group: each of them must report it and NaN its outputs.
 __device__ __forceinline__ void record_error_everywhere(const Params& p, StatusCode code, ErrorWhat what, int64_t a,
-                                                        int64_t b) {
+                                                        int64_t b, int64_t c = 0) {
   for (int peer = 0; peer < p.shape.num_ranks; ++peer)
-    record_error(error_record(p.peers[peer], p.layout), code, what, p.shape.rank, a, b);
+    record_error(error_record(p.peers[peer], p.layout), code, what, p.shape.rank, a, b, c);
 }
 
 }  // namespace megamoe::ep

@@ -45,6 +45,7 @@ struct WorkspaceLayout {
   // control
   int64_t error = 0;           // DeviceError
   int64_t barriers = 0;        // uint64 [kNumBarriers]
+  int64_t broken = 0;          // int32: set for good when a barrier timed out on any rank (see device_barrier.cu)
   // source side (this rank's tokens)
   int64_t pair_dest_slot = 0;  // int32 [T, K]: slot of token t in the receive slab of slot j's rank; -1 masked
   int64_t pair_send_rank = 0;  // int32 [T, K]: slot j's rank if j is the token's first slot on it, else -1
@@ -83,6 +84,7 @@ struct WorkspaceLayout {
     };
     l.error = take(sizeof(DeviceError));
     l.barriers = take(8 * kNumBarriers);
+    l.broken = take(4);
     l.pair_dest_slot = take(4 * T * K);
     l.pair_send_rank = take(4 * T * K);
     l.pair_row_index = take(4 * T * K);

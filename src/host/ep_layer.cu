@@ -1,6 +1,9 @@
 // Host side of the expert-parallel layer: argument checks, the kernel sequence of forward and backward,
 // error decoding, and the virtual-rank group.
 #include <algorithm>
+#include <initializer_list>
+#include <string>
+#include <utility>
 #include <sstream>
 #include <vector>
 
@@ -14,6 +17,30 @@ namespace megamoe {
 
 namespace {
 
+constexpr double kMinWaitTimeoutSeconds = 1e-3;
+constexpr double kMaxWaitTimeoutSeconds = 86400.0;
+
+bool aligned_to(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+
+// Every pointer a call takes is checked before anything is enqueued, so that a bad argument never leaves
+// a call half-enqueued (peers waiting at a barrier this rank never reaches). Rows are read and written 16
+// bytes at a time.
+Status check_alignment(std::initializer_list<std::pair<const void*, const char*>> rows16,
+                       std::initializer_list<std::pair<const void*, const char*>> words4) {
+  for (const auto& [ptr, name] : rows16)
+    if (ptr != nullptr && !aligned_to(ptr, 16))
+      return Status::invalid(std::string(name) + " must be 16-byte aligned (rows are moved 16 bytes at a time)");
+  for (const auto& [ptr, name] : words4)
+    if (ptr != nullptr && !aligned_to(ptr, 4)) return Status::invalid(std::string(name) + " must be 4-byte aligned");
+  return Status::ok();
+}
+
+Status broken_status() {
+  return Status(StatusCode::kTimeout,
+                "this layer is unusable: an earlier call timed out waiting for a peer (counters can no longer be "
+                "trusted); recreate the layer");
+}
+
 int64_t worst_case_rows(const LayerConfig& c) {
   return c.num_ranks * c.max_tokens_per_rank * std::min(c.top_k, c.experts_per_rank());
 }
@@ -25,8 +52,11 @@ Status resolve_capacity(const LayerConfig& config, const LayerOptions& options, 
   if (options.expert_row_capacity < 0)
     return Status::invalid("expert_row_capacity must be >= 0 (0 = worst case), got " +
                            std::to_string(options.expert_row_capacity));
-  if (!(options.wait_timeout_seconds > 0.0))
-    return Status::invalid("wait_timeout_seconds must be positive");
+  // A finite, bounded range: inf or huge values would overflow the nanosecond count into an instant timeout.
+  if (!(options.wait_timeout_seconds >= kMinWaitTimeoutSeconds && options.wait_timeout_seconds <= kMaxWaitTimeoutSeconds))
+    return Status::invalid("wait_timeout_seconds must be in [" + std::to_string(kMinWaitTimeoutSeconds) + ", " +
+                           std::to_string(kMaxWaitTimeoutSeconds) + "], got " +
+                           std::to_string(options.wait_timeout_seconds));
   *capacity = options.expert_row_capacity > 0 ? options.expert_row_capacity : worst_case_rows(config);
   if (*capacity >= (int64_t{1} << 31))
     return Status::invalid("expert_row_capacity must stay below 2^31 rows, got " + std::to_string(*capacity) +
@@ -67,6 +97,16 @@ std::string describe(const ep::DeviceError& e, const LayerConfig& c) {
       s << "rank " << e.rank << ": barrier " << e.a << " timed out with " << e.b << " of " << c.num_ranks
         << " ranks arrived (a peer never reached it); recreate the layer";
       break;
+    case ep::kErrorBroken:
+      s << "rank " << e.rank << ": the layer is unusable after an earlier timeout; recreate it";
+      break;
+    case ep::kErrorPeerIndex:
+      s << "rank " << e.rank << " received an out-of-range value " << e.b << " from rank " << e.a << " (field "
+        << e.c << " of the receive buffers)";
+      break;
+    case ep::kErrorForwardFailed:
+      s << "rank " << e.rank << ": backward of a forward that failed";
+      break;
     case ep::kErrorWaitTimeout:
       s << "rank " << e.rank << ": wait " << e.a << " timed out at " << e.b << " of " << e.c
         << " signals (its producer never finished); recreate the layer";
@@ -87,6 +127,8 @@ struct ExpertParallelLayer::Impl {
   ep::Params params{};
   int max_blocks = 0;
   bool has_forward = false;
+  bool forward_failed = false;  // an error was reported after the latest forward
+  bool broken = false;          // a timeout was reported: the layer must be recreated
   int64_t forward_tokens = 0;
   const __nv_bfloat16* forward_w13 = nullptr;
   const __nv_bfloat16* forward_w2 = nullptr;
@@ -204,6 +246,7 @@ Status preload_kernels() {
   MEGAMOE_RETURN_IF_ERROR(load_dispatch_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_route_rows_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_combine_kernels());
+  MEGAMOE_RETURN_IF_ERROR(load_failure_kernels());
   return kernels::grouped_gemm_preload();
 }
 
@@ -248,6 +291,12 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
   if (args.num_tokens > 0 && (args.x == nullptr || args.topk_idx == nullptr || args.topk_weights == nullptr ||
                               args.out == nullptr))
     return Status::invalid("forward: x, topk_idx, topk_weights and out are required when num_tokens > 0");
+  MEGAMOE_RETURN_IF_ERROR(check_alignment({{args.x, "x"}, {args.w13, "w13"}, {args.w2, "w2"}, {args.out, "out"}},
+                                          {{args.topk_weights, "topk_weights"}}));
+  if (args.topk_idx != nullptr &&
+      !aligned_to(args.topk_idx, args.topk_idx_type == IndexType::kInt64 ? 8 : 4))
+    return Status::invalid("topk_idx must be aligned to its element size");
+  if (m.broken) return broken_status();
   cudaStream_t stream = m.placement.stream;
   ep::Params p = m.params;
   p.num_tokens = args.num_tokens;
@@ -263,6 +312,7 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierCombined, stream));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_forward(p, args.topk_weights, args.out, stream, m.max_blocks));
   m.has_forward = true;
+  m.forward_failed = false;
   m.forward_tokens = args.num_tokens;
   m.forward_w13 = args.w13;
   m.forward_w2 = args.w2;
@@ -275,9 +325,15 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
   if (args.d_w13 == nullptr || args.d_w2 == nullptr) return Status::invalid("backward: d_w13 and d_w2 are required");
   if (m.forward_tokens > 0 && (args.d_out == nullptr || args.d_x == nullptr || args.d_topk_weights == nullptr))
     return Status::invalid("backward: d_out, d_x and d_topk_weights are required when num_tokens > 0");
+  MEGAMOE_RETURN_IF_ERROR(check_alignment(
+      {{args.d_out, "d_out"}, {args.d_x, "d_x"}, {args.d_w13, "d_w13"}, {args.d_w2, "d_w2"}},
+      {{args.d_topk_weights, "d_topk_weights"}}));
+  if (m.broken) return broken_status();
   cudaStream_t stream = m.placement.stream;
   ep::Params p = m.params;
   p.num_tokens = m.forward_tokens;
+  // The forward's error was reported and cleared already: this backward's outputs must still be NaN.
+  if (m.forward_failed) MEGAMOE_RETURN_IF_ERROR(ep::launch_record_forward_failed(p, stream));
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch(p, args.d_out, nullptr, false, nullptr, stream, m.max_blocks));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradDispatched, stream));
@@ -285,6 +341,10 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
   MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_backward(p, args));
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradCombined, stream));
+  // The weight gradients were written by the GEMMs: a failed call turns them into NaN too.
+  const int64_t EL = m.config.experts_per_rank(), H = m.config.hidden, I = m.config.intermediate;
+  MEGAMOE_RETURN_IF_ERROR(
+      ep::launch_nan_if_failed(p, args.d_w13, EL * 2 * I * H, args.d_w2, EL * H * I, stream, m.max_blocks));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_backward(p, args.d_x, args.d_topk_weights, stream, m.max_blocks));
   return Status::ok();
 }
@@ -296,7 +356,13 @@ Status ExpertParallelLayer::synchronize_and_check() {
   ep::DeviceError* record = m.buffer<ep::DeviceError>(m.params.layout.error);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(&error, record, sizeof(error), cudaMemcpyDeviceToHost));
   if (error.code == 0) return Status::ok();
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemset(record, 0, sizeof(error)));
+  // Cleared in the rank's stream order (not on the legacy default stream, which would order against
+  // every other stream of the device).
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(record, 0, sizeof(error), m.placement.stream));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.placement.stream));
+  m.forward_failed = m.has_forward;
+  if (error.what == ep::kErrorBarrierTimeout || error.what == ep::kErrorBroken || error.what == ep::kErrorWaitTimeout)
+    m.broken = true;
   return Status(static_cast<StatusCode>(error.code), describe(error, m.config));
 }
 

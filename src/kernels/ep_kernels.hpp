@@ -18,6 +18,7 @@ Status load_layout_kernels();
 Status load_dispatch_kernels();
 Status load_route_rows_kernels();
 Status load_combine_kernels();
+Status load_failure_kernels();
 
 // Cross-rank barrier `id` with timeout (comm/device_barrier.cu).
 Status launch_barrier(const Params& p, BarrierId id, cudaStream_t stream);
@@ -42,5 +43,12 @@ Status launch_combine_forward(const Params& p, const float* topk_weights, __nv_b
 // Source: d_x[t] = sum_j dx_j in slot order; d_topk_weights from the slots' partials (0 when masked).
 Status launch_combine_backward(const Params& p, __nv_bfloat16* d_x, float* d_topk_weights, cudaStream_t stream,
                                int max_blocks);
+
+// Fills a and b with NaN if this call has failed (an error recorded on this rank, or the layer broken);
+// otherwise does nothing (ep_failure.cu).
+Status launch_nan_if_failed(const Params& p, float* a, int64_t count_a, float* b, int64_t count_b,
+                            cudaStream_t stream, int max_blocks);
+// Records that the forward this backward belongs to has failed (its error was already reported).
+Status launch_record_forward_failed(const Params& p, cudaStream_t stream);
 
 }  // namespace megamoe::ep

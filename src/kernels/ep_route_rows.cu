@@ -14,6 +14,13 @@ namespace {
 
 constexpr int kRouteThreads = 256;
 
+// Peers write the counts, routes and token indices this kernel reads: every one is checked against its
+// range before it addresses anything (a violation is recorded on every rank and the value is not used).
+__device__ __forceinline__ bool peer_value_ok(const Params& p, bool ok, int src, int64_t value, PeerField field) {
+  if (!ok) record_error_everywhere(p, StatusCode::kInternal, kErrorPeerIndex, src, value, field);
+  return ok;
+}
+
 // Every block derives the same offsets from the counts (a few hundred integers); block 0 publishes them.
 __global__ void route_rows_kernel(Params p) {
   extern __shared__ int32_t base[];  // [R * EL]: first row of (source, local expert); then [EL + 1] offsets
@@ -21,13 +28,16 @@ __global__ void route_rows_kernel(Params p) {
   const int EL = s.experts_per_rank, R = s.num_ranks, K = s.top_k;
   int32_t* offsets = base + R * EL;
   const int32_t* counts = at<int32_t>(p.local, p.layout.recv_counts);
+  const int64_t max_rows_per_source = static_cast<int64_t>(s.max_tokens) * K;
   for (int e = threadIdx.x; e < EL; e += blockDim.x) {
-    int32_t running = 0;
+    int64_t running = 0;
     for (int src = 0; src < R; ++src) {
-      base[src * EL + e] = running;
-      running += counts[src * (EL + 1) + e];
+      base[src * EL + e] = static_cast<int32_t>(running);
+      const int32_t n = counts[src * (EL + 1) + e];
+      if (peer_value_ok(p, n >= 0 && n <= max_rows_per_source, src, n, kPeerCount)) running += n;
     }
-    offsets[e] = running;  // rows of expert e, scanned below
+    // Rows of expert e (scanned below); past the capacity the scan reports the overflow.
+    offsets[e] = static_cast<int32_t>(running < s.row_capacity ? running : s.row_capacity + 1);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -68,11 +78,18 @@ __global__ void route_rows_kernel(Params p) {
        item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int src = static_cast<int>(item / s.max_tokens);
     const int slot = static_cast<int>(item % s.max_tokens);
-    if (slot >= counts[src * (EL + 1) + EL]) continue;
+    const int32_t tokens = counts[src * (EL + 1) + EL];
+    if (slot == 0) (void)peer_value_ok(p, tokens >= 0 && tokens <= s.max_tokens, src, tokens, kPeerTokens);
+    if (slot >= tokens) continue;
     const int64_t token = recv_token[item];
+    if (!peer_value_ok(p, token >= 0 && token < s.max_tokens, src, token, kPeerToken)) continue;
     for (int j = 0; j < K; ++j) {
       const SlotRoute route = routes[item * K + j];
       if (route.local_expert < 0) continue;
+      if (!peer_value_ok(p, route.local_expert < EL, src, route.local_expert, kPeerLocalExpert)) continue;
+      const int32_t rows_of_source = counts[src * (EL + 1) + route.local_expert];
+      if (!peer_value_ok(p, route.index >= 0 && route.index < rows_of_source, src, route.index, kPeerRowIndex))
+        continue;
       const int64_t row = base[src * EL + route.local_expert] + route.index;
       const int64_t pair = token * K + j;
       row_src[row] = static_cast<int32_t>(item);

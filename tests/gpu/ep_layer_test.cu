@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <random>
@@ -509,6 +510,138 @@ TEST(EpLayerErrorsTest, HostSideArgumentChecks) {
   const Status early = group->layer(0).backward(b);
   EXPECT_EQ(early.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(early.message().find("before any forward"), std::string::npos) << early.message();
+}
+
+// Runs the backward on every rank of the group.
+Status backward_all(VirtualRankGroup& group, SmallRun& run) {
+  for (int r = 0; r < group.num_ranks(); ++r) {
+    BackwardArgs b;
+    b.d_out = run.t[r].d_out.get();
+    b.d_x = run.t[r].d_x.get();
+    b.d_topk_weights = run.t[r].d_weights.get();
+    b.d_w13 = run.t[r].d_w13.get();
+    b.d_w2 = run.t[r].d_w2.get();
+    MEGAMOE_RETURN_IF_ERROR(group.layer(r).backward(b));
+  }
+  return Status::ok();
+}
+
+ForwardArgs forward_args(SmallRun& run, int r) {
+  ForwardArgs f;
+  f.num_tokens = 16;
+  f.x = run.t[r].x.get();
+  f.topk_idx = run.t[r].idx.get();
+  f.topk_weights = run.t[r].weights.get();
+  f.w13 = run.t[r].w13.get();
+  f.w2 = run.t[r].w2.get();
+  f.out = run.t[r].out.get();
+  return f;
+}
+
+bool all_nan(const std::vector<float>& v) {
+  for (float x : v)
+    if (!std::isnan(x)) return false;
+  return true;
+}
+
+// A timed-out barrier leaves counters no later call can trust: the group is broken for good. A call made
+// before the error was checked gives NaN on every rank (the old barrier let it pass with a stale count and
+// wrong results); once the error is seen, calls are refused with "recreate the layer".
+TEST(EpLayerErrorsTest, TimeoutBreaksTheLayerForGood) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  SmallRun run = small_problem(2, Routing::kRandom);
+  LayerOptions options;
+  options.wait_timeout_seconds = 0.2;
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, options, &group).is_ok());
+  ASSERT_TRUE(group->layer(0).forward(forward_args(run, 0)).is_ok());  // rank 1 is late
+  MEGAMOE_ASSERT_CUDA(cudaStreamSynchronize(group->stream(0)));        // rank 0 has timed out
+  for (int r = 0; r < 2; ++r) run.t[r].out.poison();
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(group->layer(r).forward(forward_args(run, r)).is_ok());
+  for (int r = 0; r < 2; ++r) {
+    const Status s = group->layer(r).synchronize_and_check();
+    EXPECT_EQ(s.code(), StatusCode::kTimeout) << "rank " << r << ": " << s.to_string();
+    EXPECT_TRUE(all_nan(to_float(run.t[r].out.download()))) << "rank " << r << " returned numbers after a timeout";
+  }
+  const Status refused = group->layer(0).forward(forward_args(run, 0));
+  EXPECT_EQ(refused.code(), StatusCode::kTimeout);
+  EXPECT_NE(refused.message().find("recreate"), std::string::npos) << refused.message();
+}
+
+// Every output of a failed call is NaN, on every rank, the weight gradients included; also when the
+// forward's error was already reported before the backward ran.
+TEST(EpLayerErrorsTest, BackwardAfterFailedForwardIsNaNEverywhere) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  SmallRun run = small_problem(2, Routing::kRandom);
+  run.p.idx[1][3] = 99;  // a bad id on rank 1 only
+  run.t[1].idx.upload(run.p.idx[1]);
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, LayerOptions{}, &group).is_ok());
+  for (int checked_between = 0; checked_between < 2; ++checked_between) {
+    for (int r = 0; r < 2; ++r) {
+      run.t[r].d_x.poison();
+      run.t[r].d_weights.poison();
+      MEGAMOE_ASSERT_CUDA(cudaMemset(run.t[r].d_w13.get(), 0, run.t[r].d_w13.size() * sizeof(float)));
+      MEGAMOE_ASSERT_CUDA(cudaMemset(run.t[r].d_w2.get(), 0, run.t[r].d_w2.size() * sizeof(float)));
+    }
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(group->layer(r).forward(forward_args(run, r)).is_ok());
+    if (checked_between) {
+      const Status f = group->synchronize_and_check();
+      EXPECT_EQ(f.code(), StatusCode::kInvalidArgument) << f.to_string();
+    }
+    ASSERT_TRUE(backward_all(*group, run).is_ok());
+    for (int r = 0; r < 2; ++r) {
+      const Status s = group->layer(r).synchronize_and_check();
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << s.to_string();
+      if (checked_between) EXPECT_NE(s.message().find("forward that failed"), std::string::npos) << s.message();
+      EXPECT_TRUE(all_nan(to_float(run.t[r].d_x.download()))) << "rank " << r << " d_x";
+      EXPECT_TRUE(all_nan(run.t[r].d_weights.download())) << "rank " << r << " d_topk_weights";
+      EXPECT_TRUE(all_nan(run.t[r].d_w13.download())) << "rank " << r << " d_w13";
+      EXPECT_TRUE(all_nan(run.t[r].d_w2.download())) << "rank " << r << " d_w2";
+    }
+  }
+}
+
+// A misaligned tensor is refused before anything is enqueued (it would fault in the 16-byte row copies),
+// and the group stays usable: the next calls of every rank succeed.
+TEST(EpLayerErrorsTest, MisalignedTensorsAreRefusedBeforeAnythingIsEnqueued) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  SmallRun run = small_problem(2, Routing::kRandom);
+  std::unique_ptr<VirtualRankGroup> group;
+  LayerOptions options;
+  options.wait_timeout_seconds = 2.0;
+  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, options, &group).is_ok());
+  ForwardArgs bad = forward_args(run, 0);
+  bad.x = run.t[0].x.get() + 1;  // contiguous, but 2 bytes off
+  const Status s = group->layer(0).forward(bad);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("x must be 16-byte aligned"), std::string::npos) << s.message();
+  ForwardArgs bad_w = forward_args(run, 0);
+  bad_w.w2 = run.t[0].w2.get() + 4;
+  EXPECT_EQ(group->layer(0).forward(bad_w).code(), StatusCode::kInvalidArgument);
+  const Status good = forward_all(*group, run);
+  EXPECT_TRUE(good.is_ok()) << good.to_string();
+  for (int r = 0; r < 2; ++r) EXPECT_FALSE(std::isnan(to_float(run.t[r].out.download())[0]));
+}
+
+// The wait timeout must be a finite, bounded number of seconds (inf, NaN or huge values became an instant
+// timeout when converted to nanoseconds). Host-only: no GPU needed.
+TEST(EpLayerOptionsTest, WaitTimeoutMustBeFiniteAndBounded) {
+  LayerConfig c = small_config(1);
+  int64_t bytes = 0;
+  for (double t : {0.0, -1.0, 1e-6, 1e12, std::numeric_limits<double>::infinity(),
+                   std::numeric_limits<double>::quiet_NaN()}) {
+    LayerOptions o;
+    o.wait_timeout_seconds = t;
+    const Status s = ExpertParallelLayer::workspace_bytes(c, o, &bytes);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << t;
+    EXPECT_NE(s.message().find("wait_timeout_seconds"), std::string::npos) << s.message();
+  }
+  LayerOptions ok;
+  ok.wait_timeout_seconds = 0.5;
+  EXPECT_TRUE(ExpertParallelLayer::workspace_bytes(c, ok, &bytes).is_ok());
 }
 
 // The whole forward + backward of one rank captured in a CUDA graph: no host synchronisation inside,
