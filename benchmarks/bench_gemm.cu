@@ -151,15 +151,32 @@ std::map<std::string, double> read_torch_csv(const char* path) {
 }
 
 // Launch shapes of the engine compared in the same run (the main table uses the default tuning).
+// gather: A rows read through an index (identity here, so the output must still equal cuBLAS's), the path
+// of the layer's GEMMs that read a receive buffer; row_pointers: C rows stored through per-row addresses
+// (again the identity), the path of the GEMMs that send rows home.
 struct Variant {
   const char* name;
   GemmTuning tuning;
+  bool gather = false;
+  bool row_pointers = false;
 };
-std::vector<Variant> variants() {
+GemmTuning tuning_of(int cluster, megamoe::kernels::GemmStoreMode store, int tile_n = 0) {
+  GemmTuning t;
+  t.cluster_size = cluster;
+  t.store = store;
+  t.tile_n = tile_n;
+  return t;
+}
+std::vector<Variant> variants(bool with_row_pointers = false) {
   using megamoe::kernels::GemmStoreMode;
-  return {{"threads", {1, 0, GemmStoreMode::kThreads}},         {"tma box", {1, 0, GemmStoreMode::kTmaBox}},
-          {"tma tile", {1, 0, GemmStoreMode::kTmaTile}},        {"c2 threads", {2, 0, GemmStoreMode::kThreads}},
-          {"c2 tma box", {2, 0, GemmStoreMode::kTmaBox}},       {"c2 tma tile", {2, 0, GemmStoreMode::kTmaTile}}};
+  std::vector<Variant> v = {{"threads", tuning_of(1, GemmStoreMode::kThreads)},
+                            {"tma tile", tuning_of(1, GemmStoreMode::kTmaTile)},
+                            {"c2 threads", tuning_of(2, GemmStoreMode::kThreads)},
+                            {"c2 tma tile", tuning_of(2, GemmStoreMode::kTmaTile)},
+                            {"n128 tma tile", tuning_of(1, GemmStoreMode::kTmaTile, 128)},
+                            {"gathered A", tuning_of(1, GemmStoreMode::kDefault), true}};
+  if (with_row_pointers) v.push_back({"row pointers", tuning_of(1, GemmStoreMode::kDefault), false, true});
+  return v;
 }
 
 // Medians of several launch variants measured interleaved: round after round every variant runs
@@ -226,11 +243,11 @@ void print_comparisons(const std::vector<Comparison>& cs) {
 // `ref` (when given, n values), then all are timed interleaved.
 template <typename T>
 Comparison compare_variants(const std::string& what, double flops, const std::vector<Variant>& vs, T* out,
-                            const T* ref, size_t n, const std::function<void(const GemmTuning&)>& launch) {
+                            const T* ref, size_t n, const std::function<void(const Variant&)>& launch) {
   std::vector<std::function<void()>> fns;
   Comparison cmp{what, flops, {}, {}};
   for (const Variant& v : vs) {
-    fns.push_back([&launch, v] { launch(v.tuning); });
+    fns.push_back([&launch, v] { launch(v); });
     cmp.names.push_back(v.name);
     if (ref == nullptr) continue;
     BENCH_CHECK_CUDA(cudaMemset(out, 0xFF, n * sizeof(T)));
@@ -295,6 +312,34 @@ int main(int argc, char** argv) {
   int32_t *off_bal, *off_skew, *off_dense;
   int* work_counter;  // dynamic scheduling (GemmTuning::work_counter)
   BENCH_CHECK_CUDA(cudaMalloc(&work_counter, sizeof(int)));
+  // Identity gather index and C row pointers (rebuilt for each output width by row_pointers_for).
+  int32_t* identity_rows;
+  void** c_rows;
+  BENCH_CHECK_CUDA(cudaMalloc(&identity_rows, sizeof(int32_t) * T));
+  BENCH_CHECK_CUDA(cudaMalloc(&c_rows, sizeof(void*) * T));
+  {
+    std::vector<int32_t> id(T);
+    for (int i = 0; i < T; ++i) id[i] = i;
+    BENCH_CHECK_CUDA(cudaMemcpy(identity_rows, id.data(), sizeof(int32_t) * T, cudaMemcpyHostToDevice));
+  }
+  auto row_pointers_for = [&](bf16* out, int width, int rows) {
+    std::vector<void*> ptr(rows);
+    for (int i = 0; i < rows; ++i) ptr[i] = out + int64_t(i) * width;
+    BENCH_CHECK_CUDA(cudaMemcpy(c_rows, ptr.data(), sizeof(void*) * rows, cudaMemcpyHostToDevice));
+  };
+  // A launch of one variant: its tuning, and the identity gather / row pointers when it asks for them.
+  auto gather_of = [&](const Variant& v, int64_t rows) {
+    megamoe::kernels::GemmGather g;
+    if (v.gather) {
+      g.a_rows = identity_rows;
+      g.a_source_rows = rows;
+    }
+    return g;
+  };
+  auto epilogue_of = [&](const Variant& v, GemmEpilogue e) {
+    if (v.row_pointers) e.row_pointers = c_rows;
+    return e;
+  };
   BENCH_CHECK_CUDA(cudaMalloc(&A, max_elems_a * 2));
   BENCH_CHECK_CUDA(cudaMalloc(&B, std::max(max_elems_b, size_t(T) * 4096) * 2));  // form 3 uses B as [T, N]
   BENCH_CHECK_CUDA(cudaMalloc(&C, max_elems_c * 2));
@@ -322,7 +367,7 @@ int main(int argc, char** argv) {
                                     N, int64_t(rows_per) * N, E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
       for (auto mode : {megamoe::kernels::GemmStoreMode::kThreads, megamoe::kernels::GemmStoreMode::kDefault}) {
         BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr,
-                                                         GemmTuning{1, 0, mode}));
+                                                         tuning_of(1, mode)));
       }
       std::printf("profile: NT N=%d K=%d: cuBLAS, engine threads, engine default: rel err %.3e\n", N, K,
                   rel_err(C, Cref, size_t(T) * N));
@@ -365,12 +410,14 @@ int main(int argc, char** argv) {
     rows.push_back({name, flops, t_skew, 0, torch_ms("nt", N, K, "skewed"), 0});
     // Every launch shape, interleaved; each one's output checked against cuBLAS first.
     std::snprintf(name, sizeof(name), "fwd NT  N=%d K=%d", N, K);
+    row_pointers_for(C, N, T);
     comparisons.push_back(
-        compare_variants<bf16>(name, flops, variants(), C, Cref, size_t(T) * N, [&](const GemmTuning& t) {
-          BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr, t));
+        compare_variants<bf16>(name, flops, variants(true), C, Cref, size_t(T) * N, [&](const Variant& v) {
+          BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, epilogue_of(v, {}), nullptr,
+                                                           v.tuning, gather_of(v, T)));
         }));
 
-    // ---- form 1 + SwiGLU (N = 2I interleaved), a written N/2 wide
+    // ---- form 1 + SwiGLU (N = 2I: gate rows, then up rows), a written N/2 wide
     {
       GemmEpilogue epi;
       epi.activation = GemmActivation::kSwiGLU;
@@ -379,8 +426,9 @@ int main(int argc, char** argv) {
       std::snprintf(name, sizeof(name), "fwd NT+SwiGLU N=%d K=%d", N, K);
       rows.push_back({name, flops, t, 0, 0, 0});
       // No cuBLAS reference for the fused activation: timing only (correctness is in the GPU tests).
-      comparisons.push_back(compare_variants<bf16>(name, flops, variants(), C, nullptr, 0, [&](const GemmTuning& tu) {
-        BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, epi, nullptr, tu));
+      comparisons.push_back(compare_variants<bf16>(name, flops, variants(), C, nullptr, 0, [&](const Variant& v) {
+        BENCH_CHECK_OK(
+            megamoe::kernels::grouped_gemm_nt(A, B, C, off_bal, E, T, N, K, epi, nullptr, v.tuning, gather_of(v, T)));
       }));
     }
 
@@ -399,8 +447,9 @@ int main(int argc, char** argv) {
       rows.push_back({name, flops, te, tc, torch_ms("nn", N, K, "balanced"), e2});
       std::snprintf(name, sizeof(name), "dgrad NN N=%d K=%d", N, K);
       comparisons.push_back(
-          compare_variants<bf16>(name, flops, variants(), C, Cref, size_t(T) * N, [&](const GemmTuning& t) {
-            BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nn(A, B, C, off_bal, E, T, N, K, GemmEpilogue{}, nullptr, t));
+          compare_variants<bf16>(name, flops, variants(true), C, Cref, size_t(T) * N, [&](const Variant& v) {
+            BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nn(A, B, C, off_bal, E, T, N, K, epilogue_of(v, {}), nullptr,
+                                                             v.tuning, gather_of(v, T)));
           }));
     }
 
@@ -429,10 +478,21 @@ int main(int argc, char** argv) {
       std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d skewed, dynamic", Mw, Nw);
       rows.push_back({name, flops, tsd, 0, torch_ms("tn", N, K, "skewed"), 0});
       std::snprintf(name, sizeof(name), "wgrad TN M=%d N=%d", Mw, Nw);
-      const std::vector<Variant> tn_variants = {{"cluster 1", GemmTuning{1}}, {"cluster 2", GemmTuning{2}}, {"dynamic", dynamic}};
+      GemmTuning dynamic128 = dynamic;
+      dynamic128.tile_n = 128;
+      const std::vector<Variant> tn_variants = {{"cluster 1", GemmTuning{}},
+                                                {"cluster 2", tuning_of(2, megamoe::kernels::GemmStoreMode::kDefault)},
+                                                {"dynamic", dynamic},
+                                                {"dynamic n128", dynamic128},
+                                                {"dynamic gathered A+B", dynamic, true}};
       comparisons.push_back(
-          compare_variants<float>(name, flops, tn_variants, C32, C32ref, size_t(E) * Mw * Nw, [&](const GemmTuning& t) {
-            BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, false, nullptr, t));
+          compare_variants<float>(name, flops, tn_variants, C32, C32ref, size_t(E) * Mw * Nw, [&](const Variant& v) {
+            megamoe::kernels::GemmGather g = gather_of(v, T);
+            if (v.gather) {
+              g.b_rows = identity_rows;
+              g.b_source_rows = T;
+            }
+            BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, false, nullptr, v.tuning, g));
           }));
       const double ta =
           median_ms([&] { BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_tn(A, B, C32, off_bal, E, T, Mw, Nw, true, nullptr)); });
@@ -455,8 +515,9 @@ int main(int argc, char** argv) {
     const double err = rel_err(C, Cref, size_t(n) * n);
     rows.push_back({"dense NT 8192^3", flops, te, tc, torch_ms("dense", n, n, "1"), err});
     comparisons.push_back(
-        compare_variants<bf16>("dense NT 8192^3", flops, variants(), C, Cref, size_t(n) * n, [&](const GemmTuning& t) {
-          BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr, t));
+        compare_variants<bf16>("dense NT 8192^3", flops, variants(), C, Cref, size_t(n) * n, [&](const Variant& v) {
+          BENCH_CHECK_OK(megamoe::kernels::grouped_gemm_nt(A, B, C, off_dense, 1, n, n, n, GemmEpilogue{}, nullptr,
+                                                           v.tuning, gather_of(v, n)));
         }));
     // The same product through forms 2 and 3 (B N-major; both operands MN-major, fp32 out).
     auto cub_nn = [&] {

@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -18,6 +20,9 @@
 #include "bench_check.hpp"
 #include "kernels/hashed_fill.hpp"
 #include "megamoe/layer.hpp"
+#if MEGAMOE_BENCH_CUPTI
+#include "kernel_profile.hpp"
+#endif
 
 namespace {
 
@@ -37,7 +42,63 @@ struct Result {
   int64_t hidden, intermediate;
   float forward_ms, total_ms;
   double forward_tflops, total_tflops;
+  double gemm_ms = 0, other_ms = 0;  // kernel time per forward + backward, from the profile
+  int kernels = 0;                   // kernels per forward + backward
 };
+
+// The layer's six GEMMs in launch order, with the FLOPs of each for P routed rows.
+struct GemmStep {
+  const char* name;
+  double hi_per_row;  // multiply-adds per routed row, in units of H * I
+};
+constexpr GemmStep kGemmSteps[6] = {{"GEMM1 x.W13^T + SwiGLU (gathered x)", 2},
+                                     {"GEMM2 a.W2^T -> combine slots", 1},
+                                     {"dgrad d_out.W2 + SwiGLU bwd + d_topk", 1},
+                                     {"dgrad dh.W13 -> combine slots", 2},
+                                     {"wgrad dW2 = d_out^T (w a)", 1},
+                                     {"wgrad dW13 = dh^T x", 2}};
+
+#if MEGAMOE_BENCH_CUPTI
+// Kernel time per forward + backward by kernel, and of each GEMM of the layer, averaged over `iters` runs.
+void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, int iters, double pairs, int64_t H,
+                     int64_t I, Result* r) {
+  auto& profile = megamoe::bench::KernelProfile::instance();
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+  if (!profile.start()) return;
+  for (int it = 0; it < iters; ++it) step(it);
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+  const auto records = profile.stop();
+  std::map<std::string, std::pair<int, double>> by_name;
+  std::vector<double> gemm_ms(6, 0.0);
+  int gemm_index = 0;
+  for (const auto& k : records) {
+    auto& e = by_name[k.name];
+    e.first += 1;
+    e.second += k.ms();
+    if (k.name == "grouped_gemm_kernel") gemm_ms[gemm_index++ % 6] += k.ms();
+  }
+  std::printf("  kernel time per forward + backward (CUPTI, mean of %d):\n", iters);
+  std::printf("  %-44s %6s %9s\n", "kernel", "calls", "ms");
+  double gemm = 0, other = 0;
+  int calls = 0;
+  for (const auto& [name, e] : by_name) {
+    std::printf("  %-44s %6.1f %9.3f\n", name.c_str(), double(e.first) / iters, e.second / iters);
+    (name == "grouped_gemm_kernel" ? gemm : other) += e.second / iters;
+    calls += e.first;
+  }
+  std::printf("  %-44s %6s %9.3f\n  %-44s %6s %9.3f\n  %-44s %6.1f\n", "GEMMs", "", gemm, "everything else", "", other,
+              "kernels", double(calls) / iters);
+  std::printf("  %-44s %9s %8s\n", "GEMM", "ms", "TFLOP/s");
+  for (int g = 0; g < 6; ++g) {
+    const double ms = gemm_ms[g] / iters;
+    const double flops = 2.0 * pairs * kGemmSteps[g].hi_per_row * static_cast<double>(H) * static_cast<double>(I);
+    std::printf("  %-44s %9.3f %8.1f\n", kGemmSteps[g].name, ms, ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0);
+  }
+  r->gemm_ms = gemm;
+  r->other_ms = other;
+  r->kernels = calls / iters;
+}
+#endif
 
 Result run(int64_t H, int64_t I, int iters) {
   megamoe::LayerConfig c;
@@ -134,6 +195,15 @@ Result run(int64_t H, int64_t I, int iters) {
   }
   BENCH_CHECK_OK(group->synchronize_and_check());
   Result r{H, I, median(fwd), median(total), 0, 0};
+#if MEGAMOE_BENCH_CUPTI
+  print_breakdown(
+      [&](int it) {
+        forward(it % kSets);
+        backward(it % kSets);
+      },
+      stream, 10, static_cast<double>(T * K), H, I, &r);
+  BENCH_CHECK_OK(group->synchronize_and_check());
+#endif
   const double pairs = static_cast<double>(T * K);
   r.forward_tflops = c.forward_flops(static_cast<int64_t>(pairs)) / (r.forward_ms * 1e-3) / 1e12;
   r.total_tflops = (c.forward_flops(static_cast<int64_t>(pairs)) + c.backward_flops(static_cast<int64_t>(pairs))) /
@@ -206,9 +276,10 @@ int main(int argc, char** argv) {
       const Result& r = results[i];
       std::fprintf(f,
                    "%s{\"hidden\": %lld, \"intermediate\": %lld, \"forward_ms\": %.4f, \"total_ms\": %.4f, "
-                   "\"forward_tflops\": %.2f, \"total_tflops\": %.2f}",
+                   "\"forward_tflops\": %.2f, \"total_tflops\": %.2f, \"gemm_kernel_ms\": %.4f, "
+                   "\"other_kernel_ms\": %.4f, \"kernels\": %d}",
                    i ? ", " : "", static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate),
-                   r.forward_ms, r.total_ms, r.forward_tflops, r.total_tflops);
+                   r.forward_ms, r.total_ms, r.forward_tflops, r.total_tflops, r.gemm_ms, r.other_ms, r.kernels);
     }
     std::fprintf(f, "]\n");
     std::fclose(f);

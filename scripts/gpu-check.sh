@@ -39,6 +39,12 @@ if ! { cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_
   printf '{"build": "failed"}\n' >"$out/summary.json"
   exit 1
 fi
+# Machine code of the engine: wgmma must be there (HGMMA), local memory must not (LDL/STL).
+for obj in "$build_dir"/CMakeFiles/megamoe.dir/src/kernels/grouped_gemm_*.cu.o; do
+  [ -f "$obj" ] || continue
+  cuobjdump --dump-sass "$obj" >"$out/sass_$(basename "$obj" .cu.o).txt" 2>&1 || true
+  note "SASS $(basename "$obj"): $(grep -c HGMMA "$out/sass_$(basename "$obj" .cu.o).txt") HGMMA, $(grep -cE '\b(LDL|STL)\b' "$out/sass_$(basename "$obj" .cu.o).txt") LDL/STL"
+done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader \
   >"$out/gpu.txt" 2>&1 || true
 note "GPU: $(cat "$out/gpu.txt")"
@@ -47,7 +53,9 @@ status=0
 run_suite() {  # name binary
   local name=$1 binary=$2
   note "tests: $name"
-  if ! "$binary" --gtest_filter="$gtest_filter" --gtest_output="json:$out/$name.json" >"$out/$name.log" 2>&1; then
+  # Bounded: a kernel that hangs must cost this call minutes, not all of its time.
+  if ! timeout "${MEGAMOE_SUITE_TIMEOUT:-300}" "$binary" --gtest_filter="$gtest_filter" \
+       --gtest_output="json:$out/$name.json" >"$out/$name.log" 2>&1; then
     status=1
     grep -E '^\[  FAILED|Failure|error' "$out/$name.log" | head -30
   fi
@@ -71,7 +79,8 @@ if [ $skip_bench -eq 0 ]; then
     name=$(basename "$bench")
     baseline="$out/${name}_torch.csv"  # absent: the benchmark prints its own figures only
     note "benchmark: $name"
-    { echo "=== $name"; "$bench" --out "$out/$name.json" --baseline "$baseline"; } >>"$out/bench.log" 2>&1 ||
+    { echo "=== $name"; timeout "${MEGAMOE_BENCH_TIMEOUT:-240}" "$bench" --out "$out/$name.json" --baseline "$baseline"; } \
+      >>"$out/bench.log" 2>&1 ||
       { status=1; echo "benchmark $name failed"; }
   done
   cp "$out/bench.log" "$out/bench_tables.txt"

@@ -3,17 +3,20 @@
 // Data path per call, all on the device with no host synchronisation (so forward and backward can be
 // captured in a CUDA graph):
 //   forward : layout (counts, slots) -> dispatch (each token once per destination rank) -> barrier
-//             -> expand to expert-major rows -> GEMM1 -> SwiGLU -> GEMM2 scattered into the source
-//             rank's per-slot buffer -> barrier -> weighted reduce over the K slots in a fixed order.
-//   backward: dispatch d_out with the forward's routing -> barrier -> dgrad GEMMs, SwiGLU backward,
-//             d_topk_weights on the I side -> d_x rows scattered home -> weight-gradient GEMMs (fp32)
-//             -> barrier -> reduce over the K slots.
+//             -> expert-major row numbering (no copy) -> GEMM1 reading the received rows by index, SwiGLU
+//             in its epilogue -> GEMM2 storing each row into the source rank's per-slot buffer -> barrier
+//             -> weighted reduce over the K slots in a fixed order.
+//   backward: dispatch d_out with the forward's routing -> barrier -> dgrad GEMM with the SwiGLU backward
+//             and the d_topk_weights partials in its epilogue -> dgrad GEMM storing d_x rows home ->
+//             weight-gradient GEMMs (fp32) -> barrier -> reduce over the K slots.
 // Ranks meet only at device-side barriers over a symmetric workspace (same layout on every rank, peers
 // reached through a table of base addresses); every wait has a timeout.
 //
-// Errors found on the device (expert id out of range, receive capacity exceeded, barrier timeout) are
-// recorded in the workspace; the outputs of an affected call are NaN (never silently wrong), and
-// synchronize_and_check() returns the recorded Status.
+// Errors found on the device (expert id out of range, receive capacity exceeded, barrier timeout, a value a
+// peer wrote out of range) are recorded in the workspace of every rank they concern; every output of an
+// affected call is NaN on every rank (weight gradients included; also the backward of a failed forward),
+// never silently wrong, and synchronize_and_check() returns the recorded Status. Arguments are checked
+// (null, sizes, 16-byte alignment) before anything is enqueued.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -28,18 +31,16 @@
 
 namespace megamoe {
 
-// Which GEMM kernels the modular layer runs: the Hopper engine (TMA + wgmma, the default) or the simple
-// WMMA engine, kept as an independent correctness twin.
-enum class GemmEngine { kHopper, kSimple };
-
 struct LayerOptions {
-  // Expert-major rows a rank can receive in one call. 0 = the worst case,
-  // num_ranks * max_tokens_per_rank * min(top_k, experts_per_rank) (every token of every rank routed
-  // here with all its slots). A call that would need more reports kCapacityExceeded.
+  // Expert-major rows a rank can receive in one call. 0 = num_ranks * max_tokens_per_rank *
+  // min(top_k, experts_per_rank): the worst case for tokens whose top-k experts are distinct (every token of
+  // every rank routed here with all its slots). A token that lists one expert twice makes two rows, so such
+  // routing can need more; a call that would need more than the capacity reports kCapacityExceeded.
   int64_t expert_row_capacity = 0;
-  // Bound on every device spin-wait; past it the call reports kTimeout naming the wait.
+  // Bound on every device spin-wait, in [0.001, 86400] seconds; past it the call reports kTimeout naming
+  // the wait, and the layer is unusable from then on (every rank's later calls give NaN and report it;
+  // once reported, calls are refused): recreate it.
   double wait_timeout_seconds = 20.0;
-  GemmEngine gemm_engine = GemmEngine::kHopper;
 };
 
 enum class IndexType { kInt64, kInt32 };
@@ -73,6 +74,8 @@ struct RankPlacement {
   char* const* peer_workspaces_device = nullptr;  // device array [R]: every rank's workspace base
 };
 
+// One object per rank. Not thread-safe: one host thread at a time makes the calls of a layer (and of a
+// VirtualRankGroup); different layers may be driven from different threads.
 class ExpertParallelLayer {
  public:
   ~ExpertParallelLayer();

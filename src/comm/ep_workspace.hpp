@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "comm/device_error.hpp"
+
 namespace megamoe::ep {
 
 // Barriers of one forward + backward; each has its own counter so that the counters can reset
@@ -11,31 +13,13 @@ namespace megamoe::ep {
 enum BarrierId : int { kBarrierDispatched = 0, kBarrierCombined = 1, kBarrierGradDispatched = 2,
                        kBarrierGradCombined = 3, kNumBarriers = 4 };
 
-// What went wrong on the device; `code` uses megamoe::StatusCode values.
-enum ErrorWhat : int32_t { kErrorNone = 0, kErrorExpertId = 1, kErrorCapacity = 2, kErrorBarrierTimeout = 3 };
-
-struct DeviceError {
-  int32_t code;    // 0 = no error
-  int32_t what;    // ErrorWhat
-  int32_t rank;    // rank that detected it
-  int32_t pad;
-  int64_t a;       // expert id: token index; capacity: rows needed; timeout: barrier id
-  int64_t b;       // expert id: the id;      capacity: capacity;   timeout: arrivals seen
-};
-
 // Per-slot routing as the receiver sees it.
 struct SlotRoute {
   int32_t local_expert;  // -1: this slot goes elsewhere or is masked
   int32_t index;         // position among the rows the source sends to this expert
 };
 
-// Where an expert-major row came from.
-struct RowOrigin {
-  int32_t src_rank;
-  int32_t recv_slot;
-  int32_t token;
-  int32_t topk_slot;
-};
+inline constexpr int kMaxLayoutBlocks = 128;  // CTAs of the source-side layout step (ep_layout.cu)
 
 struct Shape {
   int32_t hidden;
@@ -47,47 +31,51 @@ struct Shape {
   int32_t rank;
   int32_t max_tokens;
   int64_t row_capacity;
+  int32_t dot_parts;  // partial sums of the routing-weight gradient per (token, slot): n-tiles of da
+  int32_t pad;
 };
 
 inline constexpr int64_t kAlign = 256;
 inline constexpr int64_t align_up(int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-// Byte offsets of every buffer in a rank's slice. Rows counts: T = max tokens, C = row capacity.
+// Byte offsets of every buffer in a rank's slice. Row counts: T = max tokens, C = row capacity, R ranks.
+// Expert-major rows (row r of local expert e's block) are never copied: the GEMMs read them from the
+// receive buffers through row_src, and store their outputs home through row_dest.
 struct WorkspaceLayout {
   // control
   int64_t error = 0;           // DeviceError
   int64_t barriers = 0;        // uint64 [kNumBarriers]
+  int64_t broken = 0;          // int32: set for good when a barrier timed out on any rank (see device_barrier.cu)
   // source side (this rank's tokens)
   int64_t pair_dest_slot = 0;  // int32 [T, K]: slot of token t in the receive slab of slot j's rank; -1 masked
   int64_t pair_send_rank = 0;  // int32 [T, K]: slot j's rank if j is the token's first slot on it, else -1
   int64_t pair_row_index = 0;  // int32 [T, K]: index among this rank's rows for slot j's expert
+  int64_t layout_counts = 0;   // int32 [E + R][kMaxLayoutBlocks]: per-block key counts of the layout step
+  int64_t layout_bad = 0;      // int32 [kMaxLayoutBlocks]: per-block count of bad expert ids
   int64_t combine = 0;         // bf16 [T, K, H]: y rows (forward) and d_x rows (backward) sent home
-  int64_t slot_dw = 0;         // f32 [T, K]: d_topk_weights sent home
+  int64_t slot_dots = 0;       // f32 [T, K, dot_parts]: partials of d_topk_weights sent home
   // receive side (rows for this rank's experts)
   int64_t recv_counts = 0;     // int32 [R, E_local + 1]: rows per local expert, then tokens, per source
-  int64_t recv_x = 0;          // bf16 [R, T, H]: x (forward) or d_out (backward) of the received tokens
+  int64_t recv_x = 0;          // bf16 [R, T, H]: x of the received tokens, kept for the backward (d_w13)
+  int64_t recv_dout = 0;       // bf16 [R, T, H]: d_out of the received tokens (backward)
   int64_t recv_token = 0;      // int32 [R, T]: token index on the source
   int64_t recv_routes = 0;     // SlotRoute [R, T, K]
   int64_t recv_weights = 0;    // f32 [R, T, K]
   int64_t expert_offsets = 0;  // int32 [E_local + 1]: expert-major row offsets (device-side counts)
   int64_t gemm_work_counter = 0;  // int32: work-item counter of the weight-gradient GEMMs (dynamic scheduling)
-  int64_t src_expert_base = 0; // int32 [R, E_local]: first row of (source, expert)
-  int64_t row_origin = 0;      // RowOrigin [C]
-  int64_t row_weight = 0;      // f32 [C]
-  int64_t row_dest = 0;        // pointer [C]: combine row on the source rank
-  int64_t rows_x = 0;          // bf16 [C, H]   saved for backward (d_w13)
-  int64_t h = 0;               // bf16 [C, 2I]  saved for backward (SwiGLU backward)
-  int64_t a = 0;               // bf16 [C, I]   saved for backward (d_w2, d_topk_weights)
-  int64_t rows_dout = 0;       // bf16 [C, H]
-  int64_t rows_dy = 0;         // bf16 [C, H]   weighted d_out rows
-  int64_t da = 0;              // f32  [C, I]
+  int64_t row_src = 0;         // int32 [C]: the row's receive-buffer row (src * T + slot)
+  int64_t row_weight = 0;      // f32 [C]: its routing weight
+  int64_t row_dest = 0;        // pointer [C]: its combine row on the source rank
+  int64_t row_dot_dest = 0;    // pointer [C]: its dot_parts partials on the source rank
+  int64_t h = 0;               // bf16 [C, 2I]  saved for the backward (SwiGLU backward)
+  int64_t a = 0;               // bf16 [C, I]   forward: a; backward: w * a (recomputed from h) for d_w2
   int64_t dh = 0;              // bf16 [C, 2I]
   int64_t total = 0;
 
   static WorkspaceLayout make(const Shape& s) {
     WorkspaceLayout l;
     const int64_t H = s.hidden, I = s.intermediate, K = s.top_k, R = s.num_ranks, T = s.max_tokens;
-    const int64_t EL = s.experts_per_rank, C = s.row_capacity;
+    const int64_t EL = s.experts_per_rank, C = s.row_capacity, E = s.num_experts, P = s.dot_parts;
     int64_t at = 0;
     auto take = [&at](int64_t bytes) {
       const int64_t offset = at;
@@ -96,28 +84,28 @@ struct WorkspaceLayout {
     };
     l.error = take(sizeof(DeviceError));
     l.barriers = take(8 * kNumBarriers);
+    l.broken = take(4);
     l.pair_dest_slot = take(4 * T * K);
     l.pair_send_rank = take(4 * T * K);
     l.pair_row_index = take(4 * T * K);
+    l.layout_counts = take(4 * (E + R) * kMaxLayoutBlocks);
+    l.layout_bad = take(4 * kMaxLayoutBlocks);
     l.combine = take(2 * T * K * H);
-    l.slot_dw = take(4 * T * K);
+    l.slot_dots = take(4 * T * K * P);
     l.recv_counts = take(4 * R * (EL + 1));
     l.recv_x = take(2 * R * T * H);
+    l.recv_dout = take(2 * R * T * H);
     l.recv_token = take(4 * R * T);
     l.recv_routes = take(static_cast<int64_t>(sizeof(SlotRoute)) * R * T * K);
     l.recv_weights = take(4 * R * T * K);
     l.expert_offsets = take(4 * (EL + 1));
     l.gemm_work_counter = take(4);
-    l.src_expert_base = take(4 * R * EL);
-    l.row_origin = take(static_cast<int64_t>(sizeof(RowOrigin)) * C);
+    l.row_src = take(4 * C);
     l.row_weight = take(4 * C);
     l.row_dest = take(8 * C);
-    l.rows_x = take(2 * C * H);
+    l.row_dot_dest = take(8 * C);
     l.h = take(2 * C * 2 * I);
     l.a = take(2 * C * I);
-    l.rows_dout = take(2 * C * H);
-    l.rows_dy = take(2 * C * H);
-    l.da = take(4 * C * I);
     l.dh = take(2 * C * 2 * I);
     l.total = at;
     return l;

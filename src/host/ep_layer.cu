@@ -1,6 +1,9 @@
 // Host side of the expert-parallel layer: argument checks, the kernel sequence of forward and backward,
 // error decoding, and the virtual-rank group.
 #include <algorithm>
+#include <initializer_list>
+#include <string>
+#include <utility>
 #include <sstream>
 #include <vector>
 
@@ -8,17 +11,35 @@
 #include "kernels/cuda_check.hpp"
 #include "kernels/ep_kernels.hpp"
 #include "kernels/grouped_gemm.hpp"
-#include "kernels/simple_grouped_gemm.hpp"
 #include "megamoe/layer.hpp"
 
 namespace megamoe {
 
-using kernels::GemmOperand;
-using kernels::GroupedGemmArgs;
-using kernels::GroupMode;
-using kernels::OutputType;
-
 namespace {
+
+constexpr double kMinWaitTimeoutSeconds = 1e-3;
+constexpr double kMaxWaitTimeoutSeconds = 86400.0;
+
+bool aligned_to(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+
+// Every pointer a call takes is checked before anything is enqueued, so that a bad argument never leaves
+// a call half-enqueued (peers waiting at a barrier this rank never reaches). Rows are read and written 16
+// bytes at a time.
+Status check_alignment(std::initializer_list<std::pair<const void*, const char*>> rows16,
+                       std::initializer_list<std::pair<const void*, const char*>> words4) {
+  for (const auto& [ptr, name] : rows16)
+    if (ptr != nullptr && !aligned_to(ptr, 16))
+      return Status::invalid(std::string(name) + " must be 16-byte aligned (rows are moved 16 bytes at a time)");
+  for (const auto& [ptr, name] : words4)
+    if (ptr != nullptr && !aligned_to(ptr, 4)) return Status::invalid(std::string(name) + " must be 4-byte aligned");
+  return Status::ok();
+}
+
+Status broken_status() {
+  return Status(StatusCode::kTimeout,
+                "this layer is unusable: an earlier call timed out waiting for a peer (counters can no longer be "
+                "trusted); recreate the layer");
+}
 
 int64_t worst_case_rows(const LayerConfig& c) {
   return c.num_ranks * c.max_tokens_per_rank * std::min(c.top_k, c.experts_per_rank());
@@ -31,14 +52,20 @@ Status resolve_capacity(const LayerConfig& config, const LayerOptions& options, 
   if (options.expert_row_capacity < 0)
     return Status::invalid("expert_row_capacity must be >= 0 (0 = worst case), got " +
                            std::to_string(options.expert_row_capacity));
-  if (!(options.wait_timeout_seconds > 0.0))
-    return Status::invalid("wait_timeout_seconds must be positive");
+  // A finite, bounded range: inf or huge values would overflow the nanosecond count into an instant timeout.
+  if (!(options.wait_timeout_seconds >= kMinWaitTimeoutSeconds && options.wait_timeout_seconds <= kMaxWaitTimeoutSeconds))
+    return Status::invalid("wait_timeout_seconds must be in [" + std::to_string(kMinWaitTimeoutSeconds) + ", " +
+                           std::to_string(kMaxWaitTimeoutSeconds) + "], got " +
+                           std::to_string(options.wait_timeout_seconds));
   *capacity = options.expert_row_capacity > 0 ? options.expert_row_capacity : worst_case_rows(config);
   if (*capacity >= (int64_t{1} << 31))
     return Status::invalid("expert_row_capacity must stay below 2^31 rows, got " + std::to_string(*capacity) +
                            "; lower max_tokens_per_rank or set expert_row_capacity");
   return Status::ok();
 }
+
+// The tuning of the GEMM whose epilogue writes the d_topk_weights partials (its n-tiles are the partials).
+kernels::GemmTuning dgrad_tuning() { return kernels::GemmTuning{}; }
 
 ep::Shape make_shape(const LayerConfig& c, int rank, int64_t capacity) {
   ep::Shape s{};
@@ -51,6 +78,7 @@ ep::Shape make_shape(const LayerConfig& c, int rank, int64_t capacity) {
   s.rank = rank;
   s.max_tokens = static_cast<int32_t>(c.max_tokens_per_rank);
   s.row_capacity = capacity;
+  s.dot_parts = kernels::grouped_gemm_n_tiles(static_cast<int>(c.intermediate), dgrad_tuning());
   return s;
 }
 
@@ -69,6 +97,20 @@ std::string describe(const ep::DeviceError& e, const LayerConfig& c) {
       s << "rank " << e.rank << ": barrier " << e.a << " timed out with " << e.b << " of " << c.num_ranks
         << " ranks arrived (a peer never reached it); recreate the layer";
       break;
+    case ep::kErrorBroken:
+      s << "rank " << e.rank << ": the layer is unusable after an earlier timeout; recreate it";
+      break;
+    case ep::kErrorPeerIndex:
+      s << "rank " << e.rank << " received an out-of-range value " << e.b << " from rank " << e.a << " (field "
+        << e.c << " of the receive buffers)";
+      break;
+    case ep::kErrorForwardFailed:
+      s << "rank " << e.rank << ": backward of a forward that failed";
+      break;
+    case ep::kErrorWaitTimeout:
+      s << "rank " << e.rank << ": wait " << e.a << " timed out at " << e.b << " of " << e.c
+        << " signals (its producer never finished); recreate the layer";
+      break;
     default:
       s << "rank " << e.rank << ": device error " << e.what;
   }
@@ -85,6 +127,8 @@ struct ExpertParallelLayer::Impl {
   ep::Params params{};
   int max_blocks = 0;
   bool has_forward = false;
+  bool forward_failed = false;  // an error was reported after the latest forward
+  bool broken = false;          // a timeout was reported: the layer must be recreated
   int64_t forward_tokens = 0;
   const __nv_bfloat16* forward_w13 = nullptr;
   const __nv_bfloat16* forward_w2 = nullptr;
@@ -108,124 +152,77 @@ struct ExpertParallelLayer::Impl {
     return tuning;
   }
 
-  Status gemm(const GroupedGemmArgs& args) const {
-    return kernels::simple_grouped_gemm(args, placement.stream, max_blocks);
-  }
-  // Simple-engine arguments over the local experts' rows: M-grouped (rows are the output rows) and
-  // K-grouped (rows are the reduction; one fp32 C per expert, [m, n] each).
-  GroupedGemmArgs rows_gemm(int64_t n, int64_t k, GemmOperand a, GemmOperand b) const {
-    GroupedGemmArgs g;
-    g.mode = GroupMode::kM;
-    g.num_groups = static_cast<int>(config.experts_per_rank());
-    g.group_offsets = expert_offsets();
-    g.n = n;
-    g.k = k;
-    g.a = a;
-    g.b = b;
-    return g;
-  }
-  GroupedGemmArgs weight_grad_gemm(int64_t m, int64_t n, GemmOperand a, GemmOperand b, float* c,
-                                   bool accumulate) const {
-    GroupedGemmArgs g;
-    g.mode = GroupMode::kK;
-    g.num_groups = static_cast<int>(config.experts_per_rank());
-    g.group_offsets = expert_offsets();
-    g.m = m;
-    g.n = n;
-    g.a = a;
-    g.b = b;
-    g.c = c;
-    g.ldc = n;
-    g.c_group_stride = m * n;
-    g.output = OutputType::kFP32;
-    g.accumulate = accumulate;
+  // Operand rows read from a receive buffer (R * T rows) in expert order.
+  kernels::GemmGather received_rows() const {
+    kernels::GemmGather g;
+    g.a_rows = buffer<int32_t>(params.layout.row_src);
+    g.a_source_rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
     return g;
   }
 
-  // GEMM1 -> SwiGLU -> GEMM2, y rows delivered to the sources' combine slots.
+  // GEMM1 with SwiGLU -> GEMM2, y rows delivered to the sources' combine slots.
   Status expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2) const;
-  // dgrad GEMMs, SwiGLU backward (with d_topk_weights), d_x rows home, weight-gradient GEMMs.
+  // dgrad GEMMs with the SwiGLU backward and d_topk_weights, d_x rows home, weight-gradient GEMMs.
   Status expert_mlp_backward(const ep::Params& p, const BackwardArgs& args) const;
 };
 
+// h = x W13^T over the received rows (gathered by index, no expand copy), a = silu(g) * u in its epilogue
+// (h kept for the backward); y = a W2^T, each row stored straight into its combine slot on the source rank.
 Status ExpertParallelLayer::Impl::expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13,
                                                      const __nv_bfloat16* w2) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
   cudaStream_t stream = placement.stream;
-  auto* rows_x = buffer<__nv_bfloat16>(p.layout.rows_x);
-  auto* h = buffer<__nv_bfloat16>(p.layout.h);
   auto* a = buffer<__nv_bfloat16>(p.layout.a);
-  if (options.gemm_engine == GemmEngine::kHopper) {
-    // y rows are staged in the rows_dout buffer (free during the forward) and then sent home: the
-    // engine scatters by row index within one buffer, not to per-row peer addresses.
-    auto* y = buffer<__nv_bfloat16>(p.layout.rows_dout);
-    const kernels::GemmEpilogue plain;
-    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nt(rows_x, w13, h, expert_offsets(), EL, C, static_cast<int>(2 * I),
-                                                     static_cast<int>(H), plain, stream, gemm_tuning()));
-    MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_forward(p, stream, max_blocks));
-    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nt(a, w2, y, expert_offsets(), EL, C, static_cast<int>(H),
-                                                     static_cast<int>(I), plain, stream, gemm_tuning()));
-    return ep::launch_send_rows(p, y, stream, max_blocks);
-  }
-  GroupedGemmArgs gemm1 = rows_gemm(2 * I, H, GemmOperand{rows_x, H, true, 0},  // h = x . W13^T
-                                     GemmOperand{w13, H, false, 2 * I * H});
-  gemm1.c = h;
-  gemm1.ldc = 2 * I;
-  MEGAMOE_RETURN_IF_ERROR(gemm(gemm1));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_forward(p, stream, max_blocks));
-  // y = a . W2^T, each row stored straight into its source's combine slot
-  GroupedGemmArgs gemm2 = rows_gemm(H, I, GemmOperand{a, I, true, 0}, GemmOperand{w2, I, false, H * I});
-  gemm2.row_destinations = buffer<void*>(p.layout.row_dest);
-  return gemm(gemm2);
+  kernels::GemmEpilogue swiglu;
+  swiglu.activation = kernels::GemmActivation::kSwiGLU;
+  swiglu.aux_out = buffer<__nv_bfloat16>(p.layout.h);
+  MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nt(buffer<__nv_bfloat16>(p.layout.recv_x), w13, a, expert_offsets(), EL,
+                                                   C, static_cast<int>(2 * I), static_cast<int>(H), swiglu, stream,
+                                                   gemm_tuning(), received_rows()));
+  kernels::GemmEpilogue home;
+  home.row_pointers = buffer<void*>(p.layout.row_dest);
+  return kernels::grouped_gemm_nt(a, w2, buffer<__nv_bfloat16>(p.layout.combine), expert_offsets(), EL, C,
+                                  static_cast<int>(H), static_cast<int>(I), home, stream, gemm_tuning());
 }
 
+// da = d_out W2 (W2 read N-major, d_out rows gathered from the receive buffer); its epilogue: dh =
+// SwiGLU'(w * da), w * a for d_w2, and the per-tile partials of <da, a> sent to the source's slots. Then
+// dx rows = dh W13 straight into the combine slots; dW2 = d_out^T (w * a) and dW13 = dh^T x (fp32, rows
+// gathered where they come from a receive buffer).
 Status ExpertParallelLayer::Impl::expert_mlp_backward(const ep::Params& p, const BackwardArgs& args) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
   cudaStream_t stream = placement.stream;
-  auto* rows_x = buffer<__nv_bfloat16>(p.layout.rows_x);
-  auto* rows_dout = buffer<__nv_bfloat16>(p.layout.rows_dout);
-  auto* rows_dy = buffer<__nv_bfloat16>(p.layout.rows_dy);
+  auto* recv_dout = buffer<__nv_bfloat16>(p.layout.recv_dout);
   auto* a = buffer<__nv_bfloat16>(p.layout.a);
   auto* dh = buffer<__nv_bfloat16>(p.layout.dh);
-  if (options.gemm_engine == GemmEngine::kHopper) {
-    const kernels::GemmEpilogue plain;
-    auto* da = buffer<__nv_bfloat16>(p.layout.da);
-    // da = d_out . W2 (W2 read N-major, no transposed copy), in bf16
-    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nn(rows_dout, forward_w2, da, expert_offsets(), EL, C,
-                                                     static_cast<int>(I), static_cast<int>(H), plain, stream,
-                                                     gemm_tuning()));
-    MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_backward(p, true, stream, max_blocks));
-    // dx rows = dh . W13, staged in rows_dout (no longer needed) and sent home
-    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nn(dh, forward_w13, rows_dout, expert_offsets(), EL, C,
-                                                     static_cast<int>(H), static_cast<int>(2 * I), plain, stream,
-                                                     gemm_tuning()));
-    MEGAMOE_RETURN_IF_ERROR(ep::launch_send_rows(p, rows_dout, stream, max_blocks));
-    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_tn(rows_dy, a, args.d_w2, expert_offsets(), EL, C,
-                                                     static_cast<int>(H), static_cast<int>(I),
-                                                     args.accumulate_weight_grads, stream, weight_grad_tuning()));
-    return kernels::grouped_gemm_tn(dh, rows_x, args.d_w13, expert_offsets(), EL, C, static_cast<int>(2 * I),
-                                    static_cast<int>(H), args.accumulate_weight_grads, stream, weight_grad_tuning());
-  }
-  // da = d_out . W2 (W2 read N-major, no transposed copy)
-  GroupedGemmArgs dgrad2 = rows_gemm(I, H, GemmOperand{rows_dout, H, true, 0},
-                                     GemmOperand{forward_w2, I, true, H * I});
-  dgrad2.c = buffer<float>(p.layout.da);
-  dgrad2.ldc = I;
-  dgrad2.output = OutputType::kFP32;
-  MEGAMOE_RETURN_IF_ERROR(gemm(dgrad2));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_swiglu_backward(p, false, stream, max_blocks));
-  // dx rows = dh . W13, stored into the source's combine slot
-  GroupedGemmArgs dgrad1 = rows_gemm(H, 2 * I, GemmOperand{dh, 2 * I, true, 0},
-                                     GemmOperand{forward_w13, H, true, 2 * I * H});
-  dgrad1.row_destinations = buffer<void*>(p.layout.row_dest);
-  MEGAMOE_RETURN_IF_ERROR(gemm(dgrad1));
-  // dW2[e] = dy^T a and dW13[e] = dh^T x over expert e's rows
-  MEGAMOE_RETURN_IF_ERROR(gemm(weight_grad_gemm(H, I, GemmOperand{rows_dy, H, false, 0}, GemmOperand{a, I, true, 0},
-                                                args.d_w2, args.accumulate_weight_grads)));
-  return gemm(weight_grad_gemm(2 * I, H, GemmOperand{dh, 2 * I, false, 0}, GemmOperand{rows_x, H, true, 0},
-                               args.d_w13, args.accumulate_weight_grads));
+  kernels::GemmEpilogue grad;
+  grad.activation = kernels::GemmActivation::kSwiGLUBackward;
+  grad.row_scale = buffer<float>(p.layout.row_weight);
+  grad.h_in = buffer<__nv_bfloat16>(p.layout.h);
+  grad.aux_out = a;
+  grad.row_dots = buffer<float*>(p.layout.row_dot_dest);
+  kernels::GemmTuning dgrad = dgrad_tuning();
+  dgrad.max_ctas = max_blocks;
+  MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nn(recv_dout, forward_w2, dh, expert_offsets(), EL, C,
+                                                   static_cast<int>(I), static_cast<int>(H), grad, stream, dgrad,
+                                                   received_rows()));
+  kernels::GemmEpilogue home;
+  home.row_pointers = buffer<void*>(p.layout.row_dest);
+  MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nn(dh, forward_w13, buffer<__nv_bfloat16>(p.layout.combine),
+                                                   expert_offsets(), EL, C, static_cast<int>(H), static_cast<int>(2 * I),
+                                                   home, stream, gemm_tuning()));
+  MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_tn(recv_dout, a, args.d_w2, expert_offsets(), EL, C,
+                                                   static_cast<int>(H), static_cast<int>(I),
+                                                   args.accumulate_weight_grads, stream, weight_grad_tuning(),
+                                                   received_rows()));
+  kernels::GemmGather x_rows;
+  x_rows.b_rows = buffer<int32_t>(p.layout.row_src);
+  x_rows.b_source_rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
+  return kernels::grouped_gemm_tn(dh, buffer<__nv_bfloat16>(p.layout.recv_x), args.d_w13, expert_offsets(), EL, C,
+                                  static_cast<int>(2 * I), static_cast<int>(H), args.accumulate_weight_grads, stream,
+                                  weight_grad_tuning(), x_rows);
 }
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -247,12 +244,10 @@ Status preload_kernels() {
   MEGAMOE_RETURN_IF_ERROR(load_barrier_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_layout_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_dispatch_kernels());
-  MEGAMOE_RETURN_IF_ERROR(load_expand_kernels());
-  MEGAMOE_RETURN_IF_ERROR(load_swiglu_kernels());
+  MEGAMOE_RETURN_IF_ERROR(load_route_rows_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_combine_kernels());
-  MEGAMOE_RETURN_IF_ERROR(load_send_rows_kernels());
-  MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_preload());
-  return kernels::simple_grouped_gemm_preload();
+  MEGAMOE_RETURN_IF_ERROR(load_failure_kernels());
+  return kernels::grouped_gemm_preload();
 }
 
 }  // namespace ep
@@ -296,22 +291,28 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
   if (args.num_tokens > 0 && (args.x == nullptr || args.topk_idx == nullptr || args.topk_weights == nullptr ||
                               args.out == nullptr))
     return Status::invalid("forward: x, topk_idx, topk_weights and out are required when num_tokens > 0");
+  MEGAMOE_RETURN_IF_ERROR(check_alignment({{args.x, "x"}, {args.w13, "w13"}, {args.w2, "w2"}, {args.out, "out"}},
+                                          {{args.topk_weights, "topk_weights"}}));
+  if (args.topk_idx != nullptr &&
+      !aligned_to(args.topk_idx, args.topk_idx_type == IndexType::kInt64 ? 8 : 4))
+    return Status::invalid("topk_idx must be aligned to its element size");
+  if (m.broken) return broken_status();
   cudaStream_t stream = m.placement.stream;
   ep::Params p = m.params;
   p.num_tokens = args.num_tokens;
   const bool idx64 = args.topk_idx_type == IndexType::kInt64;
 
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_layout(p, args.topk_idx, idx64, stream));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_layout(p, args.topk_idx, idx64, stream, m.max_blocks));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch(p, args.x, args.topk_idx, idx64, args.topk_weights, stream, m.max_blocks));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierDispatched, stream));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_expert_offsets(p, stream));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_expand_rows(p, stream, m.max_blocks));
+  MEGAMOE_RETURN_IF_ERROR(ep::launch_route_rows(p, stream, m.max_blocks));
 
   MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward(p, args.w13, args.w2));
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierCombined, stream));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_forward(p, args.topk_weights, args.out, stream, m.max_blocks));
   m.has_forward = true;
+  m.forward_failed = false;
   m.forward_tokens = args.num_tokens;
   m.forward_w13 = args.w13;
   m.forward_w2 = args.w2;
@@ -324,17 +325,26 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
   if (args.d_w13 == nullptr || args.d_w2 == nullptr) return Status::invalid("backward: d_w13 and d_w2 are required");
   if (m.forward_tokens > 0 && (args.d_out == nullptr || args.d_x == nullptr || args.d_topk_weights == nullptr))
     return Status::invalid("backward: d_out, d_x and d_topk_weights are required when num_tokens > 0");
+  MEGAMOE_RETURN_IF_ERROR(check_alignment(
+      {{args.d_out, "d_out"}, {args.d_x, "d_x"}, {args.d_w13, "d_w13"}, {args.d_w2, "d_w2"}},
+      {{args.d_topk_weights, "d_topk_weights"}}));
+  if (m.broken) return broken_status();
   cudaStream_t stream = m.placement.stream;
   ep::Params p = m.params;
   p.num_tokens = m.forward_tokens;
+  // The forward's error was reported and cleared already: this backward's outputs must still be NaN.
+  if (m.forward_failed) MEGAMOE_RETURN_IF_ERROR(ep::launch_record_forward_failed(p, stream));
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch(p, args.d_out, nullptr, false, nullptr, stream, m.max_blocks));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradDispatched, stream));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_gather_grad_rows(p, stream, m.max_blocks));
 
   MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_backward(p, args));
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradCombined, stream));
+  // The weight gradients were written by the GEMMs: a failed call turns them into NaN too.
+  const int64_t EL = m.config.experts_per_rank(), H = m.config.hidden, I = m.config.intermediate;
+  MEGAMOE_RETURN_IF_ERROR(
+      ep::launch_nan_if_failed(p, args.d_w13, EL * 2 * I * H, args.d_w2, EL * H * I, stream, m.max_blocks));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_backward(p, args.d_x, args.d_topk_weights, stream, m.max_blocks));
   return Status::ok();
 }
@@ -346,7 +356,13 @@ Status ExpertParallelLayer::synchronize_and_check() {
   ep::DeviceError* record = m.buffer<ep::DeviceError>(m.params.layout.error);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(&error, record, sizeof(error), cudaMemcpyDeviceToHost));
   if (error.code == 0) return Status::ok();
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemset(record, 0, sizeof(error)));
+  // Cleared in the rank's stream order (not on the legacy default stream, which would order against
+  // every other stream of the device).
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(record, 0, sizeof(error), m.placement.stream));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m.placement.stream));
+  m.forward_failed = m.has_forward;
+  if (error.what == ep::kErrorBarrierTimeout || error.what == ep::kErrorBroken || error.what == ep::kErrorWaitTimeout)
+    m.broken = true;
   return Status(static_cast<StatusCode>(error.code), describe(error, m.config));
 }
 

@@ -10,8 +10,8 @@ namespace megamoe::ep {
 namespace {
 
 template <typename Index>
-__global__ void dispatch_kernel(Params p, const __nv_bfloat16* __restrict__ rows, const Index* __restrict__ idx,
-                                const float* __restrict__ weights) {
+__global__ void dispatch_kernel(Params p, const __nv_bfloat16* __restrict__ rows, int64_t recv_buffer,
+                                const Index* __restrict__ idx, const float* __restrict__ weights) {
   if (has_error(p)) return;
   const Shape& s = p.shape;
   const int K = s.top_k, EL = s.experts_per_rank;
@@ -26,7 +26,7 @@ __global__ void dispatch_kernel(Params p, const __nv_bfloat16* __restrict__ rows
       if (d < 0) continue;
       const int64_t recv = static_cast<int64_t>(s.rank) * s.max_tokens + dest_slot[t * K + j];
       char* peer = p.peers[d];
-      warp_copy_row(rows + t * s.hidden, at<__nv_bfloat16>(peer, p.layout.recv_x) + recv * s.hidden, s.hidden, lane);
+      warp_copy_row(rows + t * s.hidden, at<__nv_bfloat16>(peer, recv_buffer) + recv * s.hidden, s.hidden, lane);
       if (weights == nullptr) continue;
       if (lane == 0) at<int32_t>(peer, p.layout.recv_token)[recv] = static_cast<int32_t>(t);
       for (int jj = lane; jj < K; jj += 32) {
@@ -46,12 +46,14 @@ Status launch_dispatch(const Params& p, const __nv_bfloat16* rows, const void* t
                        const float* weights, cudaStream_t stream, int max_blocks) {
   if (p.num_tokens == 0) return Status::ok();
   const int blocks = row_grid(p.num_tokens, max_blocks);
+  // The forward's x stays in recv_x for the backward's weight gradient; d_out has its own buffer.
+  const int64_t recv = weights != nullptr ? p.layout.recv_x : p.layout.recv_dout;
   if (idx_is_int64)
-    dispatch_kernel<int64_t><<<blocks, kRowBlockThreads, 0, stream>>>(p, rows, static_cast<const int64_t*>(topk_idx),
-                                                                          weights);
+    dispatch_kernel<int64_t><<<blocks, kRowBlockThreads, 0, stream>>>(p, rows, recv,
+                                                                          static_cast<const int64_t*>(topk_idx), weights);
   else
-    dispatch_kernel<int32_t><<<blocks, kRowBlockThreads, 0, stream>>>(p, rows, static_cast<const int32_t*>(topk_idx),
-                                                                          weights);
+    dispatch_kernel<int32_t><<<blocks, kRowBlockThreads, 0, stream>>>(p, rows, recv,
+                                                                          static_cast<const int32_t*>(topk_idx), weights);
   MEGAMOE_CHECK_LAUNCH(stream, "dispatch_kernel");
   return Status::ok();
 }

@@ -1,10 +1,13 @@
-// The layout step of the forward: deterministic numbering of every routed (token, slot) on the source.
+// The layout step of the forward: a deterministic numbering of every routed (token, slot) on the source,
+// on many CTAs.
 //
-// Order: the tokens are cut into one contiguous chunk per warp; a warp walks its chunk 32 tokens at a
-// time and, for each slot j, numbers the lanes that share a key (an expert, or a destination rank on a
-// token's first slot there) with __match_any_sync. Two passes over the same order: the first counts
-// per warp, a scan over warps gives each warp's base, the second assigns. No atomics on the data path,
-// so the numbering, and with it every later summation order, is identical from run to run.
+// The tokens are cut into one contiguous chunk per CTA. layout_count_kernel counts, per CTA, the keys of
+// its chunk (a key is an expert, or a destination rank on a token's first slot there) and checks the
+// expert ids. layout_assign_kernel then gives each CTA the counts of the CTAs before it (its base per key)
+// and numbers its chunk in token order: inside the CTA the chunk is cut into one piece per warp; a warp
+// walks its piece 32 tokens at a time and, for each slot j, numbers the lanes that share a key with
+// __match_any_sync, in two passes (per-warp counts, a scan over warps, the numbering). No atomics decide a
+// number, so the numbering, and every later summation order that follows it, is the same on every run.
 #include "comm/device_sync.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/ep_kernels.hpp"
@@ -12,8 +15,10 @@
 namespace megamoe::ep {
 namespace {
 
-constexpr int kMaxLayoutWarps = 32;
-constexpr int64_t kLayoutSmemBytes = 96 * 1024;
+constexpr int kLayoutThreads = 256;
+constexpr int kLayoutWarps = kLayoutThreads / 32;
+constexpr int kTokensPerBlock = 256;
+constexpr int64_t kLayoutSmemLimit = 96 * 1024;
 
 template <typename Index>
 __device__ __forceinline__ int expert_at(const Index* idx, int64_t t, int64_t T, int K, int j) {
@@ -33,45 +38,97 @@ __device__ __forceinline__ int first_send_rank(const Index* idx, int64_t t, int6
   return d;
 }
 
+struct Chunk {
+  int64_t begin, end;
+};
+__device__ __forceinline__ Chunk chunk_of(int64_t T, int block, int blocks) {
+  const int64_t per = (T + blocks - 1) / blocks;
+  const int64_t begin = block * per;
+  return Chunk{begin < T ? begin : T, begin + per < T ? begin + per : T};
+}
+
 template <typename Index>
-__global__ void layout_kernel(Params p, const Index* __restrict__ idx) {
+__global__ void layout_count_kernel(Params p, const Index* __restrict__ idx) {
+  extern __shared__ int32_t counts[];  // [keys]
+  const Shape& s = p.shape;
+  const int E = s.num_experts, R = s.num_ranks, K = s.top_k, EL = s.experts_per_rank;
+  const int keys = E + R;
+  const int64_t T = p.num_tokens;
+  const Chunk c = chunk_of(T, blockIdx.x, gridDim.x);
+  for (int k = threadIdx.x; k < keys; k += blockDim.x) counts[k] = 0;
+  __syncthreads();
+  int bad = 0;
+  for (int64_t i = c.begin * K + threadIdx.x; i < c.end * K; i += blockDim.x) {
+    const int64_t t = i / K;
+    const int j = static_cast<int>(i % K);
+    const int64_t e = static_cast<int64_t>(idx[i]);
+    if (e < -1 || e >= E) {
+      ++bad;
+      // Every rank learns of it: the whole call's outputs become NaN rather than partly stale.
+      record_error_everywhere(p, StatusCode::kInvalidArgument, kErrorExpertId, t, e);
+      continue;
+    }
+    if (e < 0) continue;
+    atomicAdd(&counts[e], 1);  // counts only: the order is decided by the assign kernel
+    const int d = first_send_rank(idx, t, T, K, j, EL);
+    if (d >= 0) atomicAdd(&counts[E + d], 1);
+  }
+  bad = __syncthreads_count(bad > 0);
+  int32_t* out = at<int32_t>(p.local, p.layout.layout_counts);
+  for (int k = threadIdx.x; k < keys; k += blockDim.x) out[k * kMaxLayoutBlocks + blockIdx.x] = counts[k];
+  if (threadIdx.x == 0) at<int32_t>(p.local, p.layout.layout_bad)[blockIdx.x] = bad;
+}
+
+template <typename Index>
+__global__ void layout_assign_kernel(Params p, const Index* __restrict__ idx) {
   extern __shared__ int32_t smem[];
   const Shape& s = p.shape;
   const int E = s.num_experts, R = s.num_ranks, K = s.top_k, EL = s.experts_per_rank;
   const int keys = E + R;
-  const int warps = blockDim.x / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t T = p.num_tokens;
-  int32_t* hist = smem;                   // [warps][keys]
-  int32_t* totals = smem + warps * keys;  // [keys]
+  const int blocks = gridDim.x, block = blockIdx.x;
+  int32_t* hist = smem;                          // [warps][keys]: per-warp bases
+  int32_t* base = smem + kLayoutWarps * keys;    // [keys]: this block's base
+  const int32_t* counts = at<int32_t>(p.local, p.layout.layout_counts);
   int32_t* dest_slot = at<int32_t>(p.local, p.layout.pair_dest_slot);
   int32_t* send_rank = at<int32_t>(p.local, p.layout.pair_send_rank);
   int32_t* row_index = at<int32_t>(p.local, p.layout.pair_row_index);
+  const Chunk c = chunk_of(T, block, blocks);
 
-  // Reject the whole call on any id outside [-1, E): nothing is sent, every receiver gets zero counts.
-  bool bad = false;
-  for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x) {
-    const int64_t e = static_cast<int64_t>(idx[i]);
-    if (e < -1 || e >= E) {
-      bad = true;
-      // Every rank learns of it: the whole call's outputs become NaN rather than partly stale.
-      for (int peer = 0; peer < R; ++peer)
-        record_error(error_record(p.peers[peer], p.layout), StatusCode::kInvalidArgument, kErrorExpertId, s.rank, i / K,
-                     e);
-    }
-  }
-  if (__syncthreads_or(bad)) {
-    for (int64_t i = threadIdx.x; i < T * K; i += blockDim.x) dest_slot[i] = send_rank[i] = row_index[i] = -1;
-    for (int k = threadIdx.x; k < R * (EL + 1); k += blockDim.x)
-      at<int32_t>(p.peers[k / (EL + 1)], p.layout.recv_counts)[s.rank * (EL + 1) + k % (EL + 1)] = 0;
+  // Any bad id anywhere rejects the whole call: nothing is sent, every receiver gets zero counts.
+  int bad = 0;
+  for (int b = threadIdx.x; b < blocks; b += blockDim.x) bad += at<int32_t>(p.local, p.layout.layout_bad)[b];
+  if (__syncthreads_or(bad > 0)) {
+    for (int64_t i = c.begin * K + threadIdx.x; i < c.end * K; i += blockDim.x)
+      dest_slot[i] = send_rank[i] = row_index[i] = -1;
+    if (block == 0)
+      for (int k = threadIdx.x; k < R * (EL + 1); k += blockDim.x)
+        at<int32_t>(p.peers[k / (EL + 1)], p.layout.recv_counts)[s.rank * (EL + 1) + k % (EL + 1)] = 0;
     return;
   }
-
-  for (int k = threadIdx.x; k < warps * keys; k += blockDim.x) hist[k] = 0;
+  for (int k = threadIdx.x; k < keys; k += blockDim.x) {
+    int32_t before = 0, total = 0;
+    for (int b = 0; b < blocks; ++b) {
+      const int32_t v = counts[k * kMaxLayoutBlocks + b];
+      if (b < block) before += v;
+      total += v;
+    }
+    base[k] = before;
+    // Counts to every receiver: rows per local expert, then the number of tokens.
+    if (block == 0) {
+      if (k < E) {
+        at<int32_t>(p.peers[k / EL], p.layout.recv_counts)[s.rank * (EL + 1) + k % EL] = total;
+      } else {
+        at<int32_t>(p.peers[k - E], p.layout.recv_counts)[s.rank * (EL + 1) + EL] = total;
+      }
+    }
+  }
+  for (int k = threadIdx.x; k < kLayoutWarps * keys; k += blockDim.x) hist[k] = 0;
   __syncthreads();
-  const int64_t chunk = (T + warps - 1) / warps;
-  const int64_t begin = warp * chunk;
-  const int64_t end = begin + chunk < T ? begin + chunk : T;
+  const int64_t piece = (c.end - c.begin + kLayoutWarps - 1) / kLayoutWarps;
+  const int64_t begin = c.begin + warp * piece;
+  const int64_t end = begin + piece < c.end ? begin + piece : c.end;
   int32_t* my_hist = hist + warp * keys;
   const unsigned lanes_below = (1u << lane) - 1u;
 
@@ -88,7 +145,7 @@ __global__ void layout_kernel(Params p, const Index* __restrict__ idx) {
           const unsigned peers = __match_any_sync(0xffffffffu, key);
           const bool leader = (peers & lanes_below) == 0;
           int32_t number = 0;
-          if (key >= 0 && assign) number = my_hist[key] + __popc(peers & lanes_below);
+          if (key >= 0 && assign) number = base[key] + my_hist[key] + __popc(peers & lanes_below);
           __syncwarp();
           if (key >= 0 && leader) my_hist[key] += __popc(peers);
           __syncwarp();
@@ -113,53 +170,61 @@ __global__ void layout_kernel(Params p, const Index* __restrict__ idx) {
     }
     __syncthreads();
     if (!assign) {
+      // Exclusive scan over the warps, per key: each warp's base inside the block.
       for (int key = threadIdx.x; key < keys; key += blockDim.x) {
         int32_t running = 0;
-        for (int w = 0; w < warps; ++w) {
-          const int32_t c = hist[w * keys + key];
+        for (int w = 0; w < kLayoutWarps; ++w) {
+          const int32_t v = hist[w * keys + key];
           hist[w * keys + key] = running;
-          running += c;
+          running += v;
         }
-        totals[key] = running;
       }
       __syncthreads();
     }
   }
+}
 
-  // Counts to every receiver: rows per local expert, then the number of tokens.
-  for (int e = threadIdx.x; e < E; e += blockDim.x)
-    at<int32_t>(p.peers[e / EL], p.layout.recv_counts)[s.rank * (EL + 1) + e % EL] = totals[e];
-  for (int d = threadIdx.x; d < R; d += blockDim.x)
-    at<int32_t>(p.peers[d], p.layout.recv_counts)[s.rank * (EL + 1) + EL] = totals[E + d];
+int layout_blocks(int64_t tokens, int max_blocks) {
+  int64_t b = (tokens + kTokensPerBlock - 1) / kTokensPerBlock;
+  if (b > kMaxLayoutBlocks) b = kMaxLayoutBlocks;
+  if (b > max_blocks) b = max_blocks;
+  return static_cast<int>(b < 1 ? 1 : b);
+}
+
+template <typename Index>
+Status launch_layout_typed(const Params& p, const Index* idx, cudaStream_t stream, int max_blocks) {
+  const int keys = p.shape.num_experts + p.shape.num_ranks;
+  const size_t count_smem = static_cast<size_t>(keys) * 4;
+  const size_t assign_smem = static_cast<size_t>(kLayoutWarps + 1) * keys * 4;
+  if (static_cast<int64_t>(assign_smem) > kLayoutSmemLimit)
+    return Status(StatusCode::kNotSupported, "layout: E + R too large for the layout kernel");
+  const int blocks = layout_blocks(p.num_tokens, max_blocks);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(layout_count_kernel<Index>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    static_cast<int>(count_smem)));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(layout_assign_kernel<Index>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    static_cast<int>(assign_smem)));
+  layout_count_kernel<Index><<<blocks, kLayoutThreads, count_smem, stream>>>(p, idx);
+  MEGAMOE_CHECK_LAUNCH(stream, "layout_count_kernel");
+  layout_assign_kernel<Index><<<blocks, kLayoutThreads, assign_smem, stream>>>(p, idx);
+  MEGAMOE_CHECK_LAUNCH(stream, "layout_assign_kernel");
+  return Status::ok();
 }
 
 }  // namespace
 
-Status launch_layout(const Params& p, const void* topk_idx, bool idx_is_int64, cudaStream_t stream) {
-  const int keys = p.shape.num_experts + p.shape.num_ranks;
-  int warps = static_cast<int>((kLayoutSmemBytes / 4 - keys) / keys);
-  if (warps > kMaxLayoutWarps) warps = kMaxLayoutWarps;
-  if (warps < 1) return Status(StatusCode::kNotSupported, "layout: E + R too large for the layout kernel");
-  const size_t smem = static_cast<size_t>(warps + 1) * keys * 4;
-  if (idx_is_int64) {
-    auto kernel = layout_kernel<int64_t>;
-    MEGAMOE_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    kernel<<<1, warps * 32, smem, stream>>>(p, static_cast<const int64_t*>(topk_idx));
-  } else {
-    auto kernel = layout_kernel<int32_t>;
-    MEGAMOE_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    kernel<<<1, warps * 32, smem, stream>>>(p, static_cast<const int32_t*>(topk_idx));
-  }
-  MEGAMOE_CHECK_LAUNCH(stream, "layout_kernel");
-  return Status::ok();
+Status launch_layout(const Params& p, const void* topk_idx, bool idx_is_int64, cudaStream_t stream, int max_blocks) {
+  if (idx_is_int64) return launch_layout_typed(p, static_cast<const int64_t*>(topk_idx), stream, max_blocks);
+  return launch_layout_typed(p, static_cast<const int32_t*>(topk_idx), stream, max_blocks);
 }
 
 Status load_layout_kernels() {
   cudaFuncAttributes attributes{};
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, layout_kernel<int64_t>));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, layout_kernel<int32_t>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, layout_count_kernel<int64_t>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, layout_count_kernel<int32_t>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, layout_assign_kernel<int64_t>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, layout_assign_kernel<int32_t>));
   return Status::ok();
 }
 

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <random>
@@ -42,7 +43,6 @@ struct Scenario {
   std::vector<int64_t> tokens;  // per rank
   Routing routing;
   int pool = 16;  // distinct experts used (the rest stay empty)
-  GemmEngine engine = GemmEngine::kHopper;
 };
 
 std::string scenario_name(const ::testing::TestParamInfo<Scenario>& info) { return info.param.name; }
@@ -318,9 +318,7 @@ TEST_P(EpLayerTest, MatchesReferenceAndIsDeterministic) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   const Problem p = make_problem(sc, seed);
   std::unique_ptr<VirtualRankGroup> group;
-  LayerOptions options;
-  options.gemm_engine = sc.engine;
-  const Status created = VirtualRankGroup::create(p.config, options, &group);
+  const Status created = VirtualRankGroup::create(p.config, LayerOptions{}, &group);
   ASSERT_TRUE(created.is_ok()) << created.to_string();
   std::vector<RankTensors> tensors = upload(p);
   Outputs first, second;
@@ -370,6 +368,16 @@ TEST_P(EpLayerTest, MatchesReferenceAndIsDeterministic) {
 
 LayerConfig qwen() { return LayerConfig::qwen3_30b_a3b(); }
 LayerConfig deepseek() { return LayerConfig::deepseek_v3(); }
+// A narrow layer for scenarios with many tokens (several layout CTAs of 256 tokens, several 128-row tiles
+// per expert) whose CPU reference stays cheap.
+LayerConfig narrow() {
+  LayerConfig c;
+  c.hidden = 256;
+  c.intermediate = 384;
+  c.num_experts = 16;
+  c.top_k = 4;
+  return c;
+}
 
 INSTANTIATE_TEST_SUITE_P(
     Layer, EpLayerTest,
@@ -384,10 +392,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Scenario{"DeepSeekV3_R4", deepseek(), 4, {2, 1, 0, 3}, Routing::kRandom, 12},
                       Scenario{"DeepSeekV3_R8", deepseek(), 8, {1, 0, 2, 1, 0, 1, 1, 0}, Routing::kRandom, 12},
                       Scenario{"DeepSeekV3_R2_Masked", deepseek(), 2, {3, 2}, Routing::kMaskedAndRagged, 10},
-                      // The simple WMMA engine, the layer's independent correctness twin.
-                      Scenario{"Qwen30B_R1_SimpleGemm", qwen(), 1, {29}, Routing::kRandom, 16, GemmEngine::kSimple},
-                      Scenario{"Qwen30B_R4_MaskedT0_SimpleGemm", qwen(), 4, {0, 9, 6, 11}, Routing::kMaskedAndRagged,
-                               16, GemmEngine::kSimple}),
+                      // Token counts that span several layout CTAs (256 tokens each) and several 128-row tiles.
+                      Scenario{"Narrow_R2_ManyTokens", narrow(), 2, {700, 613}, Routing::kRandom, 16},
+                      Scenario{"Narrow_R4_ManyTokensMasked", narrow(), 4, {520, 0, 301, 777}, Routing::kMaskedAndRagged,
+                               16}),
     scenario_name);
 
 // ---- failures: each gives its error, names the cause, and never hangs ----
@@ -502,6 +510,138 @@ TEST(EpLayerErrorsTest, HostSideArgumentChecks) {
   const Status early = group->layer(0).backward(b);
   EXPECT_EQ(early.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(early.message().find("before any forward"), std::string::npos) << early.message();
+}
+
+// Runs the backward on every rank of the group.
+Status backward_all(VirtualRankGroup& group, SmallRun& run) {
+  for (int r = 0; r < group.num_ranks(); ++r) {
+    BackwardArgs b;
+    b.d_out = run.t[r].d_out.get();
+    b.d_x = run.t[r].d_x.get();
+    b.d_topk_weights = run.t[r].d_weights.get();
+    b.d_w13 = run.t[r].d_w13.get();
+    b.d_w2 = run.t[r].d_w2.get();
+    MEGAMOE_RETURN_IF_ERROR(group.layer(r).backward(b));
+  }
+  return Status::ok();
+}
+
+ForwardArgs forward_args(SmallRun& run, int r) {
+  ForwardArgs f;
+  f.num_tokens = 16;
+  f.x = run.t[r].x.get();
+  f.topk_idx = run.t[r].idx.get();
+  f.topk_weights = run.t[r].weights.get();
+  f.w13 = run.t[r].w13.get();
+  f.w2 = run.t[r].w2.get();
+  f.out = run.t[r].out.get();
+  return f;
+}
+
+bool all_nan(const std::vector<float>& v) {
+  for (float x : v)
+    if (!std::isnan(x)) return false;
+  return true;
+}
+
+// A timed-out barrier leaves counters no later call can trust: the group is broken for good. A call made
+// before the error was checked gives NaN on every rank (the old barrier let it pass with a stale count and
+// wrong results); once the error is seen, calls are refused with "recreate the layer".
+TEST(EpLayerErrorsTest, TimeoutBreaksTheLayerForGood) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  SmallRun run = small_problem(2, Routing::kRandom);
+  LayerOptions options;
+  options.wait_timeout_seconds = 0.2;
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, options, &group).is_ok());
+  ASSERT_TRUE(group->layer(0).forward(forward_args(run, 0)).is_ok());  // rank 1 is late
+  MEGAMOE_ASSERT_CUDA(cudaStreamSynchronize(group->stream(0)));        // rank 0 has timed out
+  for (int r = 0; r < 2; ++r) run.t[r].out.poison();
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(group->layer(r).forward(forward_args(run, r)).is_ok());
+  for (int r = 0; r < 2; ++r) {
+    const Status s = group->layer(r).synchronize_and_check();
+    EXPECT_EQ(s.code(), StatusCode::kTimeout) << "rank " << r << ": " << s.to_string();
+    EXPECT_TRUE(all_nan(to_float(run.t[r].out.download()))) << "rank " << r << " returned numbers after a timeout";
+  }
+  const Status refused = group->layer(0).forward(forward_args(run, 0));
+  EXPECT_EQ(refused.code(), StatusCode::kTimeout);
+  EXPECT_NE(refused.message().find("recreate"), std::string::npos) << refused.message();
+}
+
+// Every output of a failed call is NaN, on every rank, the weight gradients included; also when the
+// forward's error was already reported before the backward ran.
+TEST(EpLayerErrorsTest, BackwardAfterFailedForwardIsNaNEverywhere) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  SmallRun run = small_problem(2, Routing::kRandom);
+  run.p.idx[1][3] = 99;  // a bad id on rank 1 only
+  run.t[1].idx.upload(run.p.idx[1]);
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, LayerOptions{}, &group).is_ok());
+  for (int checked_between = 0; checked_between < 2; ++checked_between) {
+    for (int r = 0; r < 2; ++r) {
+      run.t[r].d_x.poison();
+      run.t[r].d_weights.poison();
+      MEGAMOE_ASSERT_CUDA(cudaMemset(run.t[r].d_w13.get(), 0, run.t[r].d_w13.size() * sizeof(float)));
+      MEGAMOE_ASSERT_CUDA(cudaMemset(run.t[r].d_w2.get(), 0, run.t[r].d_w2.size() * sizeof(float)));
+    }
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(group->layer(r).forward(forward_args(run, r)).is_ok());
+    if (checked_between) {
+      const Status f = group->synchronize_and_check();
+      EXPECT_EQ(f.code(), StatusCode::kInvalidArgument) << f.to_string();
+    }
+    ASSERT_TRUE(backward_all(*group, run).is_ok());
+    for (int r = 0; r < 2; ++r) {
+      const Status s = group->layer(r).synchronize_and_check();
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << s.to_string();
+      if (checked_between) EXPECT_NE(s.message().find("forward that failed"), std::string::npos) << s.message();
+      EXPECT_TRUE(all_nan(to_float(run.t[r].d_x.download()))) << "rank " << r << " d_x";
+      EXPECT_TRUE(all_nan(run.t[r].d_weights.download())) << "rank " << r << " d_topk_weights";
+      EXPECT_TRUE(all_nan(run.t[r].d_w13.download())) << "rank " << r << " d_w13";
+      EXPECT_TRUE(all_nan(run.t[r].d_w2.download())) << "rank " << r << " d_w2";
+    }
+  }
+}
+
+// A misaligned tensor is refused before anything is enqueued (it would fault in the 16-byte row copies),
+// and the group stays usable: the next calls of every rank succeed.
+TEST(EpLayerErrorsTest, MisalignedTensorsAreRefusedBeforeAnythingIsEnqueued) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  SmallRun run = small_problem(2, Routing::kRandom);
+  std::unique_ptr<VirtualRankGroup> group;
+  LayerOptions options;
+  options.wait_timeout_seconds = 2.0;
+  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, options, &group).is_ok());
+  ForwardArgs bad = forward_args(run, 0);
+  bad.x = run.t[0].x.get() + 1;  // contiguous, but 2 bytes off
+  const Status s = group->layer(0).forward(bad);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("x must be 16-byte aligned"), std::string::npos) << s.message();
+  ForwardArgs bad_w = forward_args(run, 0);
+  bad_w.w2 = run.t[0].w2.get() + 4;
+  EXPECT_EQ(group->layer(0).forward(bad_w).code(), StatusCode::kInvalidArgument);
+  const Status good = forward_all(*group, run);
+  EXPECT_TRUE(good.is_ok()) << good.to_string();
+  for (int r = 0; r < 2; ++r) EXPECT_FALSE(std::isnan(to_float(run.t[r].out.download())[0]));
+}
+
+// The wait timeout must be a finite, bounded number of seconds (inf, NaN or huge values became an instant
+// timeout when converted to nanoseconds). Host-only: no GPU needed.
+TEST(EpLayerOptionsTest, WaitTimeoutMustBeFiniteAndBounded) {
+  LayerConfig c = small_config(1);
+  int64_t bytes = 0;
+  for (double t : {0.0, -1.0, 1e-6, 1e12, std::numeric_limits<double>::infinity(),
+                   std::numeric_limits<double>::quiet_NaN()}) {
+    LayerOptions o;
+    o.wait_timeout_seconds = t;
+    const Status s = ExpertParallelLayer::workspace_bytes(c, o, &bytes);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << t;
+    EXPECT_NE(s.message().find("wait_timeout_seconds"), std::string::npos) << s.message();
+  }
+  LayerOptions ok;
+  ok.wait_timeout_seconds = 0.5;
+  EXPECT_TRUE(ExpertParallelLayer::workspace_bytes(c, ok, &bytes).is_ok());
 }
 
 // The whole forward + backward of one rank captured in a CUDA graph: no host synchronisation inside,

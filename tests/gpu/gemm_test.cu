@@ -202,13 +202,40 @@ struct MGroupedCase {
   bool scale, scatter;
 };
 
-// Every launch shape of forms 1 and 2: cluster 1 and 2, each store mode (they must give the same C).
+// Every launch shape of forms 1 and 2: tile 256 with clusters of 1 and 2 and tile 128, each store mode
+// (they must give the same C).
 std::vector<GemmTuning> all_tunings() {
   std::vector<GemmTuning> t;
-  for (int cluster : {1, 2})
-    for (GemmStoreMode m : {GemmStoreMode::kThreads, GemmStoreMode::kTmaBox, GemmStoreMode::kTmaTile})
-      t.push_back(GemmTuning{cluster, 0, m});
+  for (int tile_n : {256, 128})
+    for (int cluster : {1, 2})
+      for (GemmStoreMode m : {GemmStoreMode::kThreads, GemmStoreMode::kTmaTile}) {
+        if (tile_n == 128 && cluster == 2) continue;
+        GemmTuning g;
+        g.cluster_size = cluster;
+        g.store = m;
+        g.tile_n = tile_n;
+        t.push_back(g);
+      }
   return t;
+}
+
+// A's rows scattered into a larger source tensor by a random permutation, and the index that gathers them
+// back: a GEMM over the gathered rows must give bitwise the result over A itself.
+struct GatheredRows {
+  std::vector<bf16> source;
+  std::vector<int32_t> index;
+};
+GatheredRows scatter_rows_randomly(const std::vector<bf16>& a, int rows, int cols, int extra_rows) {
+  GatheredRows g;
+  const int source_rows = rows + extra_rows;
+  std::vector<int32_t> perm(source_rows);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng());
+  g.source = random_bf16(size_t(source_rows) * cols);  // rows no index points at hold other values
+  g.index.assign(perm.begin(), perm.begin() + rows);
+  for (int r = 0; r < rows; ++r)
+    std::memcpy(&g.source[size_t(perm[r]) * cols], &a[size_t(r) * cols], size_t(cols) * sizeof(bf16));
+  return g;
 }
 
 void run_m_grouped_plain(bool nt, const MGroupedCase& c, const GemmTuning& tuning) {
@@ -273,10 +300,55 @@ void run_m_grouped_plain(bool nt, const MGroupedCase& c, const GemmTuning& tunin
   EXPECT_LE(err.rel, kTol);
   EXPECT_EQ(overwritten, 0) << "elements written outside the routed rows";
   std::printf(
-      "[gemm_test] %s cluster=%d store=%d E=%d rows=%d N=%d K=%d scale=%d scatter=%d: rel err %.3e over %lld values\n",
-      nt ? "NT" : "NN", tuning.cluster_size, static_cast<int>(tuning.store), c.E, rows, c.N, c.K, c.scale, c.scatter,
-      err.rel,
-              static_cast<long long>(err.count));
+      "[gemm_test] %s cluster=%d tile_n=%d store=%d E=%d rows=%d N=%d K=%d scale=%d scatter=%d: rel err %.3e over %lld "
+      "values\n",
+      nt ? "NT" : "NN", tuning.cluster_size, tuning.tile_n, static_cast<int>(tuning.store), c.E, rows, c.N, c.K, c.scale,
+      c.scatter, err.rel, static_cast<long long>(err.count));
+  if (tuning.cluster_size != 1) return;
+
+  // The same product with A's rows gathered by index from a shuffled source: bitwise the same C.
+  const GatheredRows g = scatter_rows_randomly(a, max_rows, c.K, 17);
+  DeviceBuffer<bf16> dSrc(g.source.size());
+  DeviceBuffer<int32_t> dIndex(g.index.size());
+  dSrc.upload(g.source);
+  dIndex.upload(g.index);
+  GemmGather gather;
+  gather.a_rows = dIndex.get();
+  gather.a_source_rows = max_rows + 17;
+  dC.poison();
+  const Status gs = nt ? grouped_gemm_nt(dSrc.get(), dB.get(), dC.get(), dOff.get(), c.E, max_rows, c.N, c.K, epi,
+                                         nullptr, tuning, gather)
+                       : grouped_gemm_nn(dSrc.get(), dB.get(), dC.get(), dOff.get(), c.E, max_rows, c.N, c.K, epi,
+                                         nullptr, tuning, gather);
+  ASSERT_TRUE(gs.is_ok()) << gs.to_string();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got_gathered = dC.download();
+  EXPECT_EQ(std::memcmp(got.data(), got_gathered.data(), got.size() * sizeof(bf16)), 0) << "gathered A differs";
+
+  // C rows through per-row pointers into a second buffer, in reverse row order: the same bits per row.
+  if (c.scatter) return;
+  DeviceBuffer<bf16> dD(size_t(max_rows) * c.N);
+  std::vector<bf16*> ptrs(max_rows);
+  for (int r = 0; r < max_rows; ++r) ptrs[r] = dD.get() + size_t(max_rows - 1 - r) * c.N;
+  DeviceBuffer<bf16*> dPtrs(ptrs.size());
+  dPtrs.upload(ptrs);
+  GemmEpilogue by_pointer = epi;
+  by_pointer.row_pointers = reinterpret_cast<void* const*>(dPtrs.get());
+  const Status ps = nt ? grouped_gemm_nt(dA.get(), dB.get(), dD.get(), dOff.get(), c.E, max_rows, c.N, c.K, by_pointer,
+                                         nullptr, tuning)
+                       : grouped_gemm_nn(dA.get(), dB.get(), dD.get(), dOff.get(), c.E, max_rows, c.N, c.K, by_pointer,
+                                         nullptr, tuning);
+  ASSERT_TRUE(ps.is_ok()) << ps.to_string();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got_d = dD.download();
+  for (int r = 0; r < max_rows; ++r) {
+    const bf16* row = &got_d[size_t(max_rows - 1 - r) * c.N];
+    if (r < rows) {
+      ASSERT_EQ(std::memcmp(row, &got[size_t(r) * c.N], c.N * sizeof(bf16)), 0) << "row pointers, row " << r;
+    } else {
+      for (int n = 0; n < c.N; ++n) ASSERT_TRUE(is_poisoned_bf16(row[n])) << "row pointers wrote capacity row " << r;
+    }
+  }
 }
 
 TEST(GroupedGemm, MGroupedKMajorPlain) {
@@ -383,63 +455,52 @@ TEST(GroupedGemm, AllGroupsEmptyWritesNothing) {
   for (const auto& v : dC.download()) ASSERT_TRUE(is_poisoned_bf16(v));
 }
 
-// ---------------------------------------------------------------- SwiGLU forward (form 1) + layout helper
+// ---------------------------------------------------------------- SwiGLU forward (form 1)
 
+// W13 in the public order [E, 2I, H]: each tile loads gate rows and the matching up rows, so a = silu(g) * u
+// leaves the epilogue with no permuted copy of the weights; h (aux) comes out in the public column order.
 TEST(GroupedGemm, SwiGLUForwardFromPublicW13) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  const int E = 6, I = 192, H = 264;  // 2I = 384: the second n-tile is half full
+  const int E = 6, I = 384, H = 264;  // 2I = 768: three 256-wide tiles, six 128-wide ones
   const int N = 2 * I;
   const auto sizes = random_groups(E, 350);
   const auto off = prefix(sizes);
   const int rows = off[E];
   const auto x = random_bf16(size_t(rows) * H);
-  const auto w13_pub = random_bf16(size_t(E) * N * H);
+  const auto w13 = random_bf16(size_t(E) * N * H);
   std::vector<float> scale(rows);
   std::uniform_real_distribution<float> sd(0.25f, 2.0f);
-  for (auto& s : scale) s = sd(rng());
+  for (auto& v : scale) v = sd(rng());
 
-  DeviceBuffer<bf16> dX(x.size()), dWpub(w13_pub.size()), dWint(w13_pub.size()), dA(size_t(rows) * I),
-      dH(size_t(rows) * N), dBack(w13_pub.size());
+  DeviceBuffer<bf16> dX(x.size()), dW(w13.size()), dA(size_t(rows) * I), dH(size_t(rows) * N);
   DeviceBuffer<int32_t> dOff(off.size());
   DeviceBuffer<float> dScale(scale.size());
   dX.upload(x);
-  dWpub.upload(w13_pub);
+  dW.upload(w13);
   dOff.upload(off);
   dScale.upload(scale);
-  ASSERT_TRUE(swiglu_permute_rows_bf16(dWpub.get(), dWint.get(), E, I, H, true, nullptr).is_ok());
-  // The helper is an exact permutation: back to the public order gives the same bits.
-  ASSERT_TRUE(swiglu_permute_rows_bf16(dWint.get(), dBack.get(), E, I, H, false, nullptr).is_ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  {
-    const auto back = dBack.download();
-    ASSERT_EQ(std::memcmp(back.data(), w13_pub.data(), back.size() * sizeof(bf16)), 0);
-    const auto wint = dWint.download();
-    for (int q = 0; q < N; ++q)
-      ASSERT_EQ(std::memcmp(&wint[size_t(q) * H], &w13_pub[size_t(swiglu_public_row(q, I)) * H], H * sizeof(bf16)), 0);
-  }
+  const auto h_ref = run_ref_m(dX, dW, dOff, E, rows, N, H, true);
 
   GemmEpilogue epi;
   epi.activation = GemmActivation::kSwiGLU;
   epi.row_scale = dScale.get();
   epi.aux_out = dH.get();
+  std::vector<bf16> first_a;
   for (const GemmTuning& t : all_tunings()) {
     dA.poison();
     dH.poison();
-    ASSERT_TRUE(grouped_gemm_nt(dX.get(), dWint.get(), dA.get(), dOff.get(), E, rows, N, H, epi, nullptr, t).is_ok());
+    ASSERT_TRUE(grouped_gemm_nt(dX.get(), dW.get(), dA.get(), dOff.get(), E, rows, N, H, epi, nullptr, t).is_ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const auto got_a = dA.download(), got_h = dH.download();
-    // Reference in the public layout: h_pub = x . W13_pub^T, a = silu(h[:, :I]) * h[:, I:].
-    const auto h_pub = run_ref_m(dX, dWpub, dOff, E, rows, N, H, true);
     Err ea, eh;
     double na = 0, da = 0, nh = 0, dh = 0;
     for (int r = 0; r < rows; ++r) {
       for (int i = 0; i < I; ++i) {
-        const double g = h_pub[size_t(r) * N + i], u = h_pub[size_t(r) * N + I + i];
+        const double g = h_ref[size_t(r) * N + i], u = h_ref[size_t(r) * N + I + i];
         accumulate_err(ea, na, da, __bfloat162float(got_a[size_t(r) * I + i]), scale[r] * silu(g) * u);
       }
       for (int q = 0; q < N; ++q)
-        accumulate_err(eh, nh, dh, __bfloat162float(got_h[size_t(r) * N + q]),
-                       h_pub[size_t(r) * N + swiglu_public_row(q, I)]);
+        accumulate_err(eh, nh, dh, __bfloat162float(got_h[size_t(r) * N + q]), h_ref[size_t(r) * N + q]);
     }
     ea.rel = std::sqrt(na / da);
     eh.rel = std::sqrt(nh / dh);
@@ -447,73 +508,117 @@ TEST(GroupedGemm, SwiGLUForwardFromPublicW13) {
     EXPECT_EQ(eh.nan, 0);
     EXPECT_LE(ea.rel, kTol);
     EXPECT_LE(eh.rel, kTol);
-    std::printf("[gemm_test] SwiGLU fwd cluster=%d store=%d rows=%d I=%d H=%d: a rel err %.3e, h rel err %.3e\n",
-                t.cluster_size, static_cast<int>(t.store), rows, I, H, ea.rel, eh.rel);
+    // Every launch shape computes the same bits.
+    if (first_a.empty()) first_a = got_a;
+    EXPECT_EQ(std::memcmp(first_a.data(), got_a.data(), got_a.size() * sizeof(bf16)), 0)
+        << "cluster=" << t.cluster_size << " tile_n=" << t.tile_n << " store=" << static_cast<int>(t.store);
+    std::printf("[gemm_test] SwiGLU fwd cluster=%d tile_n=%d store=%d rows=%d I=%d H=%d: a rel err %.3e, h %.3e\n",
+                t.cluster_size, t.tile_n, static_cast<int>(t.store), rows, I, H, ea.rel, eh.rel);
   }
+  // The layer's GEMM1: x rows gathered by index from a shuffled receive buffer; the same bits.
+  const GatheredRows g = scatter_rows_randomly(x, rows, H, 9);
+  DeviceBuffer<bf16> dSrc(g.source.size());
+  DeviceBuffer<int32_t> dIndex(g.index.size());
+  dSrc.upload(g.source);
+  dIndex.upload(g.index);
+  GemmGather gather;
+  gather.a_rows = dIndex.get();
+  gather.a_source_rows = rows + 9;
+  dA.poison();
+  ASSERT_TRUE(grouped_gemm_nt(dSrc.get(), dW.get(), dA.get(), dOff.get(), E, rows, N, H, epi, nullptr, {}, gather).is_ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got_gathered = dA.download();
+  EXPECT_EQ(std::memcmp(first_a.data(), got_gathered.data(), got_gathered.size() * sizeof(bf16)), 0);
 }
 
 // ---------------------------------------------------------------- SwiGLU backward (form 2)
 
+// acc = da = dy . W2 (W2 read N-major); dh = SwiGLU'(w * da) from h in the public column order; aux = w * a;
+// the per-tile partials of <da, a> sum to the routing-weight gradient.
 TEST(GroupedGemm, SwiGLUBackwardNMajor) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  const int E = 5, I = 320, H = 200;  // N = I = 320: second n-tile partly full; K = H = 200
+  const int E = 5, I = 320, H = 200;  // N = I = 320: the second 256-wide n-tile is partly full; K = H = 200
   const auto sizes = random_groups(E, 400);
   const auto off = prefix(sizes);
   const int rows = off[E];
   const auto dy = random_bf16(size_t(rows) * H);
   const auto w2 = random_bf16(size_t(E) * H * I);          // public W2 [E, H, I]: B[e] = [K=H, N=I], N-major
-  const auto h = random_bf16(size_t(rows) * 2 * I, 3.0f);  // interleaved h
+  const auto h = random_bf16(size_t(rows) * 2 * I, 3.0f);  // [rows, 2I]: gate columns, then up columns
+  std::vector<float> scale(rows);
+  std::uniform_real_distribution<float> sd(0.25f, 2.0f);
+  for (auto& v : scale) v = sd(rng());
   std::vector<int32_t> scatter(rows);
   for (int r = 0; r < rows; ++r) scatter[r] = (r % 5 == 1) ? -1 : r;
   DeviceBuffer<bf16> dDy(dy.size()), dW2(w2.size()), dHin(h.size()), dDh(size_t(rows) * 2 * I), dAout(size_t(rows) * I);
   DeviceBuffer<int32_t> dOff(off.size()), dScatter(scatter.size());
+  DeviceBuffer<float> dScale(scale.size());
   dDy.upload(dy);
   dW2.upload(w2);
   dHin.upload(h);
   dOff.upload(off);
   dScatter.upload(scatter);
-  GemmEpilogue epi;
-  epi.activation = GemmActivation::kSwiGLUBackward;
-  epi.h_in = dHin.get();
-  epi.aux_out = dAout.get();
-  epi.scatter_rows = dScatter.get();
-  for (int cl : {1, 2}) {
-    dDh.poison();
-    dAout.poison();
-    ASSERT_TRUE(
-        grouped_gemm_nn(dDy.get(), dW2.get(), dDh.get(), dOff.get(), E, rows, I, H, epi, nullptr, GemmTuning{cl})
-            .is_ok());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto got_dh = dDh.download(), got_a = dAout.download();
-    const auto da = run_ref_m(dDy, dW2, dOff, E, rows, I, H, false);
-    const auto fh = to_float(h);
-    Err e1, e2;
-    double n1 = 0, d1 = 0, n2 = 0, d2 = 0;
-    int64_t overwritten = 0;
-    for (int r = 0; r < rows; ++r) {
-      if (scatter[r] < 0) {
-        for (int q = 0; q < 2 * I; ++q) overwritten += !is_poisoned_bf16(got_dh[size_t(r) * 2 * I + q]);
-        continue;
+  dScale.upload(scale);
+  const auto da = run_ref_m(dDy, dW2, dOff, E, rows, I, H, false);
+  const auto fh = to_float(h);
+  for (int tile_n : {256, 128}) {
+    for (bool scattered : {false, true}) {
+      GemmTuning t;
+      t.tile_n = tile_n;
+      const int parts = grouped_gemm_n_tiles(I, t);
+      DeviceBuffer<float> dDots(size_t(rows) * parts);
+      std::vector<float*> dot_rows(rows);
+      for (int r = 0; r < rows; ++r) dot_rows[r] = dDots.get() + size_t(r) * parts;
+      DeviceBuffer<float*> dDotRows(dot_rows.size());
+      dDotRows.upload(dot_rows);
+      GemmEpilogue epi;
+      epi.activation = GemmActivation::kSwiGLUBackward;
+      epi.h_in = dHin.get();
+      epi.aux_out = dAout.get();
+      epi.row_scale = dScale.get();
+      epi.row_dots = dDotRows.get();
+      if (scattered) epi.scatter_rows = dScatter.get();
+      dDh.poison();
+      dAout.poison();
+      ASSERT_TRUE(grouped_gemm_nn(dDy.get(), dW2.get(), dDh.get(), dOff.get(), E, rows, I, H, epi, nullptr, t).is_ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto got_dh = dDh.download(), got_a = dAout.download();
+      const auto got_dots = dDots.download();
+      Err e1, e2, e3;
+      double n1 = 0, d1 = 0, n2 = 0, d2 = 0, n3 = 0, d3 = 0;
+      int64_t overwritten = 0;
+      for (int r = 0; r < rows; ++r) {
+        const bool stored = !scattered || scatter[r] >= 0;
+        if (!stored) {
+          for (int q = 0; q < 2 * I; ++q) overwritten += !is_poisoned_bf16(got_dh[size_t(r) * 2 * I + q]);
+          for (int i = 0; i < I; ++i) overwritten += !is_poisoned_bf16(got_a[size_t(r) * I + i]);
+        }
+        double dot = 0;
+        for (int i = 0; i < I; ++i) {
+          const double g = fh[size_t(r) * 2 * I + i], u = fh[size_t(r) * 2 * I + I + i];
+          const double d = da[size_t(r) * I + i];
+          const double sg = sigmoid(g);
+          dot += d * silu(g) * u;
+          if (!stored) continue;
+          const double w = scale[r];
+          accumulate_err(e1, n1, d1, __bfloat162float(got_dh[size_t(r) * 2 * I + i]), w * d * u * sg * (1 + g * (1 - sg)));
+          accumulate_err(e1, n1, d1, __bfloat162float(got_dh[size_t(r) * 2 * I + I + i]), w * d * silu(g));
+          accumulate_err(e2, n2, d2, __bfloat162float(got_a[size_t(r) * I + i]), w * silu(g) * u);
+        }
+        double sum = 0;  // the partials, summed in n-tile order
+        for (int p = 0; p < parts; ++p) sum += got_dots[size_t(r) * parts + p];
+        accumulate_err(e3, n3, d3, sum, dot);
       }
-      for (int i = 0; i < I; ++i) {
-        const int64_t pg = swiglu_internal_row(i, I), pu = swiglu_internal_row(I + i, I);
-        const double g = fh[size_t(r) * 2 * I + pg], u = fh[size_t(r) * 2 * I + pu];
-        const double d = da[size_t(r) * I + i];
-        const double sg = sigmoid(g);
-        accumulate_err(e1, n1, d1, __bfloat162float(got_dh[size_t(r) * 2 * I + pg]), d * u * sg * (1 + g * (1 - sg)));
-        accumulate_err(e1, n1, d1, __bfloat162float(got_dh[size_t(r) * 2 * I + pu]), d * silu(g));
-        accumulate_err(e2, n2, d2, __bfloat162float(got_a[size_t(r) * I + i]), silu(g) * u);
-      }
+      e1.rel = std::sqrt(n1 / d1);
+      e2.rel = std::sqrt(n2 / d2);
+      e3.rel = std::sqrt(n3 / d3);
+      EXPECT_EQ(e1.nan + e2.nan + e3.nan, 0);
+      EXPECT_LE(e1.rel, kTol);
+      EXPECT_LE(e2.rel, kTol);
+      EXPECT_LE(e3.rel, kTol);
+      EXPECT_EQ(overwritten, 0);
+      std::printf("[gemm_test] SwiGLU bwd tile_n=%d scatter=%d rows=%d I=%d H=%d: dh %.3e, w*a %.3e, <da,a> %.3e\n",
+                  tile_n, scattered, rows, I, H, e1.rel, e2.rel, e3.rel);
     }
-    e1.rel = std::sqrt(n1 / d1);
-    e2.rel = std::sqrt(n2 / d2);
-    EXPECT_EQ(e1.nan, 0);
-    EXPECT_EQ(e2.nan, 0);
-    EXPECT_LE(e1.rel, kTol);
-    EXPECT_LE(e2.rel, kTol);
-    EXPECT_EQ(overwritten, 0);
-    std::printf("[gemm_test] SwiGLU bwd cluster=%d rows=%d I=%d H=%d: dh rel err %.3e, a rel err %.3e\n", cl, rows, I,
-                H, e1.rel, e2.rel);
   }
 }
 
@@ -560,15 +665,51 @@ void run_k_grouped(int E, int max_per_group, int M, int N, bool accumulate, cons
   EXPECT_EQ(err.nan, 0);
   EXPECT_LE(err.rel, kTol);
   EXPECT_EQ(empty_nonzero, 0) << "an empty expert must give exactly 0 (or leave the accumulator unchanged)";
-  std::printf("[gemm_test] TN cluster=%d dynamic=%d E=%d rows=%d M=%d N=%d accumulate=%d: rel err %.3e\n",
-              tuning.cluster_size, tuning.work_counter != nullptr, E, rows, M, N, accumulate, err.rel);
+  std::printf("[gemm_test] TN cluster=%d tile_n=%d dynamic=%d E=%d rows=%d M=%d N=%d accumulate=%d: rel err %.3e\n",
+              tuning.cluster_size, tuning.tile_n, tuning.work_counter != nullptr, E, rows, M, N, accumulate, err.rel);
+  if (tuning.cluster_size != 1) return;
+  // A, B or both gathered by index from shuffled sources (the layer's weight gradients read rows of a
+  // receive buffer): bitwise the same C.
+  const GatheredRows ga = scatter_rows_randomly(a, max_rows, M, 11), gb = scatter_rows_randomly(b, max_rows, N, 5);
+  DeviceBuffer<bf16> dSa(ga.source.size()), dSb(gb.source.size());
+  DeviceBuffer<int32_t> dIa(ga.index.size()), dIb(gb.index.size());
+  dSa.upload(ga.source);
+  dSb.upload(gb.source);
+  dIa.upload(ga.index);
+  dIb.upload(gb.index);
+  for (int which = 1; which <= 3; ++which) {
+    GemmGather g;
+    if (which & 1) {
+      g.a_rows = dIa.get();
+      g.a_source_rows = max_rows + 11;
+    }
+    if (which & 2) {
+      g.b_rows = dIb.get();
+      g.b_source_rows = max_rows + 5;
+    }
+    if (accumulate) {
+      dC.upload(init);
+    } else {
+      dC.poison();
+    }
+    ASSERT_TRUE(grouped_gemm_tn((which & 1) ? dSa.get() : dA.get(), (which & 2) ? dSb.get() : dB.get(), dC.get(),
+                                dOff.get(), E, max_rows, M, N, accumulate, nullptr, tuning, g)
+                    .is_ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto got_g = dC.download();
+    EXPECT_EQ(std::memcmp(got.data(), got_g.data(), got.size() * sizeof(float)), 0) << "gathered operands " << which;
+  }
 }
 
-// Form 3 launch shapes: static order with clusters of 1 and 2, and dynamic scheduling (longest first).
+// Form 3 launch shapes: static order with clusters of 1 and 2, dynamic scheduling (longest first), tile 128.
 std::vector<GemmTuning> k_grouped_tunings(int* counter) {
   GemmTuning dynamic;
   dynamic.work_counter = counter;
-  return {GemmTuning{1}, GemmTuning{2}, dynamic};
+  GemmTuning narrow;
+  narrow.tile_n = 128;
+  GemmTuning narrow_dynamic = dynamic;
+  narrow_dynamic.tile_n = 128;
+  return {GemmTuning{1}, GemmTuning{2}, dynamic, narrow, narrow_dynamic};
 }
 
 TEST(GroupedGemm, KGroupedFp32) {
@@ -646,6 +787,32 @@ TEST(GroupedGemm, RejectsBadArguments) {
   epi.activation = GemmActivation::kSwiGLUBackward;
   EXPECT_EQ(grouped_gemm_nn(d.get(), d.get(), d.get(), off.get(), 1, 8, 64, 64, epi, nullptr).code(),
             StatusCode::kInvalidArgument);  // h_in missing
+  GemmEpilogue both;
+  DeviceBuffer<void*> ptrs(8);
+  DeviceBuffer<int32_t> rows(8);
+  both.scatter_rows = rows.get();
+  both.row_pointers = ptrs.get();
+  EXPECT_EQ(grouped_gemm_nt(d.get(), d.get(), d.get(), off.get(), 1, 8, 64, 64, both, nullptr).code(),
+            StatusCode::kInvalidArgument);  // scatter and row pointers
+  GemmTuning narrow;
+  narrow.tile_n = 64;
+  EXPECT_EQ(grouped_gemm_nt(d.get(), d.get(), d.get(), off.get(), 1, 8, 64, 64, {}, nullptr, narrow).code(),
+            StatusCode::kInvalidArgument);  // tile width
+  GemmGather gather;
+  gather.a_rows = rows.get();
+  gather.a_source_rows = 8;
+  GemmTuning pair;
+  pair.cluster_size = 2;
+  EXPECT_EQ(grouped_gemm_nt(d.get(), d.get(), d.get(), off.get(), 1, 8, 64, 64, {}, nullptr, pair, gather).code(),
+            StatusCode::kInvalidArgument);  // gathered operands are not multicast
+  gather.a_source_rows = 0;
+  EXPECT_EQ(grouped_gemm_nt(d.get(), d.get(), d.get(), off.get(), 1, 8, 64, 64, {}, nullptr, {}, gather).code(),
+            StatusCode::kInvalidArgument);  // no source rows
+  GemmGather b_only;
+  b_only.b_rows = rows.get();
+  b_only.b_source_rows = 8;
+  EXPECT_EQ(grouped_gemm_nt(d.get(), d.get(), d.get(), off.get(), 1, 8, 64, 64, {}, nullptr, {}, b_only).code(),
+            StatusCode::kInvalidArgument);  // B rows are gathered in form 3 only
 }
 
 }  // namespace

@@ -1,0 +1,258 @@
+// The epilogues of the grouped GEMM: what a consumer warpgroup does with its 64 x BN accumulator slice of a
+// tile. Each composes transforms (transforms.cuh) with the box stores (box_store.cuh):
+//   epilogue_plain          C = row_scale * acc                                   (bf16)
+//   epilogue_swiglu         acc = h: gate columns [0, BN/2), up columns [BN/2, BN) of the tile;
+//                           C = a = row_scale * silu(g) * u, aux = h (unscaled)   (bf16)
+//   epilogue_swiglu_grad    acc = da (unweighted), reads h (streamed through the pipeline): C = dh = SwiGLU'(row_scale * da) (gate part at
+//                           column c, up part at c + N), aux = row_scale * a, and per row the partial
+//                           <da, a> over the tile's columns, for the routing-weight gradient
+//   epilogue_fp32           C (+)= acc, fp32 (the weight gradients)
+// Column groups of the fragment are walked through Fragment (fragment.cuh).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "device/epilogue/box_store.cuh"
+#include "device/epilogue/transforms.cuh"
+#include "device/gemm/fragment.cuh"
+
+namespace megamoe::device {
+
+// What the epilogues read and write, besides the accumulators.
+struct EpilogueArgs {
+  OutputRows c;                 // C (SwiGLU backward: dh, 2N wide)
+  OutputRows aux;               // SwiGLU: h; SwiGLU backward: row_scale * a
+  int c_cols;                   // width of C
+  int aux_cols;                 // width of aux
+  const float* row_scale;       // optional, per source row
+  int up_offset;                // SwiGLU: column of up row 0 in h and dh (= I); h itself arrives through the
+                                // pipeline (epilogue_swiglu_grad)
+  float* const* dot_rows;       // SwiGLU backward, optional: per source row, where the tile partials go
+                                // (partial of n-tile n at dot_rows[row][n])
+};
+
+// The part of a tile a consumer warpgroup owns.
+struct SliceCoord {
+  int slice0;  // source row of the slice's first row
+  int valid;   // rows of the slice inside the expert (may be <= 0)
+  int n0;      // first column of the tile (in accumulator columns)
+  int n_idx;
+  int lt, warp, lane;
+};
+
+__device__ __forceinline__ float row_scale_of(const EpilogueArgs& e, const SliceCoord& s, int h) {
+  const int r = Fragment::row(s.warp, s.lane, h);
+  return (e.row_scale != nullptr && r < s.valid) ? e.row_scale[s.slice0 + r] : 1.0f;
+}
+
+template <int kBN, class Store>
+__device__ __forceinline__ void epilogue_plain(const float (&acc)[kBN / 2], const EpilogueArgs& e,
+                                               const SliceCoord& s, const CUtensorMap* map_c, Store& store) {
+  const float sc[2] = {row_scale_of(e, s, 0), row_scale_of(e, s, 1)};
+#pragma unroll
+  for (int box = 0; box < kBN / 64; ++box) {
+    if (s.n0 + box * 64 >= e.c_cols) break;  // uniform over the warpgroup
+    uint32_t v[8][2];
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = box * 8 + jj;
+        v[jj][h] = pack_bf16x2(acc[Fragment::reg(j, h, 0)] * sc[h], acc[Fragment::reg(j, h, 1)] * sc[h]);
+      }
+    store.emit(v, map_c, kOutputC, s.slice0, s.n0 + box * 64, e.c_cols);
+  }
+}
+
+template <int kBN, class Store>
+__device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kBN / 2], const EpilogueArgs& e,
+                                                const SliceCoord& s, const CUtensorMap* map_c,
+                                                const CUtensorMap* map_aux, Store& store) {
+  constexpr int kHalf = kBN / 2;       // activation columns of the tile
+  constexpr int kUpGroup = kHalf / 8;  // first column group of the up half
+  const int a0 = s.n_idx * kHalf;      // first activation column
+  const float sc[2] = {row_scale_of(e, s, 0), row_scale_of(e, s, 1)};
+#pragma unroll
+  for (int box = 0; box < kHalf / 64; ++box) {
+    uint32_t v[8][2];
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int jg = box * 8 + jj, ju = jg + kUpGroup;
+        v[jj][h] = pack_bf16x2(swiglu(acc[Fragment::reg(jg, h, 0)], acc[Fragment::reg(ju, h, 0)]) * sc[h],
+                               swiglu(acc[Fragment::reg(jg, h, 1)], acc[Fragment::reg(ju, h, 1)]) * sc[h]);
+      }
+    store.emit(v, map_c, kOutputC, s.slice0, a0 + box * 64, e.c_cols);
+  }
+  if (e.aux.base == nullptr && e.aux.pointers == nullptr) return;
+#pragma unroll
+  for (int box = 0; box < kBN / 64; ++box) {
+    uint32_t v[8][2];
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = box * 8 + jj;
+        v[jj][h] = pack_bf16x2(acc[Fragment::reg(j, h, 0)], acc[Fragment::reg(j, h, 1)]);
+      }
+    // Gate boxes land at the tile's activation columns, up boxes at the same columns of the up half.
+    const int col = box < kHalf / 64 ? a0 + box * 64 : e.up_offset + a0 + (box - kHalf / 64) * 64;
+    store.emit(v, map_aux, kOutputAux, s.slice0, col, e.aux_cols);
+  }
+}
+
+// hstages: where the tile's h arrives, one stage per 64-column box, through the main-loop pipeline (the
+// producer streams them in right after the tile's K stages, so their loads overlap the last K stages):
+// acquire() waits for the next box's stage and returns it (gate columns of the tile's 128 rows in the
+// first 16 KB, up columns in the next 16 KB, 128-byte swizzled as TMA writes them); release() hands it
+// back once the warpgroup has read it.
+template <int kBN, class Store, class HStages>
+__device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2], const EpilogueArgs& e,
+                                                     const SliceCoord& s, int cwg, const CUtensorMap* map_c,
+                                                     const CUtensorMap* map_aux, Store& store, HStages& hstages) {
+  const int N = e.up_offset;  // activation width I (C = dh is 2N wide)
+  const float sc[2] = {row_scale_of(e, s, 0), row_scale_of(e, s, 1)};
+  const int r[2] = {Fragment::row(s.warp, s.lane, 0), Fragment::row(s.warp, s.lane, 1)};
+  const bool has_aux = e.aux.base != nullptr || e.aux.pointers != nullptr;
+  float dot[2] = {0.0f, 0.0f};
+  // g and u of a fragment pair, from the box's stage: row cwg * 64 + r of the 128-row boxes, column group jj.
+  auto load_gu = [&](const uint8_t* stage, int jj, int h, float (&g)[2], float (&u)[2]) {
+    const int row = cwg * 64 + r[h];
+    const int offset = row * 128 + ((jj ^ (row & 7)) << 4) + 4 * (s.lane & 3);
+    const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(stage + offset);
+    const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(stage + 128 * 128 + offset);
+    g[0] = __low2float(g2), g[1] = __high2float(g2);
+    u[0] = __low2float(u2), u[1] = __high2float(u2);
+  };
+  // With three staging slots to spare, dh, w * a and the dot products come out of one pass over the box
+  // (one sigmoid per element); with fewer, a second pass recomputes a. Column groups go two at a time
+  // straight into their boxes, so no output array of the box is held in registers.
+  constexpr bool kOnePass = Store::kSlotCount >= 3;
+#pragma unroll
+  for (int box = 0; box < kBN / 64; ++box) {
+    if (s.n0 + box * 64 >= N) break;  // uniform: N % 64 == 0
+    const int col0 = s.n0 + box * 64;
+    const uint8_t* stage = hstages.acquire();
+    int b;
+    if constexpr (kOnePass) {
+      b = store.template reserve<3>();
+    } else {
+      b = store.template reserve<2>();
+    }
+#pragma unroll
+    for (int jj = 0; jj < 8; jj += 2) {
+      uint32_t vg[2][2], vu[2][2], va[2][2];
+#pragma unroll
+      for (int d = 0; d < 2; ++d)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float g[2], u[2], dg[2], du[2], aw[2];
+          load_gu(stage, jj + d, h, g, u);
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const float da = acc[Fragment::reg(box * 8 + jj + d, h, k)];
+            const SwiGLUGrad grad = swiglu_backward(da * sc[h], g[k], u[k]);
+            dg[k] = grad.dg;
+            du[k] = grad.du;
+            aw[k] = grad.a * sc[h];
+            if constexpr (kOnePass) dot[h] += da * grad.a;  // in column order: the same sum every run
+          }
+          vg[d][h] = pack_bf16x2(dg[0], dg[1]);
+          vu[d][h] = pack_bf16x2(du[0], du[1]);
+          va[d][h] = pack_bf16x2(aw[0], aw[1]);
+        }
+      store.stage_pair(b, jj, vg);
+      store.stage_pair(b + 1, jj, vu);
+      if constexpr (kOnePass) store.stage_pair(b + 2, jj, va);
+    }
+    store.commit(b, map_c, kOutputC, s.slice0, col0, 2 * N);
+    store.commit(b + 1, map_c, kOutputC, s.slice0, N + col0, 2 * N);
+    if constexpr (kOnePass) {
+      if (has_aux) store.commit(b + 2, map_aux, kOutputAux, s.slice0, col0, e.aux_cols);
+    } else if (has_aux || e.dot_rows != nullptr) {
+      const int ba = store.template reserve<1>();
+#pragma unroll
+      for (int jj = 0; jj < 8; jj += 2) {
+        uint32_t va[2][2];
+#pragma unroll
+        for (int d = 0; d < 2; ++d)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float g[2], u[2], aw[2];
+            load_gu(stage, jj + d, h, g, u);
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+              const float a = swiglu(g[k], u[k]);
+              aw[k] = a * sc[h];
+              dot[h] += acc[Fragment::reg(box * 8 + jj + d, h, k)] * a;
+            }
+            va[d][h] = pack_bf16x2(aw[0], aw[1]);
+          }
+        if (has_aux) store.stage_pair(ba, jj, va);
+      }
+      if (has_aux) store.commit(ba, map_aux, kOutputAux, s.slice0, col0, e.aux_cols);
+    }
+    hstages.release();
+  }
+  if (e.dot_rows == nullptr) return;
+  // The four lanes of a quad hold a row's columns: a fixed butterfly makes the row's tile partial.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 1);
+    dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 2);
+    if ((s.lane & 3) == 0 && r[h] < s.valid) {
+      float* dst = e.dot_rows[s.slice0 + r[h]];
+      if (dst != nullptr) dst[s.n_idx] = dot[h];
+    }
+  }
+}
+
+// fp32 output C[m, n] of a K-grouped tile (m0: first row of the warpgroup's slice of C), M x N, through one
+// staging box per pass of 32 columns; accumulate adds to the existing value (one fp32 rounding, no
+// atomics: every element has one owner).
+template <int kBN>
+__device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], float* C, int M, int N, int m0, int n0,
+                                              bool accumulate, uint8_t* staging, int bar_id, int lt) {
+  const int warp = lt >> 5, lane = lt & 31, q = lane & 3;
+  const int chunk = box_read_chunk(lt);
+#pragma unroll
+  for (int pass = 0; pass < kBN / 32; ++pass) {
+    if (n0 + pass * 32 >= N) break;  // uniform over the warpgroup
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const int j = pass * 4 + jj;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = Fragment::row(warp, lane, h);
+        const int c16 = (2 * jj + (q >> 1)) ^ (row & 7);
+        *reinterpret_cast<float2*>(staging + row * 128 + c16 * 16 + 8 * (q & 1)) =
+            make_float2(acc[Fragment::reg(j, h, 0)], acc[Fragment::reg(j, h, 1)]);
+      }
+    }
+    named_barrier_sync(bar_id, 128);
+    const int col = n0 + pass * 32 + chunk * 4;
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+      const int row = box_read_row(lt) + 16 * it;
+      const int m = m0 + row;
+      if (m < M && col < N) {
+        float4 v = *reinterpret_cast<const float4*>(staging + row * 128 + ((chunk ^ (row & 7)) << 4));
+        float4* dst = reinterpret_cast<float4*>(C + static_cast<int64_t>(m) * N + col);
+        if (accumulate) {
+          const float4 old = *dst;
+          v.x += old.x;
+          v.y += old.y;
+          v.z += old.z;
+          v.w += old.w;
+        }
+        *dst = v;
+      }
+    }
+    named_barrier_sync(bar_id, 128);
+  }
+}
+
+}  // namespace megamoe::device

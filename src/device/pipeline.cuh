@@ -1,0 +1,77 @@
+// A ring of shared-memory stages between producers (TMA, gathering threads) and consumers (wgmma warpgroups),
+// each stage guarded by a "full" and an "empty" mbarrier. The position in the ring and the phase bit live
+// in PipeState, which every role advances through the same sequence of stages; the barrier arrival counts
+// are chosen by the code that uses the pipeline (see StagePipeline::init).
+#pragma once
+
+#include <cstdint>
+
+#include "device/ptx/mbarrier.cuh"
+
+namespace megamoe::device {
+
+template <int kStages>
+struct PipeState {
+  int index = 0;
+  uint32_t phase = 0;
+
+  __device__ __forceinline__ void advance() {
+    if (++index == kStages) {
+      index = 0;
+      phase ^= 1;
+    }
+  }
+  // Skips n stages (the stages another warpgroup of the same ring consumes).
+  __device__ __forceinline__ void advance(int n) {
+    const int to = index + n;
+    phase ^= static_cast<uint32_t>((to / kStages) & 1);
+    index = to % kStages;
+  }
+};
+
+template <int kStages>
+struct StagePipeline {
+  uint64_t* full;   // [kStages]: the stage's data has landed
+  uint64_t* empty;  // [kStages]: every consumer is done reading the stage
+
+  // One thread, before any use. full_arrivals: producer arrivals per stage (1 for the thread that posts
+  // the TMA transaction count, plus one per gathering thread); empty_arrivals: consumer releases per stage
+  // (per consumer warpgroup, times the CTAs of a cluster whose TMA multicasts into this stage).
+  __device__ void init(int full_arrivals, int empty_arrivals) const {
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&full[s], full_arrivals);
+      mbarrier_init(&empty[s], empty_arrivals);
+    }
+  }
+
+  // Producer: waits until the consumers have released the stage (the first lap passes at once).
+  __device__ __forceinline__ void producer_acquire(const PipeState<kStages>& s) const {
+    mbarrier_wait(&empty[s.index], s.phase ^ 1);
+  }
+  // Producer: announces the bytes TMA will deliver into the stage (one of the full arrivals).
+  __device__ __forceinline__ void producer_expect_tx(const PipeState<kStages>& s, uint32_t bytes) const {
+    mbarrier_arrive_expect_tx(&full[s.index], bytes);
+  }
+  // Producer: a gathering thread's arrival, once its cp.async copies into the stage have landed.
+  __device__ __forceinline__ void producer_commit_copies(const PipeState<kStages>& s) const {
+    mbarrier_arrive_on_copies(&full[s.index]);
+  }
+  __device__ __forceinline__ uint64_t* full_barrier(const PipeState<kStages>& s) const { return &full[s.index]; }
+
+  // Consumer: waits until the stage's data has landed.
+  __device__ __forceinline__ void consumer_wait(const PipeState<kStages>& s) const {
+    mbarrier_wait(&full[s.index], s.phase);
+  }
+  // Consumer warpgroup (lane_in_group = thread index in the warpgroup): releases the stage to this CTA's
+  // producer and, in a 2-CTA cluster, to the peer's, whose TMA multicasts into it too.
+  template <int kCluster>
+  __device__ __forceinline__ void consumer_release(const PipeState<kStages>& s, int lane_in_group,
+                                                   uint32_t cta_rank) const {
+    if (lane_in_group == 0) mbarrier_arrive(&empty[s.index]);
+    if constexpr (kCluster > 1) {
+      if (lane_in_group == 1) mbarrier_arrive_cluster_peer(&empty[s.index], cta_rank ^ 1);
+    }
+  }
+};
+
+}  // namespace megamoe::device

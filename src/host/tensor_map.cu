@@ -1,0 +1,52 @@
+#include "host/tensor_map.hpp"
+
+#include <cudaTypedefs.h>
+#include <cuda_runtime_api.h>
+
+#include <mutex>
+#include <string>
+
+namespace megamoe {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess) {
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+    }
+  });
+  return fn;
+}
+
+}  // namespace
+
+Status make_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims, const uint32_t* box) {
+  auto fn = encode_fn();
+  if (fn == nullptr) return Status(StatusCode::kCudaError, "cuTensorMapEncodeTiled entry point not available");
+  if (rank < 1 || rank > 3) return Status(StatusCode::kInternal, "tensor map rank must be 1..3");
+  cuuint64_t gdim[3];
+  cuuint64_t gstride[2];
+  cuuint32_t bdim[3];
+  cuuint32_t estride[3] = {1, 1, 1};
+  uint64_t stride = 2;
+  for (int i = 0; i < rank; ++i) {
+    gdim[i] = dims[i];
+    bdim[i] = box[i];
+    if (i > 0) gstride[i - 1] = stride;
+    stride *= dims[i];
+  }
+  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank), const_cast<void*>(base),
+                        gdim, gstride, bdim, estride, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status(StatusCode::kCudaError, "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r)));
+  }
+  return Status::ok();
+}
+
+}  // namespace megamoe

@@ -1,0 +1,18 @@
+// TMA tensor maps (CUtensorMap) of bf16 tensors, encoded on the host through the driver entry point the
+// CUDA runtime hands out (no link against libcuda).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "megamoe/status.hpp"
+
+namespace megamoe {
+
+// A row-major bf16 tensor of `rank` (2 or 3) dimensions, dims[0] innermost (elements), boxes of `box`
+// elements with box[0] * 2 == 128 bytes: one span of the 128-byte swizzle every tile here uses.
+// Out-of-range elements of a box load as zeros and are not stored.
+Status make_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims, const uint32_t* box);
+
+}  // namespace megamoe

@@ -1,0 +1,52 @@
+// What a failed call leaves behind: every output NaN (the combines do out, d_x and d_topk_weights; this file
+// the weight gradients, which the GEMMs write directly), and the failure of a forward carried into its
+// backward after the host has already consumed the error.
+#include <cmath>
+
+#include "comm/device_sync.cuh"
+#include "kernels/cuda_check.hpp"
+#include "kernels/ep_kernels.hpp"
+
+namespace megamoe::ep {
+namespace {
+
+__global__ void nan_if_failed_kernel(Params p, float* a, int64_t count_a, float* b, int64_t count_b) {
+  if (!has_error(p)) return;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count_a + count_b; i += stride) {
+    if (i < count_a) {
+      a[i] = NAN;
+    } else {
+      b[i - count_a] = NAN;
+    }
+  }
+}
+
+__global__ void record_forward_failed_kernel(Params p) {
+  record_error(error_record(p.local, p.layout), StatusCode::kInvalidArgument, kErrorForwardFailed, p.shape.rank, 0, 0);
+}
+
+}  // namespace
+
+Status launch_nan_if_failed(const Params& p, float* a, int64_t count_a, float* b, int64_t count_b,
+                            cudaStream_t stream, int max_blocks) {
+  // Normally every block returns at once; the grid only matters when the buffers are filled.
+  nan_if_failed_kernel<<<max_blocks * 4, 256, 0, stream>>>(p, a, count_a, b, count_b);
+  MEGAMOE_CHECK_LAUNCH(stream, "nan_if_failed_kernel");
+  return Status::ok();
+}
+
+Status launch_record_forward_failed(const Params& p, cudaStream_t stream) {
+  record_forward_failed_kernel<<<1, 1, 0, stream>>>(p);
+  MEGAMOE_CHECK_LAUNCH(stream, "record_forward_failed_kernel");
+  return Status::ok();
+}
+
+Status load_failure_kernels() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, nan_if_failed_kernel));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, record_forward_failed_kernel));
+  return Status::ok();
+}
+
+}  // namespace megamoe::ep
