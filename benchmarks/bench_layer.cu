@@ -1,4 +1,5 @@
-// Times the expert-parallel layer (R = 1, T = 16384, 16 local experts, top-8; DESIGN.md section 7):
+// Times the expert-parallel layer (R = 1, T = 16384, 16 local experts, top-8, the benchmark configuration of
+// docs/MODEL.md):
 // forward and forward+backward, median of many runs with CUDA events, two input sets alternating.
 // The PyTorch baseline of the same configs (benchmarks/bench_layer_torch.py) runs just before in the same
 // gpu-check call; its CSV, given with --baseline, is printed next to ours with the ratios.
