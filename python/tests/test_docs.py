@@ -26,8 +26,11 @@ SOURCE_SUFFIXES = ("", ".cu", ".cpp", ".py")
 
 
 def tracked_files():
+    """The repository's files: tracked ones and those git would track (not ignored). A copy of the working
+    tree whose git index is older than its files (a machine the tree was copied to) still counts them."""
     try:
-        out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
     return out.split()
