@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from gpu_support import why_no_gpu
 
 from megamoe import bench
 
@@ -97,19 +98,9 @@ def test_without_a_gpu_it_says_so(capsys):
     assert info.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err
 
 
-def _why_no_gpu():
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        from megamoe import _lib
-        if not _lib.built_with_cuda():
-            return "libmegamoe was built without CUDA"
-    except ImportError as e:
-        return str(e)
-    return ""
 
 
-@pytest.mark.skipif(bool(_why_no_gpu()), reason=_why_no_gpu() or "ok")
+@pytest.mark.skipif(bool(why_no_gpu()), reason=why_no_gpu() or "ok")
 def test_short_gpu_run_with_json_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"

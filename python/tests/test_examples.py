@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from gpu_support import why_no_gpu
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 SMALL = ["--hidden", "128", "--intermediate", "128", "--steps", "4"]
@@ -35,19 +36,9 @@ def torchrun(nproc, *args):
             str(EXAMPLES / "torchrun_expert_parallel.py"), *args]
 
 
-def _why_no_gpu():
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        from megamoe import _lib
-        if not _lib.built_with_cuda():
-            return "libmegamoe was built without CUDA"
-    except ImportError as e:
-        return str(e)
-    return ""
 
 
-needs_gpu = pytest.mark.skipif(bool(_why_no_gpu()), reason=_why_no_gpu() or "ok")
+needs_gpu = pytest.mark.skipif(bool(why_no_gpu()), reason=why_no_gpu() or "ok")
 
 
 def test_moe_block_on_the_cpu_reference():

@@ -8,6 +8,7 @@ import gc
 
 import pytest
 import torch
+from gpu_support import why_no_gpu
 
 moe_interface = pytest.importorskip("transformers.integrations.moe", reason="transformers 5.x is not installed")
 if not hasattr(moe_interface, "ExpertsInterface"):
@@ -19,19 +20,9 @@ import megamoe  # noqa: E402
 from megamoe import ops, reference  # noqa: E402
 
 
-def _why_not():
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        from megamoe import _lib
-        if not _lib.built_with_cuda():
-            return "libmegamoe was built without CUDA"
-    except ImportError as e:
-        return str(e)
-    return ""
 
 
-pytestmark = pytest.mark.skipif(bool(_why_not()), reason=_why_not() or "ok")
+pytestmark = pytest.mark.skipif(bool(why_no_gpu()), reason=why_no_gpu() or "ok")
 
 from megamoe.integrations import transformers as mt  # noqa: E402
 

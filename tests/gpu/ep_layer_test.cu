@@ -424,18 +424,20 @@ SmallRun small_problem(int ranks, Routing routing) {
   return run;
 }
 
+ForwardArgs forward_args(SmallRun& run, int r) {
+  ForwardArgs f;
+  f.num_tokens = 16;
+  f.x = run.t[r].x.get();
+  f.topk_idx = run.t[r].idx.get();
+  f.topk_weights = run.t[r].weights.get();
+  f.w13 = run.t[r].w13.get();
+  f.w2 = run.t[r].w2.get();
+  f.out = run.t[r].out.get();
+  return f;
+}
+
 Status forward_all(VirtualRankGroup& group, SmallRun& run) {
-  for (int r = 0; r < group.num_ranks(); ++r) {
-    ForwardArgs f;
-    f.num_tokens = 16;
-    f.x = run.t[r].x.get();
-    f.topk_idx = run.t[r].idx.get();
-    f.topk_weights = run.t[r].weights.get();
-    f.w13 = run.t[r].w13.get();
-    f.w2 = run.t[r].w2.get();
-    f.out = run.t[r].out.get();
-    MEGAMOE_RETURN_IF_ERROR(group.layer(r).forward(f));
-  }
+  for (int r = 0; r < group.num_ranks(); ++r) MEGAMOE_RETURN_IF_ERROR(group.layer(r).forward(forward_args(run, r)));
   return group.synchronize_and_check();
 }
 
@@ -479,15 +481,7 @@ TEST(EpLayerErrorsTest, MissingPeerTimesOutInsteadOfHanging) {
   options.wait_timeout_seconds = 0.2;
   std::unique_ptr<VirtualRankGroup> group;
   ASSERT_TRUE(VirtualRankGroup::create(run.p.config, options, &group).is_ok());
-  ForwardArgs f;  // rank 1 never calls forward
-  f.num_tokens = 16;
-  f.x = run.t[0].x.get();
-  f.topk_idx = run.t[0].idx.get();
-  f.topk_weights = run.t[0].weights.get();
-  f.w13 = run.t[0].w13.get();
-  f.w2 = run.t[0].w2.get();
-  f.out = run.t[0].out.get();
-  ASSERT_TRUE(group->layer(0).forward(f).is_ok());
+  ASSERT_TRUE(group->layer(0).forward(forward_args(run, 0)).is_ok());  // rank 1 never calls forward
   const Status s = group->layer(0).synchronize_and_check();
   EXPECT_EQ(s.code(), StatusCode::kTimeout) << s.to_string();
   EXPECT_NE(s.message().find("barrier"), std::string::npos) << s.message();
@@ -524,18 +518,6 @@ Status backward_all(VirtualRankGroup& group, SmallRun& run) {
     MEGAMOE_RETURN_IF_ERROR(group.layer(r).backward(b));
   }
   return Status::ok();
-}
-
-ForwardArgs forward_args(SmallRun& run, int r) {
-  ForwardArgs f;
-  f.num_tokens = 16;
-  f.x = run.t[r].x.get();
-  f.topk_idx = run.t[r].idx.get();
-  f.topk_weights = run.t[r].weights.get();
-  f.w13 = run.t[r].w13.get();
-  f.w2 = run.t[r].w2.get();
-  f.out = run.t[r].out.get();
-  return f;
 }
 
 bool all_nan(const std::vector<float>& v) {
