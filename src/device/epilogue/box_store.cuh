@@ -30,8 +30,6 @@ struct OutputRows {
   void* const* pointers;      // optional: destination address per source row, nullptr = dropped (wins over
                               // base and scatter)
 
-  __device__ __forceinline__ bool contiguous() const { return scatter == nullptr && pointers == nullptr; }
-
   // Destination of read-back row `local` of the slice that starts at source row `slice0` (of which the
   // first `valid` rows exist), or nullptr.
   __device__ __forceinline__ __nv_bfloat16* row_of(int slice0, int valid, int local) const {
