@@ -17,6 +17,8 @@ const char* precision_name(Precision p);
 
 // Tiles, FP8 scale groups and the GEMM engine all work in units of 128 channels.
 inline constexpr int64_t kChannelAlignment = 128;
+// The most expert-parallel ranks a layer may have.
+inline constexpr int64_t kMaxRanks = 1024;
 
 struct LayerConfig {
   int64_t hidden = 0;               // H: model width

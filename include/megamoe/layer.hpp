@@ -43,6 +43,9 @@ struct LayerOptions {
   double wait_timeout_seconds = 20.0;
 };
 
+// Checks the options' own rules (the capacity's sign, the timeout's range); the message names the field.
+Status validate(const LayerOptions& options);
+
 enum class IndexType { kInt64, kInt32 };
 
 struct ForwardArgs {
@@ -84,6 +87,8 @@ class ExpertParallelLayer {
 
   // Bytes of symmetric workspace each rank needs (forward state saved for the backward included).
   static Status workspace_bytes(const LayerConfig& config, const LayerOptions& options, int64_t* bytes);
+  // Expert rows each rank can receive per call: options.expert_row_capacity after its default.
+  static Status row_capacity(const LayerConfig& config, const LayerOptions& options, int64_t* rows);
   // Validates the config and the placement; the workspace must be zero-initialised once
   // (the layer leaves its counters at zero after every call).
   static Status create(const LayerConfig& config, const LayerOptions& options, const RankPlacement& placement,
@@ -94,6 +99,11 @@ class ExpertParallelLayer {
   // latest forward on this rank: those weights must stay unchanged until the backward has run.
   Status forward(const ForwardArgs& args);
   Status backward(const BackwardArgs& args);
+  // The host-side checks forward/backward make before enqueueing anything (sizes, required pointers,
+  // alignment, a layer broken by an earlier timeout), without enqueueing: a caller that drives several
+  // ranks checks all of them first, so that no rank starts a call its peers would then never join.
+  Status check_forward(const ForwardArgs& args) const;
+  Status check_backward(const BackwardArgs& args) const;
 
   // Waits for the rank's stream, then returns the first error recorded on the device since the last
   // check (and clears it).

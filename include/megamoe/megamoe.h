@@ -18,10 +18,16 @@
  *
  * Process groups (megamoe_pgroup): one process per GPU, each holding one rank. Rank 0 creates a bootstrap
  * id, the caller sends its bytes to every rank (torch.distributed, MPI, a file), and every rank then calls
- * megamoe_pgroup_create with it: a collective that blocks until all num_ranks processes have joined (it
- * has no timeout of its own, so a rank that never calls it leaves the others waiting). Forward/backward
- * take this rank's arguments only and join the caller's stream with the rank's stream as above; every
- * rank must make the same sequence of calls, since ranks meet at device barriers. */
+ * megamoe_pgroup_create with it: a collective that returns once all num_ranks processes have joined and
+ * agreed, or fails on every rank: the ranks compare their configs, options and workspace layouts (the
+ * message names the field that differs), a rank whose own setup fails tells the others why, and a rank
+ * that never joins is a MEGAMOE_TIMEOUT after options->wait_timeout_seconds. megamoe_pgroup_destroy is a
+ * collective too: a peer may still be writing into this rank's workspace, so the memory is freed once
+ * every rank has destroyed its handle (each waits up to the timeout for the others; past it the
+ * workspace stays allocated until the process exits and stderr says so). Forward/backward take this
+ * rank's arguments only and join the caller's stream with the rank's stream as above; every rank must
+ * make the same sequence of calls, since ranks meet at device barriers. A virtual-rank call checks every
+ * rank's arguments before it enqueues anything for any rank. */
 #ifndef MEGAMOE_MEGAMOE_H_
 #define MEGAMOE_MEGAMOE_H_
 

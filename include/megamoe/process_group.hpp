@@ -35,9 +35,10 @@ class ProcessRankGroup {
   cudaStream_t stream() const;
   Status synchronize_and_check();
 
+  struct Impl;  // defined where the group is built (src/comm/process_group.cpp)
+
  private:
   ProcessRankGroup() = default;
-  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

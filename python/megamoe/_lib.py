@@ -288,8 +288,11 @@ class ProcessRankGroup(_Handle):
     """Owns a megamoe_pgroup: this process's rank of a group of config.num_ranks processes (one GPU each).
 
     Creating it is collective: every rank constructs one with the same config and bootstrap id (from
-    create_bootstrap_id on rank 0), and each blocks until all have joined. Forward/backward take this
-    rank's arguments only, and every rank must make the same sequence of calls.
+    create_bootstrap_id on rank 0), and each returns once all have joined and agreed on the layout, or
+    raises on every rank (a differing field named, a rank that failed, or a timeout after
+    wait_timeout_seconds). close() is collective as well: the workspace is freed once every rank has
+    closed its group. Forward/backward take this rank's arguments only, and every rank must make the
+    same sequence of calls.
     """
 
     _destroy_name = "megamoe_pgroup_destroy"

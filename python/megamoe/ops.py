@@ -17,9 +17,9 @@ call of a (key, group, device): rank 0 of the group makes a bootstrap id, torch.
 and every rank joins. Everything about these ops is collective: every rank must make the same calls in
 the same order (the first forward of a layer included), and every rank must run the backward of every
 forward it differentiates. A rank that fails an input check raises while the others wait for it at the
-device barriers until their timeout (LayerOptions.wait_timeout_seconds) turns that into an error; a
-rank that cannot create its library group leaves the others waiting in the collective create, which has
-no timeout.
+device barriers until their timeout (LayerOptions.wait_timeout_seconds) turns that into an error. The
+collective create is bounded the same way: ranks whose configs differ all fail with the field named, a
+rank whose own setup fails tells the others, and a rank that never joins is a timeout on the others.
 
 The library keeps the forward's routing for the backward, per group ("the latest forward"). A backward
 whose forward is no longer the latest one of its group (two layers sharing a key, a module called twice,

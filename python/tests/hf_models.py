@@ -75,9 +75,12 @@ def compare_models(models, ids, *, tol, worse_than_eager_by=2.0):
         pairs.append((f"grad {name}", m_grads[name], e_grads[name], t_grads[name]))
     errors = {}
     for what, mine, eager, truth in pairs:
-        direct = rel_err(mine, eager)
-        mine_vs_truth, eager_vs_truth = rel_err(mine, truth), rel_err(eager, truth)
-        errors[what] = (direct, mine_vs_truth, eager_vs_truth)
+        errors[what] = (rel_err(mine, eager), rel_err(mine, truth), rel_err(eager, truth))
+    # The whole table first: one failing entry alone does not tell whether megamoe or bf16 eager moved.
+    print(f"{'':60s} {'vs eager':>10s} {'vs fp32':>10s} {'eager-fp32':>10s}")
+    for what, (direct, mine_vs_truth, eager_vs_truth) in errors.items():
+        print(f"{what:60s} {direct:10.3g} {mine_vs_truth:10.3g} {eager_vs_truth:10.3g}")
+    for what, (direct, mine_vs_truth, eager_vs_truth) in errors.items():
         assert direct <= tol, f"{what}: megamoe vs eager rel err {direct:.3g} > {tol}"
         assert mine_vs_truth <= worse_than_eager_by * eager_vs_truth + tol / 10, \
             f"{what}: megamoe is {mine_vs_truth:.3g} from fp32, bf16 eager {eager_vs_truth:.3g}"

@@ -230,10 +230,16 @@ struct megamoe_vgroup {
     return first;
   }
 
-  template <typename Call>
-  Status run_all_ranks(void* stream, Call&& call) {
+  // check(layer, r) runs for every rank before anything is enqueued: a bad argument of rank r must not
+  // leave ranks 0..r-1 waiting at a barrier for a rank that never comes (that would break the group).
+  template <typename Check, typename Call>
+  Status run_all_ranks(void* stream, Check&& check, Call&& call) {
     DeviceScope scope;
     MEGAMOE_RETURN_IF_ERROR(scope.enter(device));
+    for (int r = 0; r < group->num_ranks(); ++r) {
+      Status s = check(group->layer(r), r);
+      if (!s.is_ok()) return Status(s.code(), "rank " + std::to_string(r) + ": " + s.message() + " (nothing enqueued)");
+    }
     auto caller = static_cast<cudaStream_t>(stream);
     Status first = fork(caller);
     for (int r = 0; r < group->num_ranks() && first.is_ok(); ++r) {
@@ -445,11 +451,14 @@ int32_t megamoe_vgroup_forward(megamoe_vgroup* group, const megamoe_forward_args
     MEGAMOE_RETURN_IF_ERROR(check_group(group, "megamoe_vgroup_forward"));
     if (args == nullptr) return null_argument("megamoe_vgroup_forward", "args");
 #if MEGAMOE_WITH_CUDA
-    return group->run_all_ranks(stream, [&](megamoe::ExpertParallelLayer& layer, int r) -> Status {
-      megamoe::ForwardArgs f;
-      MEGAMOE_RETURN_IF_ERROR(to_forward_args(args[r], &f));
-      return layer.forward(f);
-    });
+    std::vector<megamoe::ForwardArgs> f(static_cast<size_t>(group->group->num_ranks()));
+    return group->run_all_ranks(
+        stream,
+        [&](const megamoe::ExpertParallelLayer& layer, int r) -> Status {
+          MEGAMOE_RETURN_IF_ERROR(to_forward_args(args[r], &f[static_cast<size_t>(r)]));
+          return layer.check_forward(f[static_cast<size_t>(r)]);
+        },
+        [&](megamoe::ExpertParallelLayer& layer, int r) { return layer.forward(f[static_cast<size_t>(r)]); });
 #else
     (void)stream;
     return not_built_with_cuda("megamoe_vgroup_forward");
@@ -462,11 +471,14 @@ int32_t megamoe_vgroup_backward(megamoe_vgroup* group, const megamoe_backward_ar
     MEGAMOE_RETURN_IF_ERROR(check_group(group, "megamoe_vgroup_backward"));
     if (args == nullptr) return null_argument("megamoe_vgroup_backward", "args");
 #if MEGAMOE_WITH_CUDA
-    return group->run_all_ranks(stream, [&](megamoe::ExpertParallelLayer& layer, int r) -> Status {
-      megamoe::BackwardArgs b;
-      MEGAMOE_RETURN_IF_ERROR(to_backward_args(args[r], &b));
-      return layer.backward(b);
-    });
+    std::vector<megamoe::BackwardArgs> b(static_cast<size_t>(group->group->num_ranks()));
+    return group->run_all_ranks(
+        stream,
+        [&](const megamoe::ExpertParallelLayer& layer, int r) -> Status {
+          MEGAMOE_RETURN_IF_ERROR(to_backward_args(args[r], &b[static_cast<size_t>(r)]));
+          return layer.check_backward(b[static_cast<size_t>(r)]);
+        },
+        [&](megamoe::ExpertParallelLayer& layer, int r) { return layer.backward(b[static_cast<size_t>(r)]); });
 #else
     (void)stream;
     return not_built_with_cuda("megamoe_vgroup_backward");

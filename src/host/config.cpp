@@ -67,7 +67,6 @@ std::string field_rule(const char* field, const std::string& rule, int64_t got) 
 inline constexpr int64_t kMaxChannels = 1 << 16;
 inline constexpr int64_t kMaxExperts = 1 << 12;
 inline constexpr int64_t kMaxTopK = 64;
-inline constexpr int64_t kMaxRanks = 1024;
 inline constexpr int64_t kMaxTokensPerRank = 1 << 20;
 
 Status validate(const LayerConfig& c) {

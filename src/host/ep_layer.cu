@@ -49,6 +49,17 @@ Status resolve_capacity(const LayerConfig& config, const LayerOptions& options, 
   MEGAMOE_RETURN_IF_ERROR(validate(config));
   if (config.precision != Precision::kBF16)
     return Status(StatusCode::kNotSupported, "the GPU layer runs bf16 only so far; fp8-blockwise is not implemented");
+  MEGAMOE_RETURN_IF_ERROR(validate(options));
+  *capacity = options.expert_row_capacity > 0 ? options.expert_row_capacity : worst_case_rows(config);
+  if (*capacity >= (int64_t{1} << 31))
+    return Status::invalid("expert_row_capacity must stay below 2^31 rows, got " + std::to_string(*capacity) +
+                           "; lower max_tokens_per_rank or set expert_row_capacity");
+  return Status::ok();
+}
+
+}  // namespace
+
+Status validate(const LayerOptions& options) {
   if (options.expert_row_capacity < 0)
     return Status::invalid("expert_row_capacity must be >= 0 (0 = worst case), got " +
                            std::to_string(options.expert_row_capacity));
@@ -57,12 +68,10 @@ Status resolve_capacity(const LayerConfig& config, const LayerOptions& options, 
     return Status::invalid("wait_timeout_seconds must be in [" + std::to_string(kMinWaitTimeoutSeconds) + ", " +
                            std::to_string(kMaxWaitTimeoutSeconds) + "], got " +
                            std::to_string(options.wait_timeout_seconds));
-  *capacity = options.expert_row_capacity > 0 ? options.expert_row_capacity : worst_case_rows(config);
-  if (*capacity >= (int64_t{1} << 31))
-    return Status::invalid("expert_row_capacity must stay below 2^31 rows, got " + std::to_string(*capacity) +
-                           "; lower max_tokens_per_rank or set expert_row_capacity");
   return Status::ok();
 }
+
+namespace {
 
 // The tuning of the GEMM whose epilogue writes the d_topk_weights partials (its n-tiles are the partials).
 kernels::GemmTuning dgrad_tuning() { return kernels::GemmTuning{}; }
@@ -238,6 +247,10 @@ Status ExpertParallelLayer::workspace_bytes(const LayerConfig& config, const Lay
   return Status::ok();
 }
 
+Status ExpertParallelLayer::row_capacity(const LayerConfig& config, const LayerOptions& options, int64_t* rows) {
+  return resolve_capacity(config, options, rows);
+}
+
 namespace ep {
 
 Status preload_kernels() {
@@ -281,8 +294,8 @@ Status ExpertParallelLayer::create(const LayerConfig& config, const LayerOptions
   return Status::ok();
 }
 
-Status ExpertParallelLayer::forward(const ForwardArgs& args) {
-  Impl& m = *impl_;
+Status ExpertParallelLayer::check_forward(const ForwardArgs& args) const {
+  const Impl& m = *impl_;
   const LayerConfig& c = m.config;
   if (args.num_tokens < 0 || args.num_tokens > c.max_tokens_per_rank)
     return Status::invalid("num_tokens must be in [0, max_tokens_per_rank=" + std::to_string(c.max_tokens_per_rank) +
@@ -297,6 +310,12 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
       !aligned_to(args.topk_idx, args.topk_idx_type == IndexType::kInt64 ? 8 : 4))
     return Status::invalid("topk_idx must be aligned to its element size");
   if (m.broken) return broken_status();
+  return Status::ok();
+}
+
+Status ExpertParallelLayer::forward(const ForwardArgs& args) {
+  MEGAMOE_RETURN_IF_ERROR(check_forward(args));
+  Impl& m = *impl_;
   cudaStream_t stream = m.placement.stream;
   ep::Params p = m.params;
   p.num_tokens = args.num_tokens;
@@ -319,8 +338,8 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
   return Status::ok();
 }
 
-Status ExpertParallelLayer::backward(const BackwardArgs& args) {
-  Impl& m = *impl_;
+Status ExpertParallelLayer::check_backward(const BackwardArgs& args) const {
+  const Impl& m = *impl_;
   if (!m.has_forward) return Status::invalid("backward called before any forward on this rank");
   if (args.d_w13 == nullptr || args.d_w2 == nullptr) return Status::invalid("backward: d_w13 and d_w2 are required");
   if (m.forward_tokens > 0 && (args.d_out == nullptr || args.d_x == nullptr || args.d_topk_weights == nullptr))
@@ -329,6 +348,12 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
       {{args.d_out, "d_out"}, {args.d_x, "d_x"}, {args.d_w13, "d_w13"}, {args.d_w2, "d_w2"}},
       {{args.d_topk_weights, "d_topk_weights"}}));
   if (m.broken) return broken_status();
+  return Status::ok();
+}
+
+Status ExpertParallelLayer::backward(const BackwardArgs& args) {
+  MEGAMOE_RETURN_IF_ERROR(check_backward(args));
+  Impl& m = *impl_;
   cudaStream_t stream = m.placement.stream;
   ep::Params p = m.params;
   p.num_tokens = m.forward_tokens;
