@@ -3,6 +3,8 @@ reference (reference.moe_distributed: all_to_all by destination rank, local grou
 weighted combine): out and every gradient within rel err 1e-2, for random routing and masked slots.
 
 test_process_group_spawned: min(4, GPUs) processes (torch.multiprocessing.spawn), needs 2+ GPUs.
+test_ranks_with_different_configs_all_fail_naming_the_field, test_release_waits_for_every_rank: two
+processes through the C ABI (needs 2 GPUs: NCCL refuses two ranks on one device).
 test_process_group_of_one: one rank in this process (world size 1, TCP store on 127.0.0.1): the bootstrap
 path end to end on any machine with a GPU, and the result against the virtual-rank layer's."""
 
@@ -145,6 +147,60 @@ def test_process_group_spawned():
     world = min(4, torch.cuda.device_count())
     with tempfile.TemporaryDirectory() as tmp:
         torch.multiprocessing.spawn(_spawned, args=(world, os.path.join(tmp, "store")), nprocs=world, join=True)
+
+
+def _library_group(rank, world, store_path, hidden, timeout=20.0):
+    """A library process group made straight through the C ABI (torch's gloo group only carries the
+    bootstrap id), with this rank's hidden size."""
+    from megamoe import _lib, ops
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    cfg = _lib.Config(hidden=hidden, intermediate=I, num_experts=E, top_k=K, num_ranks=world,
+                      max_tokens_per_rank=MAX_TOKENS)
+    options = _lib.default_options()
+    options.wait_timeout_seconds = timeout
+    return _lib.ProcessRankGroup(cfg, rank, ops.bootstrap_id(dist.group.WORLD), options)
+
+
+def _spawned_disagreeing(rank, world, store_path):
+    from megamoe import _lib
+
+    try:
+        with pytest.raises(_lib.MegaMoEError, match=f"disagree on hidden: rank 0 has {H}, rank 1 has {H + 128}"):
+            _library_group(rank, world, store_path, H + 128 if rank == 1 else H)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(bool(_why_not(2)), reason=_why_not(2) or "ok")
+def test_ranks_with_different_configs_all_fail_naming_the_field():
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(_spawned_disagreeing, args=(2, os.path.join(tmp, "store")), nprocs=2, join=True)
+
+
+def _spawned_release(rank, world, store_path):
+    import time
+
+    try:
+        group = _library_group(rank, world, store_path, H)
+        dist.barrier()
+        start = time.monotonic()
+        if rank == 1:
+            time.sleep(3.0)  # still "working" while rank 0 releases
+        group.close()
+        waited = time.monotonic() - start
+        if rank == 0:
+            assert waited >= 2.5, f"rank 0 freed its workspace after {waited:.2f} s, before rank 1 released"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(bool(_why_not(2)), reason=_why_not(2) or "ok")
+def test_release_waits_for_every_rank():
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(_spawned_release, args=(2, os.path.join(tmp, "store")), nprocs=2, join=True)
 
 
 def _free_port():

@@ -37,7 +37,7 @@ __global__ void route_rows_kernel(Params p) {
       if (peer_value_ok(p, n >= 0 && n <= max_rows_per_source, src, n, kPeerCount)) running += n;
     }
     // Rows of expert e (scanned below); past the capacity the scan reports the overflow.
-    offsets[e] = static_cast<int32_t>(running < s.row_capacity ? running : s.row_capacity + 1);
+    offsets[e] = static_cast<int32_t>(running <= s.row_capacity ? running : s.row_capacity + 1);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -52,7 +52,15 @@ __global__ void route_rows_kernel(Params p) {
     const bool overflow = total > s.row_capacity;
     if (overflow) {
       for (int e = 0; e < EL; ++e) offsets[e] = 0;
-      if (blockIdx.x == 0) record_error_everywhere(p, StatusCode::kCapacityExceeded, kErrorCapacity, total, s.row_capacity);
+      if (blockIdx.x == 0) {
+        // The per-expert sums above stop at capacity + 1; the message gives the rows this call needed.
+        int64_t needed = 0;
+        for (int i = 0; i < R * (EL + 1); ++i) {
+          const int32_t n = counts[i];
+          if (i % (EL + 1) < EL && n > 0 && n <= max_rows_per_source) needed += n;
+        }
+        record_error_everywhere(p, StatusCode::kCapacityExceeded, kErrorCapacity, needed, s.row_capacity);
+      }
     }
     offsets[EL] = overflow ? -1 : static_cast<int32_t>(total);
   }

@@ -81,6 +81,33 @@ TEST(EpRouteRows, ValidRoutesGiveTheExpertMajorRows) {
   EXPECT_EQ(row_src, (std::vector<int32_t>{0, 1, 0}));  // expert 0: token 0, token 1; expert 1: token 0
 }
 
+// The capacity is the most rows a call may bring: exactly the capacity fits, one more is reported with
+// the rows the call needed (not a figure capped at capacity + 1).
+TEST(EpRouteRows, ExactlyTheCapacityFitsAndOneMoreIsReportedWithTheRowsNeeded) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  for (int capacity : {3, 2}) {
+    Receiver r = make_receiver();
+    r.p.shape.row_capacity = capacity;  // the layout stays the 16-row one: only the check changes
+    put_valid(r);                       // 3 rows: expert 0 gets 2, expert 1 gets 1
+    const DeviceError e = run_and_read(r);
+    if (capacity == 3) {
+      EXPECT_EQ(e.code, 0) << "3 rows must fit a capacity of 3";
+    } else {
+      EXPECT_EQ(e.code, static_cast<int32_t>(StatusCode::kCapacityExceeded));
+      EXPECT_EQ(e.what, kErrorCapacity);
+      EXPECT_EQ(e.a, 3) << "rows needed";
+      EXPECT_EQ(e.b, 2) << "capacity";
+    }
+  }
+  Receiver one = make_receiver();
+  one.p.shape.row_capacity = 2;  // a single expert receiving exactly the capacity
+  put<int32_t>(one, one.p.layout.recv_counts, {2, 0, 0, 0, 2});
+  put<int32_t>(one, one.p.layout.recv_token, {0, 1});
+  put<SlotRoute>(one, one.p.layout.recv_routes, {{0, 0}, {-1, 0}, {0, 1}, {-1, 0}});
+  put<float>(one, one.p.layout.recv_weights, {0.5f, 0.0f, 1.0f, 0.0f});
+  EXPECT_EQ(run_and_read(one).code, 0);
+}
+
 TEST(EpRouteRows, EveryPeerWrittenFieldIsBoundsChecked) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   struct Case {

@@ -1,0 +1,71 @@
+// The consumer side of a blockwise-scaled FP8 main loop: one warpgroup's 64 x BN accumulators of a work item,
+// one 128-deep K block per pipeline stage.
+//
+// Stage geometry: both operands e4m3 and K-major, one K block = 128 e4m3 = 128 bytes per row = one span of
+// the 128-byte swizzle. In bytes this is exactly the stage of the bf16 engine (MainloopShape of form kNT: a
+// row of 64 bf16 = 128 bytes, A 128 rows then B BN rows), so the same shape, TMA boxes (tensor maps over the
+// e4m3 bytes viewed as bf16 pairs) and descriptors serve; the next k32 slice of e4m3 is 32 bytes on, like
+// the next k16 slice of bf16.
+//
+// Per K block: wgmma.m64nBNk32 x 4 into `partial` (the first overwrites it), commit, read the stage's scales
+// while the tensor cores run, wait for the group, release the stage, then promote (fp8_promotion.cuh):
+// acc += partial * sa * sb in fp32 registers. Two accumulators of BN / 2 registers each per thread.
+#pragma once
+
+#include <cstdint>
+
+#include "device/gemm/block_scales.cuh"
+#include "device/gemm/fp8_promotion.cuh"
+#include "device/gemm/shape.cuh"
+#include "device/pipeline.cuh"
+#include "device/ptx/wgmma.cuh"
+#include "device/sched/grouped_tiles.cuh"
+
+namespace megamoe::device {
+
+// acc = sum over the tile's K blocks of scale * (the block's wgmma sum). cwg: consumer warpgroup (rows
+// 64 cwg .. 64 cwg + 63 of the tile); lt: thread in the warpgroup; scales: the ring's scale slots.
+template <class Shape>
+__device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN / 2],
+                                                       const StagePipeline<Shape::kStages>& pipe,
+                                                       PipeState<Shape::kStages>& st, uint8_t* stages,
+                                                       const StageScales* scales, const TileCoord& tile, int cwg,
+                                                       int lt) {
+  static_assert(Shape::kForm == GemmForm::kNT && Shape::kCluster == 1, "FP8 operands are both K-major, single CTAs");
+  static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
+  static_assert(Shape::kBK * 2 == 128 && Shape::kAStep == 32 && Shape::kBStep == 32, "a stage row is one K block");
+  using Mma = WgmmaE4m3<Shape::kBN>;
+  constexpr int kN = Shape::kBN / 2;
+  const int warp = lt >> 5, lane = lt & 31;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) acc[i] = 0.0f;
+  float partial[kN];  // overwritten by each block's first wgmma; zeroed so that it is never read undefined
+#pragma unroll
+  for (int i = 0; i < kN; ++i) partial[i] = 0.0f;
+  const int k_tiles = max(tile.k_tiles, 0);
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    pipe.consumer_wait(st);
+    const uint32_t sa = smem_addr(stages + st.index * Shape::kStageBytes);
+    const uint32_t sb = sa + Shape::kABytes;
+    const uint32_t a_base = sa + cwg * kBoxBytes;  // rows 64 cwg .. of the tile (64 rows x 128 bytes)
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t da = make_smem_desc(a_base + kk * Shape::kAStep, Shape::kALbo, 1024);
+      const uint64_t db = make_smem_desc(sb + kk * Shape::kBStep, Shape::kBLbo, 1024);
+      Mma::mma(partial, da, db, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    const StageScales& sc = scales[st.index];
+    const float b_scale = sc.b;
+    const float scale[2] = {promotion_scale(sc.a, b_scale, cwg, warp, lane, 0),
+                            promotion_scale(sc.a, b_scale, cwg, warp, lane, 1)};
+    wgmma_wait<0>();
+    fence_accumulators(partial);
+    pipe.template consumer_release<1>(st, lt, 0);
+    promote_block(acc, partial, scale);
+    st.advance();
+  }
+}
+
+}  // namespace megamoe::device

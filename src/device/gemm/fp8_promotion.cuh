@@ -1,0 +1,35 @@
+// The promotion step of blockwise-scaled FP8 GEMMs: after the tensor cores have summed one 128-deep K block
+// into a temporary accumulator (`partial`, Hopper's limited-precision FP8 accumulation inside wgmma), it is
+// scaled and added to the main fp32 accumulator in registers:
+//     acc[m, n] = fma(partial[m, n], sa[m, kb] * sb[n / 128, kb], acc[m, n])
+// (the product of the two scales is formed once per row and K block, in fp32; one fused multiply-add per
+// element). Rows of a warpgroup's fragment are walked through Fragment (fragment.cuh): every register of
+// row half h of a thread belongs to the same output row, so a thread needs two row scales per K block.
+#pragma once
+
+#include "device/gemm/fragment.cuh"
+
+namespace megamoe::device {
+
+// The combined scale of row half h of this thread: a_scales are the tile's 128 row scales of the K block,
+// cwg the consumer warpgroup (rows 64 cwg .. 64 cwg + 63), b_scale the weight block's scale.
+__device__ __forceinline__ float promotion_scale(const float* a_scales, float b_scale, int cwg, int warp, int lane,
+                                                 int h) {
+  return a_scales[64 * cwg + Fragment::row(warp, lane, h)] * b_scale;
+}
+
+// acc += partial * scale[h], register by register (kN = BN / 2 registers per thread).
+template <int kN>
+__device__ __forceinline__ void promote_block(float (&acc)[kN], const float (&partial)[kN], const float (&scale)[2]) {
+#pragma unroll
+  for (int j = 0; j < kN / 4; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int i = Fragment::reg(j, h, e);
+        acc[i] = __fmaf_rn(partial[i], scale[h], acc[i]);
+      }
+}
+
+}  // namespace megamoe::device

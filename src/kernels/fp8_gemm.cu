@@ -1,0 +1,155 @@
+// Host side of the blockwise-scaled FP8 GEMM (fp8_gemm.hpp): argument checks, tensor maps, kernel parameters
+// and the launch of its one configuration (fp8_gemm_kernel.cuh).
+//
+// Tensor maps: TMA copies bytes, so the e4m3 operands are described as bf16 tensors of half the width (a pair
+// of e4m3 per "bf16"): a 128-byte box row is 128 e4m3 = one K block, the swizzle (on bytes) is the same, and
+// out-of-range elements load as zero bytes, which are +0 in e4m3 too.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "host/tensor_map.hpp"
+#include "kernels/cuda_check.hpp"
+#include "kernels/fp8_gemm.hpp"
+#include "kernels/fp8_gemm_kernel.cuh"
+
+namespace megamoe::kernels {
+namespace {
+
+using Cfg = Fp8GemmConfig;
+constexpr int kBM = Cfg::Shape::kBM;
+constexpr int kBN = Cfg::Shape::kBN;
+constexpr int kKBlock = 128;
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+Status device_sms(int* num_sms) {
+  int dev = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  int major = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (major != 9) {
+    return Status(StatusCode::kNotSupported,
+                  "fp8 GEMM needs an sm_90 (Hopper) device, found compute capability " + std::to_string(major) + ".x");
+  }
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, dev));
+  return Status::ok();
+}
+
+Status check_shape(int64_t rows, const char* rows_name, int N, int K) {
+  if (rows < 0 || rows >= (int64_t{1} << 31) - kBM) {
+    return Status::invalid(std::string("fp8 GEMM: ") + rows_name + " must be in [0, 2^31 - 128), got " +
+                           std::to_string(rows));
+  }
+  if (K <= 0 || K % kKBlock != 0) {
+    return Status::invalid("fp8 GEMM: K must be a positive multiple of 128 (the scale block), got K=" +
+                           std::to_string(K));
+  }
+  if (N <= 0 || N % 8 != 0) {
+    return Status::invalid("fp8 GEMM: N must be a positive multiple of 8, got N=" + std::to_string(N));
+  }
+  return Status::ok();
+}
+
+Status check_pointer(const void* p, const char* name) {
+  if (p == nullptr) return Status::invalid(std::string("fp8 GEMM: ") + name + " is null");
+  if (!aligned16(p)) return Status::invalid(std::string("fp8 GEMM: ") + name + " must be 16-byte aligned");
+  return Status::ok();
+}
+
+// An e4m3 tensor [outer..., cols] as bf16 pairs, boxes of 128 e4m3 (64 pairs) x box_rows.
+Status map_e4m3(CUtensorMap* map, const void* base, int rank, const uint64_t* dims_e4m3, const uint32_t* box) {
+  uint64_t dims[3] = {dims_e4m3[0] / 2, rank > 1 ? dims_e4m3[1] : 1, rank > 2 ? dims_e4m3[2] : 1};
+  return make_bf16_tensor_map(map, base, rank, dims, box);
+}
+
+Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
+              const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K, cudaStream_t stream) {
+  int num_sms = 0;
+  MEGAMOE_RETURN_IF_ERROR(device_sms(&num_sms));
+  CUtensorMap tm_a{}, tm_b{}, tm_d{};
+  const uint64_t rows = static_cast<uint64_t>(std::max<int64_t>(max_rows, 1));
+  {
+    const uint64_t dims[2] = {static_cast<uint64_t>(K), rows};
+    const uint32_t box[2] = {64, static_cast<uint32_t>(kBM)};
+    MEGAMOE_RETURN_IF_ERROR(map_e4m3(&tm_a, A, 2, dims, box));
+  }
+  {
+    // The B panel of an n-tile comes as two boxes of BN / 2 rows (TileLoader, single-CTA form).
+    const uint64_t dims[3] = {static_cast<uint64_t>(K), static_cast<uint64_t>(N), static_cast<uint64_t>(num_groups)};
+    const uint32_t box[3] = {64, static_cast<uint32_t>(kBN / 2), 1};
+    MEGAMOE_RETURN_IF_ERROR(map_e4m3(&tm_b, B, 3, dims, box));
+  }
+  {
+    const uint64_t dims[2] = {static_cast<uint64_t>(N), rows};
+    const uint32_t box[2] = {64, 64};
+    MEGAMOE_RETURN_IF_ERROR(make_bf16_tensor_map(&tm_d, D, 2, dims, box));
+  }
+  Fp8GemmParams p{};
+  p.group_offsets = offsets;
+  p.num_groups = num_groups;
+  p.max_rows = static_cast<int>(max_rows);
+  p.N = N;
+  p.K = K;
+  p.src.b_row_step = kBN;
+  p.src.b_half_offset = kBN / 2;
+  p.scales = device::BlockScaleSources{sa, sb, K / kKBlock, (N + kKBlock - 1) / kKBlock};
+  p.epi.c = device::OutputRows{D, N, nullptr, nullptr};
+  p.epi.aux = device::OutputRows{nullptr, N, nullptr, nullptr};
+  p.epi.c_cols = N;
+  p.epi.aux_cols = N;
+  p.tma_store = 1;
+
+  auto kernel = fp8_gemm_kernel<Cfg>;
+  // Set on every call (cheap, and correct on every device of a multi-GPU process).
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  int grid = num_sms;
+  if (offsets == nullptr) {  // dense: the tile count is known here
+    const int64_t tiles = (max_rows + kBM - 1) / kBM * ((N + kBN - 1) / kBN);
+    grid = static_cast<int>(std::min<int64_t>(grid, std::max<int64_t>(tiles, 1)));
+  }
+  kernel<<<grid, kFp8GemmThreads, Cfg::kSmemBytes, stream>>>(tm_a, tm_b, tm_d, p);
+  MEGAMOE_CHECK_LAUNCH(stream, "fp8_gemm_kernel");
+  return Status::ok();
+}
+
+}  // namespace
+
+Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D, int64_t M,
+                   int N, int K, cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_shape(M, "M", N, K));
+  MEGAMOE_RETURN_IF_ERROR(check_pointer(B, "B"));
+  MEGAMOE_RETURN_IF_ERROR(check_pointer(sb, "sb"));
+  if (M == 0) return Status::ok();
+  MEGAMOE_RETURN_IF_ERROR(check_pointer(A, "A"));
+  MEGAMOE_RETURN_IF_ERROR(check_pointer(sa, "sa"));
+  MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
+  return launch(A, sa, B, sb, D, nullptr, 1, M, N, K, stream);
+}
+
+Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
+                           const int32_t* expert_offsets, int num_experts, int64_t max_rows, int N, int K,
+                           cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_shape(max_rows, "max_rows", N, K));
+  if (num_experts < 1 || num_experts > kFp8GemmMaxExperts) {
+    return Status::invalid("fp8 GEMM: num_experts must be in [1, " + std::to_string(kFp8GemmMaxExperts) +
+                           "], got " + std::to_string(num_experts));
+  }
+  MEGAMOE_RETURN_IF_ERROR(check_pointer(A, "A"));
+  MEGAMOE_RETURN_IF_ERROR(check_pointer(sa, "sa"));
+  MEGAMOE_RETURN_IF_ERROR(check_pointer(B, "B"));
+  MEGAMOE_RETURN_IF_ERROR(check_pointer(sb, "sb"));
+  MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
+  if (expert_offsets == nullptr) return Status::invalid("fp8 GEMM: expert_offsets is null");
+  if (max_rows == 0) return Status::ok();  // every expert is empty (offsets are clamped into [0, max_rows])
+  return launch(A, sa, B, sb, D, expert_offsets, num_experts, max_rows, N, K, stream);
+}
+
+Status fp8_gemm_preload() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Cfg>));
+  return Status::ok();
+}
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,55 @@
+// FP8 (E4M3) GEMM with DeepSeek-V3 blockwise scaling on Hopper (sm_90a), bf16 output. Internal,
+// host-callable API; asynchronous on `stream`, no host synchronisation (graph-capturable).
+//
+//   D[m, n] = bf16( sum_kb  P_kb[m, n] * sa[m, kb] * sb[n / 128, kb] ),
+//   P_kb[m, n] = sum_{k in block kb} float(qa[m, k]) * float(qb[n, k])      (kb = 128-wide K blocks)
+//
+// A (qa) is e4m3 [M, K] K-major with scales sa [M, K / 128] (one per 1 x 128 group of a row, as
+// fp8::quantize_rows_1x128 writes them); B (qb) is e4m3 [N, K] K-major with scales sb [ceil(N / 128), K / 128]
+// (one per 128 x 128 block, fp8::quantize_blocks_128x128). e4m3 values are raw bytes (uint8_t), the encoding
+// of include/megamoe/fp8.hpp.
+//
+// Arithmetic: P_kb is summed by the tensor cores (wgmma .f32 accumulators; Hopper's FP8 wgmma accumulates
+// with limited precision inside one instruction group); after every K block it is promoted into an fp32
+// register accumulator, acc = fma(P_kb, sa * sb, acc) (the scale product rounded once to fp32); D is acc
+// rounded once to bf16 (round-to-nearest-even). Deterministic: fixed K order, no split-K, every output
+// element computed by one thread.
+//
+// Grouped form (M grouped by expert, forward GEMM1/GEMM2 style): expert e owns rows
+// [expert_offsets[e], expert_offsets[e + 1]) of A, sa and D and multiplies them with B[e] [N, K] (scales
+// sb[e] [ceil(N / 128), K / 128]). expert_offsets is a *device* int32 array of E + 1 nondecreasing entries
+// with expert_offsets[E] <= max_rows, read only by the kernel (clamped into [0, max_rows]; a decreasing pair
+// reads as an empty expert). Rows of D outside every expert are not written.
+//
+// Requirements (checked, kInvalidArgument with a message otherwise): K a positive multiple of 128; N a
+// positive multiple of 8 (a partial last 128-column tile is supported: its weight block has the scale of
+// the block's existing rows); every pointer 16-byte aligned and non-null (dense: A, sa and D may be null
+// when M == 0, which is a no-op); M (dense) / max_rows (grouped) in [0, 2^31 - 128); num_experts in
+// [1, 1024]. Device: sm_90 (kNotSupported otherwise). Tensor-map encoding failures are returned.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "megamoe/status.hpp"
+
+namespace megamoe::kernels {
+
+inline constexpr int kFp8GemmMaxExperts = 1024;
+
+// Dense: A [M, K], sa [M, K / 128], B [N, K], sb [ceil(N / 128), K / 128], D [M, N] bf16 row-major.
+Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D, int64_t M,
+                   int N, int K, cudaStream_t stream);
+
+// Grouped: A [max_rows, K], sa [max_rows, K / 128], B [num_experts, N, K],
+// sb [num_experts, ceil(N / 128), K / 128], D [max_rows, N].
+Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
+                           const int32_t* expert_offsets, int num_experts, int64_t max_rows, int N, int K,
+                           cudaStream_t stream);
+
+// Loads the kernel now (under lazy module loading a first launch waits for running kernels).
+Status fp8_gemm_preload();
+
+}  // namespace megamoe::kernels

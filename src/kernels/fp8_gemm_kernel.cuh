@@ -1,0 +1,171 @@
+// The blockwise-scaled FP8 GEMM kernel (fp8_gemm.hpp), composed from the device building blocks: one
+// persistent, warp-specialised CTA of 384 threads per SM, tile 128 x 128, one 128-deep K block per stage.
+//   warpgroup 0, the producer (setmaxnreg down), walks the schedule:
+//     thread 0 issues the A and B boxes of each stage with TMA (TileLoader, the bf16 engine's loader: a stage
+//       of 128-byte rows is the same bytes for 128 e4m3 as for 64 bf16, see fp8_mainloop.cuh);
+//     warp 1 copies the stage's scales (load_block_scales: sa of the tile's 128 rows, sb of its weight block);
+//   warpgroups 1 and 2, the consumers (setmaxnreg up): 64 rows each; per stage wgmma x 4 into a temporary
+//     accumulator and the fp32 promotion with the scales (mma_tile_fp8_blockwise), then the bf16 epilogue
+//     of the engine (epilogue_plain through BoxStore: TMA stores for whole 64-row slices, else the threads).
+// Work items (expert, m-tile, n-tile) are numbered on the device (GroupedTiles) from the expert row offsets;
+// the dense GEMM is one group of M rows. Every role walks the same grid-stride schedule.
+#pragma once
+
+#include <algorithm>
+
+#include "device/epilogue/box_store.cuh"
+#include "device/epilogue/epilogues.cuh"
+#include "device/gemm/block_scales.cuh"
+#include "device/gemm/fp8_mainloop.cuh"
+#include "device/gemm/operands.cuh"
+#include "device/gemm/shape.cuh"
+#include "device/pipeline.cuh"
+#include "device/ptx/sync.cuh"
+#include "device/sched/grouped_tiles.cuh"
+#include "device/sched/schedulers.cuh"
+
+namespace megamoe::kernels {
+
+inline constexpr int kFp8GemmThreads = 384;
+
+// Everything the kernel reads, by value.
+struct Fp8GemmParams {
+  const int32_t* group_offsets;  // device, num_groups + 1 entries; nullptr: dense, one group of max_rows rows
+  int num_groups;
+  int max_rows;  // rows of A and D (the tensor maps' extent); offsets are clamped into [0, max_rows]
+  int N;
+  int K;                            // e4m3 elements (a multiple of 128)
+  device::OperandSources src;       // B panel rows of an n-tile (the TMA path of TileLoader)
+  device::BlockScaleSources scales;
+  device::EpilogueArgs epi;         // D through OutputRows (contiguous), no row scale
+  int tma_store;                    // 1: the D tensor map is valid
+};
+
+struct Fp8GemmConfig {
+  static constexpr int kBN = 128;
+  // 5 x 32 KB stages + 2 x 2 staging boxes (TMA stores keep a warpgroup's whole 64 x 128 slice in flight)
+  // + the tile numbering's tables fit in 227 KB; a sixth stage does not.
+  static constexpr int kStages = 5;
+  static constexpr int kSlots = kBN / 64;
+  // The bf16-pair view: kBK = 64 "bf16" = 128 e4m3 = one K block (fp8_mainloop.cuh).
+  using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, 1>;
+  using Loader = device::TileLoader<Shape, false, false>;
+  using Tiles = device::GroupedTiles<Shape::kBM, kBN, Shape::kBK, 1, false>;
+  // Full barrier of a stage: the TMA thread's expect-tx arrival plus the scale warp's 32 copy arrivals.
+  static constexpr int kFullArrivals = Loader::kFullArrivals + device::kScaleWarpLanes;
+  static constexpr int kScaleWarp = 1;  // warp of the producer warpgroup that copies the scales
+  // Consumers hold two fp32 accumulators of 64 registers each (acc, partial) plus addressing.
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs = 224;
+  // setmaxnreg.inc waits until the CTA's pool has the registers: the budgets must fit the launch allocation
+  // (168 per thread for 384 threads), or the consumers wait forever (grouped_gemm_kernel.cuh).
+  static constexpr int kRegsAtLaunch = 65536 / kFp8GemmThreads / 8 * 8;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kRegsAtLaunch * kFp8GemmThreads, "register budget");
+
+  struct alignas(1024) SharedStorage {
+    uint8_t stages[kStages][Shape::kStageBytes];  // each 1024-aligned: kStageBytes is a multiple of 1024
+    uint8_t staging[2][kSlots][device::kBoxBytes];
+    device::StageScales scales[kStages];
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+    device::SliceRows slice_rows[2];
+    int dense_offsets[2];
+    typename Tiles::Storage tiles;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + slack to align the base
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");
+};
+
+template <class Cfg>
+__device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const CUtensorMap* tm_b,
+                                                 const Fp8GemmParams& p, typename Cfg::SharedStorage& smem,
+                                                 const typename Cfg::Tiles& tiles, const device::StaticSchedule& sched,
+                                                 int ptid) {
+  using Shape = typename Cfg::Shape;
+  const bool tma_thread = ptid == 0;
+  const bool scale_warp = ptid / 32 == Cfg::kScaleWarp;
+  if (!tma_thread && !scale_warp) return;
+  const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
+  typename Cfg::Loader loader{tm_a, tm_b, p.src, {}};
+  device::PipeState<Shape::kStages> st;
+  const int total = tiles.total();
+  for (int j = 0;; ++j) {
+    const int t = sched.item(j);
+    if (t >= total) break;
+    const device::TileCoord tile = tiles.decode(t, 0);
+    loader.begin_tile(tile, ptid);
+    for (int kt = 0; kt < tile.k_tiles; ++kt) {
+      pipe.producer_acquire(st);
+      if (tma_thread) {
+        loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, 0);
+      } else {
+        device::load_block_scales(pipe, st, &smem.scales[st.index], p.scales, tile, kt, ptid & 31);
+      }
+      st.advance();
+    }
+  }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const Fp8GemmParams& p,
+                                                 typename Cfg::SharedStorage& smem, const typename Cfg::Tiles& tiles,
+                                                 const device::StaticSchedule& sched, int tid) {
+  using Shape = typename Cfg::Shape;
+  constexpr int kBN = Shape::kBN;
+  const int cwg = tid / 128 - 1;  // rows 64 cwg .. 64 cwg + 63 of the tile
+  const int lt = tid & 127;
+  const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
+  device::BoxStore<Cfg::kSlots, true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
+  device::PipeState<Shape::kStages> st;
+  float acc[kBN / 2];
+  for (int j = 0;; ++j) {
+    const int t = sched.item(j);
+    // Read from shared memory per item, not held across the epilogue (where every register counts).
+    if (t >= tiles.total_now()) break;
+    const device::TileCoord tile = tiles.decode(t, 0);
+    device::mma_tile_fp8_blockwise<Shape>(acc, pipe, st, smem.stages[0], smem.scales, tile, cwg, lt);
+    const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
+                               lt, lt >> 5, lt & 31};
+    // A TMA box is clipped only at the tensor's edge, and rows past an expert belong to the next one: TMA
+    // stores need the whole slice inside the group (uniform over the warpgroup).
+    store.begin_tile(p.tma_store != 0 && s.valid >= 64, p.epi.c, p.epi.aux, s.slice0, s.valid);
+    device::epilogue_plain<kBN>(acc, p.epi, s, tm_d, store);
+  }
+  store.finish();
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(kFp8GemmThreads, 1)
+    fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                    const __grid_constant__ CUtensorMap tm_d, const Fp8GemmParams p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using Shape = typename Cfg::Shape;
+  extern __shared__ uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<typename Cfg::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                                               ~uintptr_t(1023));
+  const int tid = threadIdx.x;
+  const int n_tiles = (p.N + Shape::kBN - 1) / Shape::kBN;
+  // The numbering's reduction length is in the bf16-pair view: K / 2 "elements", 64 per stage.
+  const typename Cfg::Tiles tiles{&smem.tiles, p.group_offsets != nullptr ? p.num_groups : 1, n_tiles, 0, p.K / 2};
+  if (tid == 0) {
+    const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
+    pipe.init(Cfg::kFullArrivals, Shape::kConsumerGroups);
+    smem.dense_offsets[0] = 0;
+    smem.dense_offsets[1] = p.max_rows;
+    device::mbarrier_init_fence();
+  }
+  __syncthreads();  // the dense offsets are read by every thread of build()
+  tiles.build(p.group_offsets != nullptr ? p.group_offsets : smem.dense_offsets, p.max_rows, false, tid,
+              kFp8GemmThreads);
+  const device::StaticSchedule sched{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
+  if (tid < 128) {
+    device::setmaxnreg_dec<Cfg::kProducerRegs>();
+    fp8_run_producer<Cfg>(&tm_a, &tm_b, p, smem, tiles, sched, tid);
+  } else {
+    device::setmaxnreg_inc<Cfg::kConsumerRegs>();
+    fp8_run_consumer<Cfg>(&tm_d, p, smem, tiles, sched, tid);
+  }
+#endif
+}
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,160 @@
+// The layer problem the GPU layer tests share (ep_layer_test.cu, ep_layer_fuzz_test.cu): one problem's
+// inputs on every rank (bf16-exact values; the weights are hashed, so the GPU fills them and the CPU
+// regenerates any element), their upload, the CPU reference on a compact single-rank copy that holds only
+// the routed experts, and the relative error every comparison uses.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include "gpu_test_util.hpp"
+#include "kernels/hashed_fill.hpp"
+#include "megamoe/config.hpp"
+#include "megamoe/reference.hpp"
+#include "megamoe/status.hpp"
+
+namespace megamoe::testing::ep_problem {
+
+inline double relative_error(const std::vector<float>& got, const std::vector<float>& want, int64_t* nans) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::isnan(got[i])) ++*nans;
+    const double d = static_cast<double>(got[i]) - want[i];
+    num += d * d;
+    den += static_cast<double>(want[i]) * want[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+inline std::vector<float> to_float(const std::vector<__nv_bfloat16>& v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = __bfloat162float(v[i]);
+  return f;
+}
+
+// One rank's device tensors.
+struct RankTensors {
+  DeviceBuffer<__nv_bfloat16> x, w13, w2, out, d_out, d_x;
+  DeviceBuffer<int64_t> idx;
+  DeviceBuffer<float> weights, d_weights, d_w13, d_w2;
+};
+
+struct Problem {
+  LayerConfig config;
+  uint64_t seed = 0;
+  float x_scale = 1.0f, w13_scale = 0, w2_scale = 0;
+  std::vector<std::vector<int64_t>> idx;
+  std::vector<std::vector<float>> weights;
+  std::vector<std::vector<float>> x, d_out;  // bf16-exact values
+  std::vector<int64_t> routed;                // distinct global experts used, ascending
+  int64_t probe_expert = -1;                  // an unused expert whose gradients must be exactly 0
+
+  uint64_t seed_of(int what) const { return seed * 16 + static_cast<uint64_t>(what); }
+  float w13_value(int64_t expert, int64_t i) const {
+    return kernels::hashed_bf16_value(seed_of(1), static_cast<uint64_t>(expert * 2 * config.intermediate * config.hidden + i),
+                                      w13_scale);
+  }
+  float w2_value(int64_t expert, int64_t i) const {
+    return kernels::hashed_bf16_value(seed_of(2), static_cast<uint64_t>(expert * config.hidden * config.intermediate + i),
+                                      w2_scale);
+  }
+};
+
+// The reference on a compact single-rank problem holding the routed experts only.
+struct Expected {
+  std::vector<std::vector<float>> out, d_x, d_weights;  // per rank
+  std::map<int64_t, std::vector<float>> d_w13, d_w2;    // by global expert
+};
+
+inline Expected run_reference(const Problem& p) {
+  const LayerConfig& c = p.config;
+  const int64_t H = c.hidden, I = c.intermediate, K = c.top_k;
+  const int64_t R = c.num_ranks;
+  LayerConfig compact = c;
+  compact.num_ranks = 1;
+  compact.num_experts = std::max<int64_t>(K, static_cast<int64_t>(p.routed.size()));
+  int64_t total_tokens = 0;
+  for (auto& x : p.x) total_tokens += static_cast<int64_t>(x.size()) / H;
+  compact.max_tokens_per_rank = std::max<int64_t>(1, total_tokens);
+  std::map<int64_t, int64_t> compact_id;
+  for (size_t i = 0; i < p.routed.size(); ++i) compact_id[p.routed[i]] = static_cast<int64_t>(i);
+
+  std::vector<reference::RankInputs<float>> in(1);
+  auto& r0 = in[0];
+  r0.num_tokens = total_tokens;
+  for (int64_t r = 0; r < R; ++r) {
+    r0.x.insert(r0.x.end(), p.x[r].begin(), p.x[r].end());
+    for (int64_t e : p.idx[r]) r0.topk_idx.push_back(e < 0 ? -1 : compact_id[e]);
+    r0.topk_weights.insert(r0.topk_weights.end(), p.weights[r].begin(), p.weights[r].end());
+  }
+  r0.w13.assign(compact.num_experts * 2 * I * H, 0.0f);
+  r0.w2.assign(compact.num_experts * H * I, 0.0f);
+  for (size_t i = 0; i < p.routed.size(); ++i) {
+    for (int64_t k = 0; k < 2 * I * H; ++k) r0.w13[i * 2 * I * H + k] = p.w13_value(p.routed[i], k);
+    for (int64_t k = 0; k < H * I; ++k) r0.w2[i * H * I + k] = p.w2_value(p.routed[i], k);
+  }
+  std::vector<std::vector<float>> out, d_out(1);
+  for (int64_t r = 0; r < R; ++r) d_out[0].insert(d_out[0].end(), p.d_out[r].begin(), p.d_out[r].end());
+  std::vector<reference::RankGradients<float>> grads;
+  const Status forward_status = reference::forward(compact, in, &out);
+  EXPECT_TRUE(forward_status.is_ok()) << forward_status.to_string();
+  const Status backward_status = reference::backward(compact, in, d_out, &grads);
+  EXPECT_TRUE(backward_status.is_ok()) << backward_status.to_string();
+  Expected e;
+  int64_t token0 = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t T = static_cast<int64_t>(p.x[r].size()) / H;
+    e.out.emplace_back(out[0].begin() + token0 * H, out[0].begin() + (token0 + T) * H);
+    e.d_x.emplace_back(grads[0].d_x.begin() + token0 * H, grads[0].d_x.begin() + (token0 + T) * H);
+    e.d_weights.emplace_back(grads[0].d_topk_weights.begin() + token0 * K,
+                             grads[0].d_topk_weights.begin() + (token0 + T) * K);
+    token0 += T;
+  }
+  for (size_t i = 0; i < p.routed.size(); ++i) {
+    e.d_w13[p.routed[i]].assign(grads[0].d_w13.begin() + i * 2 * I * H, grads[0].d_w13.begin() + (i + 1) * 2 * I * H);
+    e.d_w2[p.routed[i]].assign(grads[0].d_w2.begin() + i * H * I, grads[0].d_w2.begin() + (i + 1) * H * I);
+  }
+  return e;
+}
+
+inline std::vector<RankTensors> upload(const Problem& p) {
+  const LayerConfig& c = p.config;
+  const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, EL = c.experts_per_rank();
+  std::vector<RankTensors> t(c.num_ranks);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    const int64_t T = static_cast<int64_t>(p.x[r].size()) / H;
+    auto& rt = t[r];
+    rt.x = DeviceBuffer<__nv_bfloat16>(T * H);
+    rt.d_out = DeviceBuffer<__nv_bfloat16>(T * H);
+    std::vector<__nv_bfloat16> xb(T * H), db(T * H);
+    for (int64_t i = 0; i < T * H; ++i) {
+      xb[i] = __float2bfloat16(p.x[r][i]);
+      db[i] = __float2bfloat16(p.d_out[r][i]);
+    }
+    rt.x.upload(xb);
+    rt.d_out.upload(db);
+    rt.idx = DeviceBuffer<int64_t>(T * K);
+    rt.idx.upload(p.idx[r]);
+    rt.weights = DeviceBuffer<float>(T * K);
+    rt.weights.upload(p.weights[r]);
+    rt.w13 = DeviceBuffer<__nv_bfloat16>(EL * 2 * I * H);
+    rt.w2 = DeviceBuffer<__nv_bfloat16>(EL * H * I);
+    const uint64_t first = static_cast<uint64_t>(r * EL);
+    EXPECT_TRUE(kernels::fill_hashed_bf16(rt.w13.get(), EL * 2 * I * H, p.seed_of(1), first * 2 * I * H, p.w13_scale));
+    EXPECT_TRUE(kernels::fill_hashed_bf16(rt.w2.get(), EL * H * I, p.seed_of(2), first * H * I, p.w2_scale));
+    rt.out = DeviceBuffer<__nv_bfloat16>(T * H);
+    rt.d_x = DeviceBuffer<__nv_bfloat16>(T * H);
+    rt.d_weights = DeviceBuffer<float>(T * K);
+    rt.d_w13 = DeviceBuffer<float>(EL * 2 * I * H);
+    rt.d_w2 = DeviceBuffer<float>(EL * H * I);
+  }
+  return t;
+}
+
+}  // namespace megamoe::testing::ep_problem

@@ -1,0 +1,351 @@
+// GPU tests of the blockwise-scaled FP8 GEMM (src/kernels/fp8_gemm.hpp), dense and grouped.
+//
+// Inputs: random bf16-range values whose magnitude varies by a random power of two per 1 x 128 group of A and
+// per 128 x 128 block of B (so a scale applied to the wrong row, group or block is a large error, not a
+// rounding-level one), quantized on the CPU with the project's emulation (fp8::quantize_rows_1x128 /
+// quantize_blocks_128x128). Expected values follow the arithmetic contract exactly, in double:
+//     want[m, n] = sum_kb (sum_{k in kb} qa[m, k] * qb[n, k]) * sa[m, kb] * sb[n / 128, kb]
+// (each block sum of e4m3 products is exact in double). Checks: no NaN (outputs are poisoned with NaN before
+// the call, so unwritten elements fail), ||got - want|| / ||want|| <= 1e-2, and per element
+//     |got - want| <= 2^-7 |want| + 2^-9 mag,   mag[m, n] = sum_kb (sum_k |qa qb|) * |sa sb|
+// (bf16 rounding of the output, plus the FP8 tensor cores' limited-precision accumulation inside a K block,
+// which is bounded relative to the magnitudes of the summed terms, not to the possibly cancelling sum).
+// Rows past M (or outside every expert) are checked to be still poisoned. Fresh random inputs every run
+// (the seed is printed).
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "gpu/gpu_test_util.hpp"
+#include "kernels/fp8_gemm.hpp"
+#include "megamoe/fp8.hpp"
+
+namespace megamoe::kernels {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using megamoe::testing::DeviceBuffer;
+
+constexpr double kFrobeniusTol = 1e-2;
+constexpr double kRelTol = 1.0 / 128;  // 2^-7
+constexpr double kMagTol = 1.0 / 512;  // 2^-9
+constexpr int kGuardRows = 64;         // extra output rows that must stay poisoned
+
+std::mt19937_64& rng() {
+  static std::mt19937_64 gen = [] {
+    const uint64_t seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+    std::printf("[fp8_gemm_test] random seed %llu\n", static_cast<unsigned long long>(seed));
+    return std::mt19937_64(seed);
+  }();
+  return gen;
+}
+
+// A row-major [rows, cols] matrix of bf16-representable values: normal(0, 1) times 2^e, e drawn uniformly
+// from [-spread, spread] per block of block_rows x 128 (1 for activation groups, 128 for weight blocks).
+std::vector<float> random_blocks(int64_t rows, int64_t cols, int64_t block_rows, int spread) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-spread, spread);
+  const int64_t row_blocks = (rows + block_rows - 1) / block_rows, col_blocks = cols / 128;
+  std::vector<float> magnitude(static_cast<size_t>(row_blocks * col_blocks));
+  for (auto& m : magnitude) m = std::ldexp(1.0f, exponent(rng()));
+  std::vector<float> v(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float x = normal(rng()) * magnitude[(r / block_rows) * col_blocks + c / 128];
+      v[r * cols + c] = __bfloat162float(__float2bfloat16(x));
+    }
+  return v;
+}
+
+// One operand, quantized: e4m3 bytes, their values, the scales.
+struct Quantized {
+  std::vector<uint8_t> q;
+  std::vector<float> value;  // e4m3_to_float(q)
+  std::vector<float> scale;
+};
+
+Quantized quantize_activations(const std::vector<float>& x, int64_t rows, int64_t cols) {
+  Quantized out{std::vector<uint8_t>(x.size()), std::vector<float>(x.size()),
+                std::vector<float>(static_cast<size_t>(rows * (cols / 128)))};
+  fp8::quantize_rows_1x128(x.data(), rows, cols, out.q.data(), out.scale.data());
+  for (size_t i = 0; i < x.size(); ++i) out.value[i] = fp8::e4m3_to_float(out.q[i]);
+  return out;
+}
+
+Quantized quantize_weights(const std::vector<float>& w, int64_t rows, int64_t cols) {
+  Quantized out{std::vector<uint8_t>(w.size()), std::vector<float>(w.size()),
+                std::vector<float>(static_cast<size_t>((rows + 127) / 128 * (cols / 128)))};
+  fp8::quantize_blocks_128x128(w.data(), rows, cols, out.q.data(), out.scale.data());
+  for (size_t i = 0; i < w.size(); ++i) out.value[i] = fp8::e4m3_to_float(out.q[i]);
+  return out;
+}
+
+// The contract in double for rows [row0, row0 + rows) of A against one weight matrix (b_value [N, K],
+// b_scale [ceil(N / 128), K / 128]); want and mag are [rows, N].
+void expected(const Quantized& a, int64_t row0, int64_t rows, const float* b_value, const float* b_scale, int N,
+              int K, std::vector<double>& want, std::vector<double>& mag) {
+  const int kb_count = K / 128;
+  want.assign(static_cast<size_t>(rows * N), 0.0);
+  mag.assign(static_cast<size_t>(rows * N), 0.0);
+  auto work = [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* qa = a.value.data() + (row0 + m) * K;
+      const float* sa = a.scale.data() + (row0 + m) * kb_count;
+      for (int n = 0; n < N; ++n) {
+        const float* qb = b_value + static_cast<int64_t>(n) * K;
+        const float* sb = b_scale + static_cast<int64_t>(n / 128) * kb_count;
+        double w = 0.0, g = 0.0;
+        for (int kb = 0; kb < kb_count; ++kb) {
+          double s = 0.0, s_abs = 0.0;
+          for (int k = kb * 128; k < kb * 128 + 128; ++k) {
+            const double prod = static_cast<double>(qa[k]) * static_cast<double>(qb[k]);
+            s += prod;
+            s_abs += std::fabs(prod);
+          }
+          const double scale = static_cast<double>(sa[kb]) * static_cast<double>(sb[kb]);
+          w += s * scale;
+          g += s_abs * std::fabs(scale);
+        }
+        want[m * N + n] = w;
+        mag[m * N + n] = g;
+      }
+    }
+  };
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(std::thread::hardware_concurrency(), rows));
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t) pool.emplace_back(work, rows * t / threads, rows * (t + 1) / threads);
+  for (auto& th : pool) th.join();
+}
+
+// Compares rows [row0, row0 + rows) of got (N wide) with want / mag of those rows.
+struct Comparison {
+  double rel_err = 0.0;
+  int64_t nan = 0, bad = 0;
+  std::string first_bad;
+};
+
+Comparison compare(const std::vector<bf16>& got, int64_t row0, int64_t rows, int N, const std::vector<double>& want,
+                   const std::vector<double>& mag) {
+  Comparison c;
+  double num = 0.0, den = 0.0;
+  for (int64_t m = 0; m < rows; ++m)
+    for (int n = 0; n < N; ++n) {
+      const double g = __bfloat162float(got[(row0 + m) * N + n]);
+      const double w = want[m * N + n];
+      if (std::isnan(g)) {
+        ++c.nan;
+        continue;
+      }
+      const double d = std::fabs(g - w);
+      num += d * d;
+      den += w * w;
+      if (!(d <= kRelTol * std::fabs(w) + kMagTol * mag[m * N + n])) {
+        if (c.bad++ == 0) {
+          c.first_bad = "row " + std::to_string(row0 + m) + " col " + std::to_string(n) + ": got " +
+                        std::to_string(g) + " want " + std::to_string(w) + " (mag " + std::to_string(mag[m * N + n]) +
+                        ")";
+        }
+      }
+    }
+  c.rel_err = den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
+  return c;
+}
+
+void expect_close(const Comparison& c, const std::string& what) {
+  EXPECT_EQ(c.nan, 0) << what << ": NaN (unwritten or poisoned) outputs";
+  EXPECT_LE(c.rel_err, kFrobeniusTol) << what;
+  EXPECT_EQ(c.bad, 0) << what << ": first " << c.first_bad;
+  std::printf("[fp8_gemm_test] %s: rel err %.3e\n", what.c_str(), c.rel_err);
+}
+
+int64_t count_not_nan(const std::vector<bf16>& got, int64_t from, int64_t to) {
+  int64_t written = 0;
+  for (int64_t i = from; i < to; ++i) written += !std::isnan(__bfloat162float(got[i]));
+  return written;
+}
+
+// A dense problem, run on the GPU and checked. spread: the exponent range of the per-group / per-block
+// magnitudes.
+void run_dense(int64_t M, int N, int K, int spread) {
+  const std::string what = "dense M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K);
+  const Quantized a = quantize_activations(random_blocks(M, K, 1, spread), M, K);
+  const Quantized b = quantize_weights(random_blocks(N, K, 128, spread), N, K);
+  DeviceBuffer<uint8_t> dA(a.q.size()), dB(b.q.size());
+  DeviceBuffer<float> dsa(a.scale.size()), dsb(b.scale.size());
+  DeviceBuffer<bf16> dD(static_cast<size_t>((M + kGuardRows) * N));  // NaN-poisoned
+  dA.upload(a.q);
+  dB.upload(b.q);
+  dsa.upload(a.scale);
+  dsb.upload(b.scale);
+  const Status s = fp8_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), M, N, K, nullptr);
+  ASSERT_TRUE(s.is_ok()) << what << ": " << s.to_string();
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<bf16> got = dD.download();
+  std::vector<double> want, mag;
+  expected(a, 0, M, b.value.data(), b.scale.data(), N, K, want, mag);
+  expect_close(compare(got, 0, M, N, want, mag), what);
+  EXPECT_EQ(count_not_nan(got, M * N, (M + kGuardRows) * N), 0) << what << ": rows past M were written";
+
+  // Deterministic: a second run gives bitwise the same output.
+  const Status again = fp8_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), M, N, K, nullptr);
+  ASSERT_TRUE(again.is_ok()) << again.to_string();
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<bf16> got2 = dD.download();
+  int64_t differ = 0;
+  for (int64_t i = 0; i < M * N; ++i) {
+    uint16_t x, y;
+    std::memcpy(&x, &got[i], 2);
+    std::memcpy(&y, &got2[i], 2);
+    differ += x != y;
+  }
+  EXPECT_EQ(differ, 0) << what << ": two runs differ";
+}
+
+class Fp8GemmShapes : public ::testing::TestWithParam<std::tuple<int, int, int>> {};
+
+TEST_P(Fp8GemmShapes, DenseMatchesContract) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const auto [M, N, K] = GetParam();
+  run_dense(M, N, K, 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fp8Gemm, Fp8GemmShapes,
+                         ::testing::Combine(::testing::Values(1, 100, 128, 300, 1024), ::testing::Values(128, 256, 768),
+                                            ::testing::Values(128, 512, 2048)));
+
+// Scales spanning 2^-12 .. 2^12 between rows, groups and blocks: a scale applied to the wrong row, K block
+// or weight block is off by orders of magnitude.
+TEST(Fp8Gemm, StronglyVaryingScales) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  run_dense(300, 384, 1024, 12);
+}
+
+// More tiles than SMs (256 tiles of 128 x 128): CTAs walk several tiles, the ring's phases carry over tiles.
+TEST(Fp8Gemm, SeveralTilesPerCta) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  run_dense(4096, 1024, 384, 4);
+}
+
+// N not a multiple of the 128-wide tile: the last tile's weight block has 72 rows.
+TEST(Fp8Gemm, PartialLastColumnTile) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  run_dense(300, 200, 256, 4);
+}
+
+TEST(Fp8Gemm, GroupedByExpert) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const int N = 256, K = 512;
+  // An empty expert, a one-row expert, tile-straddling sizes; rows past the last expert must stay untouched.
+  const std::vector<int> sizes = {130, 0, 1, 257, 64, 300};
+  const int E = static_cast<int>(sizes.size());
+  std::vector<int32_t> offsets(E + 1, 0);
+  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + sizes[e];
+  const int64_t rows = offsets[E];
+  const int64_t max_rows = rows + kGuardRows;
+  const Quantized a = quantize_activations(random_blocks(max_rows, K, 1, 4), max_rows, K);
+  std::vector<uint8_t> qb;
+  std::vector<float> vb, sb;
+  for (int e = 0; e < E; ++e) {
+    const Quantized b = quantize_weights(random_blocks(N, K, 128, 4), N, K);
+    qb.insert(qb.end(), b.q.begin(), b.q.end());
+    vb.insert(vb.end(), b.value.begin(), b.value.end());
+    sb.insert(sb.end(), b.scale.begin(), b.scale.end());
+  }
+  const size_t sb_per_expert = sb.size() / E;
+  DeviceBuffer<uint8_t> dA(a.q.size()), dB(qb.size());
+  DeviceBuffer<float> dsa(a.scale.size()), dsb(sb.size());
+  DeviceBuffer<int32_t> doff(offsets.size());
+  DeviceBuffer<bf16> dD(static_cast<size_t>(max_rows * N));
+  dA.upload(a.q);
+  dB.upload(qb);
+  dsa.upload(a.scale);
+  dsb.upload(sb);
+  doff.upload(offsets);
+  const Status s =
+      fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), doff.get(), E, max_rows, N, K, nullptr);
+  ASSERT_TRUE(s.is_ok()) << s.to_string();
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<bf16> got = dD.download();
+  for (int e = 0; e < E; ++e) {
+    if (sizes[e] == 0) continue;
+    std::vector<double> want, mag;
+    expected(a, offsets[e], sizes[e], vb.data() + static_cast<size_t>(e) * N * K, sb.data() + e * sb_per_expert, N, K,
+             want, mag);
+    expect_close(compare(got, offsets[e], sizes[e], N, want, mag), "grouped expert " + std::to_string(e));
+  }
+  EXPECT_EQ(count_not_nan(got, rows * N, max_rows * N), 0) << "rows outside every expert were written";
+}
+
+TEST(Fp8Gemm, EmptyInputsAreNoOps) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const int N = 128, K = 128;
+  DeviceBuffer<uint8_t> dB(N * K);
+  DeviceBuffer<float> dsb(1);
+  DeviceBuffer<bf16> dD(N);
+  EXPECT_TRUE(fp8_gemm_nt(nullptr, nullptr, dB.get(), dsb.get(), nullptr, 0, N, K, nullptr).is_ok());
+  DeviceBuffer<uint8_t> dA(N * K);
+  DeviceBuffer<float> dsa(N);
+  DeviceBuffer<int32_t> doff(2);
+  doff.upload({0, 0});
+  EXPECT_TRUE(
+      fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), doff.get(), 1, 1, N, K, nullptr).is_ok());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_EQ(count_not_nan(dD.download(), 0, N), 0) << "an empty expert wrote its output";
+}
+
+TEST(Fp8Gemm, RejectsBadArguments) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const int M = 128, N = 128, K = 256;
+  DeviceBuffer<uint8_t> dA(M * K), dB(N * K);
+  DeviceBuffer<float> dsa(M * 2), dsb(2);
+  DeviceBuffer<bf16> dD(M * N);
+  DeviceBuffer<int32_t> doff(2);
+  doff.upload({0, M});
+  auto expect_invalid = [](const Status& s, const char* fragment) {
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+    EXPECT_NE(s.message().find(fragment), std::string::npos) << s.message();
+  };
+  uint8_t* A = dA.get();
+  uint8_t* B = dB.get();
+  float* sa = dsa.get();
+  float* sb = dsb.get();
+  bf16* D = dD.get();
+  expect_invalid(fp8_gemm_nt(A, sa, B, sb, D, M, N, 200, nullptr), "multiple of 128");
+  expect_invalid(fp8_gemm_nt(A, sa, B, sb, D, M, N, 0, nullptr), "multiple of 128");
+  expect_invalid(fp8_gemm_nt(A, sa, B, sb, D, M, 100, K, nullptr), "multiple of 8");
+  expect_invalid(fp8_gemm_nt(A, sa, B, sb, D, M, 0, K, nullptr), "multiple of 8");
+  expect_invalid(fp8_gemm_nt(A, sa, B, sb, D, -1, N, K, nullptr), "M must be");
+  expect_invalid(fp8_gemm_nt(A, sa, B, sb, D, int64_t{1} << 31, N, K, nullptr), "M must be");
+  expect_invalid(fp8_gemm_nt(nullptr, sa, B, sb, D, M, N, K, nullptr), "A is null");
+  expect_invalid(fp8_gemm_nt(A, nullptr, B, sb, D, M, N, K, nullptr), "sa is null");
+  expect_invalid(fp8_gemm_nt(A, sa, nullptr, sb, D, M, N, K, nullptr), "B is null");
+  expect_invalid(fp8_gemm_nt(A, sa, B, nullptr, D, M, N, K, nullptr), "sb is null");
+  expect_invalid(fp8_gemm_nt(A, sa, B, sb, nullptr, M, N, K, nullptr), "D is null");
+  expect_invalid(fp8_gemm_nt(A + 1, sa, B, sb, D, M, N, K, nullptr), "A must be 16-byte aligned");
+  expect_invalid(fp8_gemm_nt(A, sa + 1, B, sb, D, M, N, K, nullptr), "sa must be 16-byte aligned");
+  expect_invalid(fp8_gemm_nt(A, sa, B + 8, sb, D, M, N, K, nullptr), "B must be 16-byte aligned");
+  expect_invalid(fp8_gemm_nt(A, sa, B, sb + 2, D, M, N, K, nullptr), "sb must be 16-byte aligned");
+  expect_invalid(fp8_gemm_nt(A, sa, B, sb, D + 4, M, N, K, nullptr), "D must be 16-byte aligned");
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 0, M, N, K, nullptr), "num_experts");
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1025, M, N, K, nullptr), "num_experts");
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, nullptr, 1, M, N, K, nullptr), "expert_offsets is null");
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, 64, nullptr), "multiple of 128");
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, -5, N, K, nullptr), "max_rows must be");
+  // Nothing above may have launched anything: the poisoned output is untouched.
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_EQ(count_not_nan(dD.download(), 0, int64_t{M} * N), 0);
+}
+
+}  // namespace
+}  // namespace megamoe::kernels
