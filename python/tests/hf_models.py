@@ -60,10 +60,17 @@ def loss_and_grads(model, ids):
     return out.logits.detach(), out.loss.detach(), grads
 
 
-def compare_models(models, ids, *, tol, worse_than_eager_by=2.0):
-    """models: {"eager": bf16 eager, "megamoe": bf16 megamoe, "truth": fp32 eager}, same weights. megamoe must
-    be within tol of bf16 eager on logits, loss and every gradient, and no further from the fp32 truth than
-    worse_than_eager_by times bf16 eager's own distance (plus tol / 10). Returns the errors it measured."""
+def compare_models(models, ids, *, tol, worse_than_eager_by=1.0):
+    """models: {"eager": bf16 eager, "megamoe": bf16 megamoe, "truth": fp32 eager}, same weights.
+
+    On logits, loss and every gradient, megamoe must be no further from the fp32 truth than
+    worse_than_eager_by times bf16 eager's own distance to it (plus tol / 10), and within tol of bf16 eager
+    wherever bf16 eager itself is within tol of the truth. Where it is not, two bf16 runs of the same model
+    differ by about as much as each differs from fp32, so their distance says nothing about megamoe: in a
+    2-layer Qwen3-MoE model the second layer's routing depends on the first layer's bf16 output, some
+    tokens pick other experts in each bf16 run, and bf16 eager's layer-1 expert and norm gradients are
+    9-10% from fp32 (megamoe's 7-8%; measured, docs/PERF.md). The layer itself is checked per call in
+    isolation (test_each_experts_call_in_the_model_is_the_layer_on_its_own_inputs). Returns the errors."""
     results = {name: loss_and_grads(m, ids) for name, m in models.items()}
     (e_logits, e_loss, e_grads), (m_logits, m_loss, m_grads), (t_logits, t_loss, t_grads) = \
         results["eager"], results["megamoe"], results["truth"]
@@ -81,9 +88,10 @@ def compare_models(models, ids, *, tol, worse_than_eager_by=2.0):
     for what, (direct, mine_vs_truth, eager_vs_truth) in errors.items():
         print(f"{what:60s} {direct:10.3g} {mine_vs_truth:10.3g} {eager_vs_truth:10.3g}")
     for what, (direct, mine_vs_truth, eager_vs_truth) in errors.items():
-        assert direct <= tol, f"{what}: megamoe vs eager rel err {direct:.3g} > {tol}"
         assert mine_vs_truth <= worse_than_eager_by * eager_vs_truth + tol / 10, \
             f"{what}: megamoe is {mine_vs_truth:.3g} from fp32, bf16 eager {eager_vs_truth:.3g}"
+        if eager_vs_truth <= tol:
+            assert direct <= tol, f"{what}: megamoe vs eager rel err {direct:.3g} > {tol}"
     return errors
 
 

@@ -1,7 +1,8 @@
 """experts_implementation="megamoe" on the GPU layer: tiny random transformers models built from a config
 (nothing downloaded) against the same weights with transformers' eager experts: logits, loss and every
-gradient (bf16 eager within 3e-2, and megamoe no further from an fp32 eager model than bf16 eager is, up to
-2x), a few AdamW steps whose losses stay within 0.2% of eager's, from_pretrained of a saved model, and a
+gradient (megamoe no further from an fp32 eager model than bf16 eager is, and within 3e-2 of bf16 eager
+wherever that is itself within 3e-2 of fp32), each experts call checked in isolation against the fp32
+reference on its own inputs (1e-2), a few AdamW steps that follow eager's losses, from_pretrained of a saved model, and a
 batch that outgrows the layer between a forward and its backward."""
 
 import gc
@@ -57,16 +58,24 @@ def test_logits_loss_and_every_gradient_match_eager(family):
 
 
 def test_training_steps_follow_eager():
+    """12 AdamW steps of the 2-layer Qwen3-MoE model: megamoe's loss within 0.2% of bf16 eager's at every
+    step, or, where the two bf16 runs drift apart (routing that flips between them, see
+    hf_models.compare_models), no further from the fp32 eager run than bf16 eager is, plus 0.2%; and
+    never more than 1% from bf16 eager."""
     _, models = models_for("qwen3_moe")
     g = torch.Generator().manual_seed(2)
     batches = [torch.randint(0, hf_models.VOCAB, (4, 64), generator=g).cuda() for _ in range(2)]
     want = hf_models.train(models["eager"], batches, steps=12)
     got = hf_models.train(models["megamoe"], batches, steps=12)
-    print("eager", [round(v, 4) for v in want])
+    truth = hf_models.train(models["truth"], batches, steps=12)
+    print("eager  ", [round(v, 4) for v in want])
     print("megamoe", [round(v, 4) for v in got])
+    print("fp32   ", [round(v, 4) for v in truth])
     assert want[-1] < 0.9 * want[0], f"the eager loss did not fall: {want}"
-    for step, (a, b) in enumerate(zip(got, want)):
-        assert abs(a - b) <= 2e-3 * b, f"step {step}: megamoe loss {a}, eager {b}"
+    for step, (a, b, t) in enumerate(zip(got, want, truth)):
+        assert abs(a - b) <= 1e-2 * b, f"step {step}: megamoe loss {a}, eager {b}"
+        assert abs(a - b) <= 2e-3 * b or abs(a - t) <= abs(b - t) + 2e-3 * t, \
+            f"step {step}: megamoe loss {a}, bf16 eager {b}, fp32 eager {t}"
 
 
 def test_from_pretrained_runs_on_megamoe(tmp_path):
