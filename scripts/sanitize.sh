@@ -23,7 +23,7 @@
 # default, 0.2-2 s in some error tests), turns into a kTimeout failure that is no bug of the code. So:
 #   memcheck  - every small test: building blocks (the deliberate-timeout ones too: their waits are bounded
 #               by the wall clock, not by instruction counts), the layer error tests (R = 2), options, the
-#               CUDA-graph capture test, the R = 1 NCCL/IPC bootstrap test, route_rows, fp8 quantize, all
+#               CUDA-graph capture test, route_rows, fp8 quantize, all
 #               grouped-GEMM and simple grouped-GEMM tests, and three layer scenarios: Qwen30B_R1,
 #               Qwen30B_R4_AllToOneExpert (the cheapest multi-rank one, a rank with T = 0) and
 #               Narrow_R2_ManyTokens (several layout CTAs). No DeepSeek-V3, no R = 8 scenario.
@@ -34,6 +34,9 @@
 #               grouped GEMM and the grouped GEMM minus its two longest tests (MGroupedKMajorPlain and
 #               KGroupedFp32: the same kernel configurations are launched by the others).
 # NCCL's own kernels are never instrumented (--kernel-name-exclude kns=nccl): their reports are not ours.
+# The process-group tests are left out altogether: on the H200 memcheck reported 4 API errors in them, all
+# cudaFuncGetAttributes calls made by libnccl itself (host backtraces entirely inside libnccl.so) probing
+# kernel images it was not built with; the API-error report cannot be limited to our calls.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 out=${1:?usage: scripts/sanitize.sh OUTDIR [BUILD_DIR]}
@@ -49,7 +52,7 @@ limit=${MEGAMOE_SANITIZE_TIMEOUT:-240}
 read -r -a extra_args <<<"${MEGAMOE_SANITIZE_ARGS:-}"
 
 layer='Layer/EpLayerTest.MatchesReferenceAndIsDeterministic'
-filter_memcheck="BuildingBlocks.*:EpLayerErrorsTest.*:EpLayerOptionsTest.*:EpLayerGraphTest.*:ProcessRankGroupTest.*"
+filter_memcheck="BuildingBlocks.*:EpLayerErrorsTest.*:EpLayerOptionsTest.*:EpLayerGraphTest.*"
 filter_memcheck+=":EpRouteRows.*:Fp8QuantizeGpuTest.*:GroupedGemm.*:SimpleGroupedGemmTest.*"
 filter_memcheck+=":$layer/Qwen30B_R1:$layer/Qwen30B_R4_AllToOneExpert:$layer/Narrow_R2_ManyTokens"
 filter_single_rank="BuildingBlocks.PipelineEveryDepthManyLaps:BuildingBlocks.SchedulersCoverEveryTileOnceInOneSequence"
