@@ -30,10 +30,14 @@
 #   racecheck - only single-rank layer tests (R = 1: the barriers count the rank itself, no peer to wait
 #   synccheck   for): Qwen30B_R1. No test that waits for a timeout on purpose (SignalWait, ReadinessGated,
 #               the EpLayerErrorsTest timeouts), no R >= 2 test, no CUDA-graph capture, no NCCL; the
-#               device building blocks (pipeline ring, schedulers), route_rows, fp8 quantize, the simple
+#               device schedulers (not the pipeline ring: below), route_rows, fp8 quantize, the FP8 GEMM, the simple
 #               grouped GEMM and the grouped GEMM minus its two longest tests (MGroupedKMajorPlain and
 #               KGroupedFp32: the same kernel configurations are launched by the others).
 # NCCL's own kernels are never instrumented (--kernel-name-exclude kns=nccl): their reports are not ours.
+# BuildingBlocks.PipelineEveryDepthManyLaps is left out of racecheck and synccheck: its ring is written with
+# plain stores by a whole warp and published by one lane's mbarrier arrival after __syncwarp (ordered by the
+# PTX memory model); racecheck does not model that hand-over and reported 200 RAW/WAR "potential hazards"
+# on it on the H200 (and ran past 80 s on its first depth), while the engine's TMA rings gave 0 hazards.
 # The process-group tests are left out altogether: on the H200 memcheck reported 4 API errors in them, all
 # cudaFuncGetAttributes calls made by libnccl itself (host backtraces entirely inside libnccl.so) probing
 # kernel images it was not built with; the API-error report cannot be limited to our calls.
@@ -53,9 +57,9 @@ read -r -a extra_args <<<"${MEGAMOE_SANITIZE_ARGS:-}"
 
 layer='Layer/EpLayerTest.MatchesReferenceAndIsDeterministic'
 filter_memcheck="BuildingBlocks.*:EpLayerErrorsTest.*:EpLayerOptionsTest.*:EpLayerGraphTest.*"
-filter_memcheck+=":EpRouteRows.*:Fp8QuantizeGpuTest.*:GroupedGemm.*:SimpleGroupedGemmTest.*"
+filter_memcheck+=":EpRouteRows.*:Fp8QuantizeGpuTest.*:GroupedGemm.*:SimpleGroupedGemmTest.*:Fp8Gemm.*:*Fp8GemmShapes*"
 filter_memcheck+=":$layer/Qwen30B_R1:$layer/Qwen30B_R4_AllToOneExpert:$layer/Narrow_R2_ManyTokens"
-filter_single_rank="BuildingBlocks.PipelineEveryDepthManyLaps:BuildingBlocks.SchedulersCoverEveryTileOnceInOneSequence"
+filter_single_rank="BuildingBlocks.SchedulersCoverEveryTileOnceInOneSequence:Fp8Gemm.*"
 filter_single_rank+=":EpRouteRows.*:Fp8QuantizeGpuTest.*:GroupedGemm.*:SimpleGroupedGemmTest.*:$layer/Qwen30B_R1"
 filter_single_rank+=":-GroupedGemm.MGroupedKMajorPlain:GroupedGemm.KGroupedFp32"
 filter_for() {  # tool -> gtest filter
