@@ -268,6 +268,20 @@ _backend = _LibraryBackend()
 
 # ---- checks ----
 
+# Tensors whose rows the kernels move 16 bytes at a time.
+_ROWS16 = frozenset(("x", "w13", "w2", "d_out"))
+
+
+def _address(tensor: Tensor) -> int | None:
+    """The data pointer of a tensor with real storage; None under tracing (fake and meta tensors have none)."""
+    if tensor.device.type == "meta":
+        return None
+    try:
+        return tensor.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 def _check_inputs(cfg: LayerConfig, x, topk_idx, topk_weights, w13, w2, d_out=None, *, local: bool = False) -> None:
     """local: the lists hold one process's rank of a process group (one tensor each, E/R experts)."""
     ranks = 1 if local else cfg.num_ranks
@@ -307,6 +321,11 @@ def _check_inputs(cfg: LayerConfig, x, topk_idx, topk_weights, w13, w2, d_out=No
             if not tensor.is_contiguous():
                 raise ValueError(f"megamoe: {label} must be contiguous (row-major), got strides {tensor.stride()}; "
                                  f"call .contiguous()")
+            address = _address(tensor)
+            if name in _ROWS16 and address is not None and address % 16:
+                raise ValueError(f"megamoe: {label} must start at a 16-byte aligned address (its rows are moved 16 "
+                                 f"bytes at a time), got data_ptr() % 16 = {address % 16} (a view at an odd offset); "
+                                 f"call .clone()")
         if t > cfg.max_tokens_per_rank:
             raise ValueError(f"megamoe: {'x' if ranks == 1 else f'x[{r}]'} has {t} tokens, more than "
                              f"max_tokens_per_rank={cfg.max_tokens_per_rank}")

@@ -198,6 +198,8 @@ def _inputs_for_errors():
     (1, lambda t: t[:, :2], ValueError, "topk_idx must have shape"),
     (4, lambda t: t[:, :, :128], ValueError, "w2 must have shape"),
     (0, lambda t: t.t().contiguous().t(), ValueError, "x must be contiguous"),
+    (0, lambda t: torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape), ValueError, "x must start at a 16-byte"),
+    (4, lambda t: torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape), ValueError, "w2 must start at a 16-byte"),
     (3, lambda t: t.transpose(1, 2).contiguous().transpose(1, 2), ValueError, "w13 must be contiguous"),
     (1, lambda t: torch.where(t == 3, E, t), ValueError, "expert id 16"),
     (1, lambda t: torch.where(t == 3, -5, t), ValueError, "expert id -5"),

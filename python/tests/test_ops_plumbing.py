@@ -67,6 +67,15 @@ def test_backward_of_an_older_forward_recomputes_it(backend):
     assert all(g.shape == t.shape for g, t in zip(g_second, x2))
 
 
+def _misaligned(t):
+    """The same values in a contiguous view that starts 2 bytes past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)
+    view = flat[1:1 + t.numel()].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16
+    return view
+
+
 @pytest.mark.parametrize("bad, error, match", [
     (lambda a: a[0].__setitem__(0, a[0][0].float()), TypeError, "x\\[0\\] must be torch.bfloat16"),
     (lambda a: a[1].__setitem__(1, a[1][1].float()), TypeError, "topk_idx\\[1\\] must be"),
@@ -76,6 +85,8 @@ def test_backward_of_an_older_forward_recomputes_it(backend):
      "w2\\[1\\] must be contiguous"),
     (lambda a: a[0].__setitem__(0, a[0][0].t().contiguous().t()), ValueError, "x\\[0\\] must be contiguous"),
     (lambda a: a[1].__setitem__(0, a[1][0] + 4), ValueError, "topk_idx\\[0\\] holds expert id"),
+    (lambda a: a[0].__setitem__(1, _misaligned(a[0][1])), ValueError, "x\\[1\\] must start at a 16-byte aligned"),
+    (lambda a: a[3].__setitem__(0, _misaligned(a[3][0])), ValueError, "w13\\[0\\] must start at a 16-byte aligned"),
     (lambda a: a[0].pop(), ValueError, "one tensor per rank"),
 ])
 def test_bad_inputs_raise_clear_errors(backend, bad, error, match):
