@@ -63,14 +63,17 @@ def loss_and_grads(model, ids):
 def compare_models(models, ids, *, tol, worse_than_eager_by=1.0):
     """models: {"eager": bf16 eager, "megamoe": bf16 megamoe, "truth": fp32 eager}, same weights.
 
-    On logits, loss and every gradient, megamoe must be no further from the fp32 truth than
-    worse_than_eager_by times bf16 eager's own distance to it (plus tol / 10), and within tol of bf16 eager
-    wherever bf16 eager itself is within tol of the truth. Where it is not, two bf16 runs of the same model
-    differ by about as much as each differs from fp32, so their distance says nothing about megamoe: in a
-    2-layer Qwen3-MoE model the second layer's routing depends on the first layer's bf16 output, some
-    tokens pick other experts in each bf16 run, and bf16 eager's layer-1 expert and norm gradients are
-    9-10% from fp32 (megamoe's 7-8%; measured, docs/PERF.md). The layer itself is checked per call in
-    isolation (test_each_experts_call_in_the_model_is_the_layer_on_its_own_inputs). Returns the errors."""
+    On logits, loss and every gradient, megamoe must be within tol of bf16 eager. The one exception is a
+    quantity where bf16 eager is itself further than tol from the fp32 truth: there two bf16 runs of the same
+    model can part ways by about as much as each differs from fp32 (in a 2-layer Qwen3-MoE model the second
+    layer's routing depends on the first layer's bf16 output and some tokens pick other experts in each bf16
+    run; bf16 eager's layer-1 expert and norm gradients were measured 9-10% from fp32, megamoe's 7-8%,
+    docs/PERF.md), so their distance says nothing about megamoe, and megamoe must instead be no further from
+    the truth than worse_than_eager_by times bf16 eager's distance (plus tol / 10). Where megamoe is within
+    tol of bf16 eager, the two distances to the truth differ by at most that tol (triangle inequality) and
+    comparing them tests rounding noise, not megamoe (seen in CI: 0.212 against 0.208 for a gate gradient that
+    megamoe and bf16 eager shared within 0.011). The layer itself is checked per call in isolation
+    (check_each_experts_call). Returns the errors."""
     results = {name: loss_and_grads(m, ids) for name, m in models.items()}
     (e_logits, e_loss, e_grads), (m_logits, m_loss, m_grads), (t_logits, t_loss, t_grads) = \
         results["eager"], results["megamoe"], results["truth"]
@@ -88,11 +91,76 @@ def compare_models(models, ids, *, tol, worse_than_eager_by=1.0):
     for what, (direct, mine_vs_truth, eager_vs_truth) in errors.items():
         print(f"{what:60s} {direct:10.3g} {mine_vs_truth:10.3g} {eager_vs_truth:10.3g}")
     for what, (direct, mine_vs_truth, eager_vs_truth) in errors.items():
+        if direct <= tol:
+            continue
+        assert eager_vs_truth > tol, f"{what}: megamoe vs eager rel err {direct:.3g} > {tol}"
         assert mine_vs_truth <= worse_than_eager_by * eager_vs_truth + tol / 10, \
-            f"{what}: megamoe is {mine_vs_truth:.3g} from fp32, bf16 eager {eager_vs_truth:.3g}"
-        if eager_vs_truth <= tol:
-            assert direct <= tol, f"{what}: megamoe vs eager rel err {direct:.3g} > {tol}"
+            f"{what}: megamoe is {direct:.3g} from bf16 eager and {mine_vs_truth:.3g} from fp32, " \
+            f"bf16 eager {eager_vs_truth:.3g} from fp32"
     return errors
+
+
+def check_each_experts_call(model, ids, *, tol):
+    """Inside a model on megamoe every experts call must be what the layer computes on that call's inputs
+    alone: its output bitwise the same when re-run in isolation, its weight gradients in .grad bitwise those
+    of the isolated call (nothing carried between two layers' calls or between a forward and the backward
+    of another), and the isolated call within tol of the fp32 reference on the very inputs (the routing
+    weights in the dtype the model gave) and output gradient the model gave it. Returns the errors per call."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    from megamoe import reference
+    from megamoe.integrations import transformers as mt
+
+    calls = []
+
+    def recording(module, hidden_states, top_k_index, top_k_weights):
+        out = mt.experts_forward(module, hidden_states, top_k_index, top_k_weights)
+        call = {"module": module, "x": hidden_states.detach().clone(), "idx": top_k_index.detach().clone(),
+                "w": top_k_weights.detach().clone(), "out": out.detach().clone()}
+        if out.requires_grad:
+            out.register_hook(lambda g: call.update(d_out=g.detach().clone()))
+        calls.append(call)
+        return out
+
+    ExpertsInterface.register(mt.NAME, recording)
+    try:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        mt.register()
+    modules = mt.experts_modules(model)
+    assert len(calls) == len(modules) >= 1, f"{len(calls)} experts calls for {len(modules)} experts modules"
+    results = []
+    for n, call in enumerate(calls):
+        module = call["module"]
+        experts = module.gate_up_proj.shape[0]
+        x = call["x"].requires_grad_()
+        w = call["w"].requires_grad_()
+        w13 = torch.nn.Parameter(module.gate_up_proj.detach().clone())
+        w2 = torch.nn.Parameter(module.down_proj.detach().clone())
+        saved = module.gate_up_proj, module.down_proj
+        try:  # the isolated call on clones of the weights, through the same experts module
+            module.gate_up_proj, module.down_proj = w13, w2
+            out = mt.experts_forward(module, x, call["idx"], w)
+        finally:
+            module.gate_up_proj, module.down_proj = saved
+        d_x, d_w, d_w13, d_w2 = torch.autograd.grad(out, [x, w, w13, w2], call["d_out"])
+        assert torch.equal(out, call["out"]), f"layer {n}: the output differs when the call is re-run alone"
+        assert torch.equal(d_w13, module.gate_up_proj.grad), f"layer {n}: gate_up_proj.grad is not the call's own"
+        assert torch.equal(d_w2, module.down_proj.grad), f"layer {n}: down_proj.grad is not the call's own"
+
+        up = [t.detach().float().requires_grad_() for t in (call["x"], call["w"], w13, w2)]
+        idx = torch.where(call["idx"] >= experts, -1, call["idx"])
+        want = reference.moe(up[0], idx, up[1], up[2], up[3])
+        wants = torch.autograd.grad(want, up, call["d_out"].float())
+        errors = {name: rel_err(got, ref) for name, got, ref in
+                  zip(("out", "d_x", "d_topk_weights", "d_gate_up_proj", "d_down_proj"),
+                      (out, d_x, d_w, d_w13, d_w2), (want, *wants))}
+        print(f"layer {n}: " + ", ".join(f"{k} {v:.3g}" for k, v in errors.items()))
+        for name, err in errors.items():
+            assert err <= tol, f"layer {n}: {name} rel err {err:.3g} from the fp32 reference on the same inputs"
+        results.append(errors)
+    return results
 
 
 def train(model, batches, steps, lr=1e-3):

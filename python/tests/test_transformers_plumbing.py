@@ -75,6 +75,12 @@ def test_model_matches_eager_experts(backend, family):
     assert backend.backwards - before == len(experts_of(models["megamoe"]))
 
 
+def test_each_experts_call_in_a_two_layer_model_is_the_layer_on_its_own_inputs(backend):
+    model = hf_models.build(hf_models.qwen3_moe_config(layers=2), "megamoe")
+    ids = torch.randint(0, hf_models.VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    hf_models.check_each_experts_call(model, ids, tol=1e-2)
+
+
 def test_training_steps_follow_eager(backend):
     config = hf_models.qwen3_moe_config()
     eager = hf_models.build(config, "eager")
