@@ -178,7 +178,8 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
   const int E = std::max(groups, 1);
   const int64_t M = rows_per_group * E;
   const size_t a_bytes = size_t(M) * K, b_bytes = size_t(E) * N * K;
-  const size_t sa_count = size_t(M) * (K / 128), sb_count = size_t(E) * ((N + 127) / 128) * (K / 128);
+  const size_t sa_count = size_t(megamoe::kernels::fp8_scale_pitch(M)) * (K / 128);
+  const size_t sb_count = size_t(E) * ((N + 127) / 128) * (K / 128);
   uint8_t *A, *B;
   float *sa, *sb;
   bf16 *D, *D_ref;

@@ -1,4 +1,4 @@
-// TMA tensor maps (CUtensorMap) of bf16 tensors, encoded on the host through the driver entry point the
+// TMA tensor maps (CUtensorMap) of bf16 and fp32 tensors, encoded on the host through the driver entry point the
 // CUDA runtime hands out (no link against libcuda).
 #pragma once
 
@@ -14,5 +14,11 @@ namespace megamoe {
 // elements with box[0] * 2 == 128 bytes: one span of the 128-byte swizzle every tile here uses.
 // Out-of-range elements of a box load as zeros and are not stored.
 Status make_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims, const uint32_t* box);
+
+// A 2-D fp32 tensor [dims[1], pitch] (dims[0] <= pitch elements used per row, pitch * 4 bytes a multiple of 16,
+// as TMA strides must be), no swizzle: boxes of box[0] x box[1] elements land as plain row-major arrays
+// (box[0] * 4 a multiple of 16). Out-of-range elements load as zeros.
+Status make_fp32_tensor_map_2d(CUtensorMap* map, const void* base, const uint64_t* dims, uint64_t pitch,
+                               const uint32_t* box);
 
 }  // namespace megamoe

@@ -3,7 +3,8 @@
 //
 // Tensor maps: TMA copies bytes, so the e4m3 operands are described as bf16 tensors of half the width (a pair
 // of e4m3 per "bf16"): a 128-byte box row is 128 e4m3 = one K block, the swizzle (on bytes) is the same, and
-// out-of-range elements load as zero bytes, which are +0 in e4m3 too.
+// out-of-range elements load as zero bytes, which are +0 in e4m3 too. The A scales are an fp32 tensor
+// [K / 128, fp8_scale_pitch(rows)] whose boxes are one K block's scales of a tile's 128 rows.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -67,8 +68,13 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
               const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K, cudaStream_t stream) {
   int num_sms = 0;
   MEGAMOE_RETURN_IF_ERROR(device_sms(&num_sms));
-  CUtensorMap tm_a{}, tm_b{}, tm_d{};
+  CUtensorMap tm_a{}, tm_b{}, tm_sa{}, tm_d{};
   const uint64_t rows = static_cast<uint64_t>(std::max<int64_t>(max_rows, 1));
+  {
+    const uint64_t dims[2] = {rows, static_cast<uint64_t>(K / kKBlock)};
+    const uint32_t box[2] = {static_cast<uint32_t>(kBM), 1};
+    MEGAMOE_RETURN_IF_ERROR(make_fp32_tensor_map_2d(&tm_sa, sa, dims, fp8_scale_pitch(static_cast<int64_t>(rows)), box));
+  }
   {
     const uint64_t dims[2] = {static_cast<uint64_t>(K), rows};
     const uint32_t box[2] = {64, static_cast<uint32_t>(kBM)};
@@ -93,7 +99,7 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   p.K = K;
   p.src.b_row_step = kBN;
   p.src.b_half_offset = kBN / 2;
-  p.scales = device::BlockScaleSources{sa, sb, K / kKBlock, (N + kKBlock - 1) / kKBlock};
+  p.b_scales = device::WeightScales{sb, K / kKBlock, (N + kKBlock - 1) / kKBlock};
   p.epi.c = device::OutputRows{D, N, nullptr, nullptr};
   p.epi.aux = device::OutputRows{nullptr, N, nullptr, nullptr};
   p.epi.c_cols = N;
@@ -109,7 +115,7 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
     const int64_t tiles = (max_rows + kBM - 1) / kBM * ((N + kBN - 1) / kBN);
     grid = static_cast<int>(std::min<int64_t>(grid, std::max<int64_t>(tiles, 1)));
   }
-  kernel<<<grid, kFp8GemmThreads, Cfg::kSmemBytes, stream>>>(tm_a, tm_b, tm_d, p);
+  kernel<<<grid, kFp8GemmThreads, Cfg::kSmemBytes, stream>>>(tm_a, tm_b, tm_sa, tm_d, p);
   MEGAMOE_CHECK_LAUNCH(stream, "fp8_gemm_kernel");
   return Status::ok();
 }

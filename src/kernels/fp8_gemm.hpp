@@ -5,7 +5,10 @@
 //   P_kb[m, n] = sum_{k in block kb} float(qa[m, k]) * float(qb[n, k])      (kb = 128-wide K blocks)
 //
 // A (qa) is e4m3 [M, K] K-major with scales sa [M, K / 128] (one per 1 x 128 group of a row, as
-// fp8::quantize_rows_1x128 writes them); B (qb) is e4m3 [N, K] K-major with scales sb [ceil(N / 128), K / 128]
+// fp8::quantize_rows_1x128 computes them) stored K-block-major: sa[kb, m] at sa + kb * fp8_scale_pitch(M) + m
+// (the transpose of quantize_rows_1x128's layout, with rows padded to a multiple of 4 floats; the kernel
+// fetches one K block's scales of a tile's 128 rows as one TMA box, whose row strides must be multiples of
+// 16 bytes; padding is never read). B (qb) is e4m3 [N, K] K-major with scales sb [ceil(N / 128), K / 128]
 // (one per 128 x 128 block, fp8::quantize_blocks_128x128). e4m3 values are raw bytes (uint8_t), the encoding
 // of include/megamoe/fp8.hpp.
 //
@@ -16,7 +19,7 @@
 // element computed by one thread.
 //
 // Grouped form (M grouped by expert, forward GEMM1/GEMM2 style): expert e owns rows
-// [expert_offsets[e], expert_offsets[e + 1]) of A, sa and D and multiplies them with B[e] [N, K] (scales
+// [expert_offsets[e], expert_offsets[e + 1]) of A, sa (columns of its K-block-major layout) and D and multiplies them with B[e] [N, K] (scales
 // sb[e] [ceil(N / 128), K / 128]). expert_offsets is a *device* int32 array of E + 1 nondecreasing entries
 // with expert_offsets[E] <= max_rows, read only by the kernel (clamped into [0, max_rows]; a decreasing pair
 // reads as an empty expert). Rows of D outside every expert are not written.
@@ -39,11 +42,15 @@ namespace megamoe::kernels {
 
 inline constexpr int kFp8GemmMaxExperts = 1024;
 
-// Dense: A [M, K], sa [M, K / 128], B [N, K], sb [ceil(N / 128), K / 128], D [M, N] bf16 row-major.
+// Floats between two K blocks of sa: rows rounded up to a multiple of 4 (16 bytes).
+constexpr int64_t fp8_scale_pitch(int64_t rows) { return (rows + 3) / 4 * 4; }
+
+// Dense: A [M, K], sa [K / 128, fp8_scale_pitch(M)], B [N, K], sb [ceil(N / 128), K / 128], D [M, N] bf16
+// row-major.
 Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D, int64_t M,
                    int N, int K, cudaStream_t stream);
 
-// Grouped: A [max_rows, K], sa [max_rows, K / 128], B [num_experts, N, K],
+// Grouped: A [max_rows, K], sa [K / 128, fp8_scale_pitch(max_rows)], B [num_experts, N, K],
 // sb [num_experts, ceil(N / 128), K / 128], D [max_rows, N].
 Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
                            const int32_t* expert_offsets, int num_experts, int64_t max_rows, int N, int K,

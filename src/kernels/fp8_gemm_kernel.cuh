@@ -3,9 +3,10 @@
 //   warpgroup 0, the producer (setmaxnreg down), walks the schedule:
 //     thread 0 issues the A and B boxes of each stage with TMA (TileLoader, the bf16 engine's loader: a stage
 //       of 128-byte rows is the same bytes for 128 e4m3 as for 64 bf16, see fp8_mainloop.cuh);
-//     warp 1 copies the stage's scales (load_block_scales: sa of the tile's 128 rows, sb of its weight block);
+//     thread 32 loads the stage's A scales with TMA (load_block_scales: sa of the tile's 128 rows);
 //   warpgroups 1 and 2, the consumers (setmaxnreg up): 64 rows each; per stage wgmma x 4 into a temporary
-//     accumulator and the fp32 promotion with the scales (mma_tile_fp8_blockwise), then the bf16 epilogue
+//     accumulator and the fp32 promotion with the scales (mma_tile_fp8_blockwise, which reads the weight
+//     block's scale from global memory one K block ahead), then the bf16 epilogue
 //     of the engine (epilogue_plain through BoxStore: TMA stores for whole 64-row slices, else the threads).
 // Work items (expert, m-tile, n-tile) are numbered on the device (GroupedTiles) from the expert row offsets;
 // the dense GEMM is one group of M rows. Every role walks the same grid-stride schedule.
@@ -36,7 +37,7 @@ struct Fp8GemmParams {
   int N;
   int K;                            // e4m3 elements (a multiple of 128)
   device::OperandSources src;       // B panel rows of an n-tile (the TMA path of TileLoader)
-  device::BlockScaleSources scales;
+  device::WeightScales b_scales;
   device::EpilogueArgs epi;         // D through OutputRows (contiguous), no row scale
   int tma_store;                    // 1: the D tensor map is valid
 };
@@ -51,9 +52,9 @@ struct Fp8GemmConfig {
   using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, 1>;
   using Loader = device::TileLoader<Shape, false, false>;
   using Tiles = device::GroupedTiles<Shape::kBM, kBN, Shape::kBK, 1, false>;
-  // Full barrier of a stage: the TMA thread's expect-tx arrival plus the scale warp's 32 copy arrivals.
-  static constexpr int kFullArrivals = Loader::kFullArrivals + device::kScaleWarpLanes;
-  static constexpr int kScaleWarp = 1;  // warp of the producer warpgroup that copies the scales
+  // Full barrier of a stage: the operand TMA thread's expect-tx arrival plus the scale thread's.
+  static constexpr int kFullArrivals = Loader::kFullArrivals + device::kScaleArrivals;
+  static constexpr int kScaleThread = 32;  // producer thread that loads the A scales (another warp than thread 0)
   // Consumers hold two fp32 accumulators of 64 registers each (acc, partial) plus addressing.
   static constexpr int kProducerRegs = 56;
   static constexpr int kConsumerRegs = 224;
@@ -78,13 +79,12 @@ struct Fp8GemmConfig {
 
 template <class Cfg>
 __device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const CUtensorMap* tm_b,
-                                                 const Fp8GemmParams& p, typename Cfg::SharedStorage& smem,
+                                                 const CUtensorMap* tm_sa, const Fp8GemmParams& p, typename Cfg::SharedStorage& smem,
                                                  const typename Cfg::Tiles& tiles, const device::StaticSchedule& sched,
                                                  int ptid) {
   using Shape = typename Cfg::Shape;
   const bool tma_thread = ptid == 0;
-  const bool scale_warp = ptid / 32 == Cfg::kScaleWarp;
-  if (!tma_thread && !scale_warp) return;
+  if (!tma_thread && ptid != Cfg::kScaleThread) return;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   typename Cfg::Loader loader{tm_a, tm_b, p.src, {}};
   device::PipeState<Shape::kStages> st;
@@ -99,7 +99,7 @@ __device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const 
       if (tma_thread) {
         loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, 0);
       } else {
-        device::load_block_scales(pipe, st, &smem.scales[st.index], p.scales, tile, kt, ptid & 31);
+        device::load_block_scales(pipe, st, &smem.scales[st.index], tm_sa, tile, kt);
       }
       st.advance();
     }
@@ -123,7 +123,8 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     // Read from shared memory per item, not held across the epilogue (where every register counts).
     if (t >= tiles.total_now()) break;
     const device::TileCoord tile = tiles.decode(t, 0);
-    device::mma_tile_fp8_blockwise<Shape>(acc, pipe, st, smem.stages[0], smem.scales, tile, cwg, lt);
+    device::mma_tile_fp8_blockwise<Shape>(acc, pipe, st, smem.stages[0], smem.scales, p.b_scales.of(tile), tile, cwg,
+                                          lt);
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
     // A TMA box is clipped only at the tensor's edge, and rows past an expert belong to the next one: TMA
@@ -137,7 +138,8 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
 template <class Cfg>
 __global__ void __launch_bounds__(kFp8GemmThreads, 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
-                    const __grid_constant__ CUtensorMap tm_d, const Fp8GemmParams p) {
+                    const __grid_constant__ CUtensorMap tm_sa, const __grid_constant__ CUtensorMap tm_d,
+                    const Fp8GemmParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using Shape = typename Cfg::Shape;
   extern __shared__ uint8_t smem_raw[];
@@ -160,7 +162,7 @@ __global__ void __launch_bounds__(kFp8GemmThreads, 1)
   const device::StaticSchedule sched{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
   if (tid < 128) {
     device::setmaxnreg_dec<Cfg::kProducerRegs>();
-    fp8_run_producer<Cfg>(&tm_a, &tm_b, p, smem, tiles, sched, tid);
+    fp8_run_producer<Cfg>(&tm_a, &tm_b, &tm_sa, p, smem, tiles, sched, tid);
   } else {
     device::setmaxnreg_inc<Cfg::kConsumerRegs>();
     fp8_run_consumer<Cfg>(&tm_d, p, smem, tiles, sched, tid);

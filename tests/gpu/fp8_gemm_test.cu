@@ -91,6 +91,17 @@ Quantized quantize_weights(const std::vector<float>& w, int64_t rows, int64_t co
   return out;
 }
 
+// The A scales as the kernel takes them: K-block-major, sa[kb, m] at kb * fp8_scale_pitch(rows) + m; the
+// padding is NaN, so a read of it would show.
+std::vector<float> k_block_major(const Quantized& a, int64_t rows, int K) {
+  const int kb_count = K / 128;
+  const int64_t pitch = fp8_scale_pitch(rows);
+  std::vector<float> out(static_cast<size_t>(kb_count * pitch), std::nanf(""));
+  for (int64_t m = 0; m < rows; ++m)
+    for (int kb = 0; kb < kb_count; ++kb) out[kb * pitch + m] = a.scale[m * kb_count + kb];
+  return out;
+}
+
 // The contract in double for rows [row0, row0 + rows) of A against one weight matrix (b_value [N, K],
 // b_scale [ceil(N / 128), K / 128]); want and mag are [rows, N].
 void expected(const Quantized& a, int64_t row0, int64_t rows, const float* b_value, const float* b_scale, int N,
@@ -181,12 +192,13 @@ void run_dense(int64_t M, int N, int K, int spread) {
   const std::string what = "dense M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K);
   const Quantized a = quantize_activations(random_blocks(M, K, 1, spread), M, K);
   const Quantized b = quantize_weights(random_blocks(N, K, 128, spread), N, K);
+  const std::vector<float> sa = k_block_major(a, M, K);
   DeviceBuffer<uint8_t> dA(a.q.size()), dB(b.q.size());
-  DeviceBuffer<float> dsa(a.scale.size()), dsb(b.scale.size());
+  DeviceBuffer<float> dsa(sa.size()), dsb(b.scale.size());
   DeviceBuffer<bf16> dD(static_cast<size_t>((M + kGuardRows) * N));  // NaN-poisoned
   dA.upload(a.q);
   dB.upload(b.q);
-  dsa.upload(a.scale);
+  dsa.upload(sa);
   dsb.upload(b.scale);
   const Status s = fp8_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), M, N, K, nullptr);
   ASSERT_TRUE(s.is_ok()) << what << ": " << s.to_string();
@@ -252,7 +264,7 @@ TEST(Fp8Gemm, GroupedByExpert) {
   std::vector<int32_t> offsets(E + 1, 0);
   for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + sizes[e];
   const int64_t rows = offsets[E];
-  const int64_t max_rows = rows + kGuardRows;
+  const int64_t max_rows = rows + kGuardRows + 1;  // not a multiple of 4: the scales' row padding is exercised
   const Quantized a = quantize_activations(random_blocks(max_rows, K, 1, 4), max_rows, K);
   std::vector<uint8_t> qb;
   std::vector<float> vb, sb;
@@ -263,13 +275,14 @@ TEST(Fp8Gemm, GroupedByExpert) {
     sb.insert(sb.end(), b.scale.begin(), b.scale.end());
   }
   const size_t sb_per_expert = sb.size() / E;
+  const std::vector<float> sa = k_block_major(a, max_rows, K);
   DeviceBuffer<uint8_t> dA(a.q.size()), dB(qb.size());
-  DeviceBuffer<float> dsa(a.scale.size()), dsb(sb.size());
+  DeviceBuffer<float> dsa(sa.size()), dsb(sb.size());
   DeviceBuffer<int32_t> doff(offsets.size());
   DeviceBuffer<bf16> dD(static_cast<size_t>(max_rows * N));
   dA.upload(a.q);
   dB.upload(qb);
-  dsa.upload(a.scale);
+  dsa.upload(sa);
   dsb.upload(sb);
   doff.upload(offsets);
   const Status s =
@@ -295,7 +308,7 @@ TEST(Fp8Gemm, EmptyInputsAreNoOps) {
   DeviceBuffer<bf16> dD(N);
   EXPECT_TRUE(fp8_gemm_nt(nullptr, nullptr, dB.get(), dsb.get(), nullptr, 0, N, K, nullptr).is_ok());
   DeviceBuffer<uint8_t> dA(N * K);
-  DeviceBuffer<float> dsa(N);
+  DeviceBuffer<float> dsa(fp8_scale_pitch(1));
   DeviceBuffer<int32_t> doff(2);
   doff.upload({0, 0});
   EXPECT_TRUE(
@@ -308,7 +321,7 @@ TEST(Fp8Gemm, RejectsBadArguments) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const int M = 128, N = 128, K = 256;
   DeviceBuffer<uint8_t> dA(M * K), dB(N * K);
-  DeviceBuffer<float> dsa(M * 2), dsb(2);
+  DeviceBuffer<float> dsa(fp8_scale_pitch(M) * 2), dsb(2);
   DeviceBuffer<bf16> dD(M * N);
   DeviceBuffer<int32_t> doff(2);
   doff.upload({0, M});

@@ -7,9 +7,11 @@
 // e4m3 bytes viewed as bf16 pairs) and descriptors serve; the next k32 slice of e4m3 is 32 bytes on, like
 // the next k16 slice of bf16.
 //
-// Per K block: wgmma.m64nBNk32 x 4 into `partial` (the first overwrites it), commit, read the stage's scales
-// while the tensor cores run, wait for the group, release the stage, then promote (fp8_promotion.cuh):
-// acc += partial * sa * sb in fp32 registers. Two accumulators of BN / 2 registers each per thread.
+// Per K block: wgmma.m64nBNk32 x 4 into `partial` (the first overwrites it), commit, read the stage's A
+// scales while the tensor cores run, wait for the group, release the stage, then promote
+// (fp8_promotion.cuh): acc += partial * sa * sb in fp32 registers. Two accumulators of BN / 2 registers each
+// per thread. The weight block's scale of the next K block is loaded from global memory (block_scales.cuh)
+// one block ahead, so its latency hides behind a whole block's wgmma.
 #pragma once
 
 #include <cstdint>
@@ -24,13 +26,14 @@
 namespace megamoe::device {
 
 // acc = sum over the tile's K blocks of scale * (the block's wgmma sum). cwg: consumer warpgroup (rows
-// 64 cwg .. 64 cwg + 63 of the tile); lt: thread in the warpgroup; scales: the ring's scale slots.
+// 64 cwg .. 64 cwg + 63 of the tile); lt: thread in the warpgroup; scales: the ring's A-scale slots;
+// b_scales: the tile's weight-block scales, one per K block (WeightScales::of).
 template <class Shape>
 __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN / 2],
                                                        const StagePipeline<Shape::kStages>& pipe,
                                                        PipeState<Shape::kStages>& st, uint8_t* stages,
-                                                       const StageScales* scales, const TileCoord& tile, int cwg,
-                                                       int lt) {
+                                                       const StageScales* scales, const float* b_scales,
+                                                       const TileCoord& tile, int cwg, int lt) {
   static_assert(Shape::kForm == GemmForm::kNT && Shape::kCluster == 1, "FP8 operands are both K-major, single CTAs");
   static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
   static_assert(Shape::kBK * 2 == 128 && Shape::kAStep == 32 && Shape::kBStep == 32, "a stage row is one K block");
@@ -43,7 +46,10 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
 #pragma unroll
   for (int i = 0; i < kN; ++i) partial[i] = 0.0f;
   const int k_tiles = max(tile.k_tiles, 0);
+  float b_next = k_tiles > 0 ? __ldg(b_scales) : 0.0f;
   for (int kt = 0; kt < k_tiles; ++kt) {
+    const float b_scale = b_next;
+    if (kt + 1 < k_tiles) b_next = __ldg(b_scales + kt + 1);
     pipe.consumer_wait(st);
     const uint32_t sa = smem_addr(stages + st.index * Shape::kStageBytes);
     const uint32_t sb = sa + Shape::kABytes;
@@ -56,10 +62,9 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
       Mma::mma(partial, da, db, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
-    const StageScales& sc = scales[st.index];
-    const float b_scale = sc.b;
-    const float scale[2] = {promotion_scale(sc.a, b_scale, cwg, warp, lane, 0),
-                            promotion_scale(sc.a, b_scale, cwg, warp, lane, 1)};
+    const float* a_scales = scales[st.index].a;
+    const float scale[2] = {promotion_scale(a_scales, b_scale, cwg, warp, lane, 0),
+                            promotion_scale(a_scales, b_scale, cwg, warp, lane, 1)};
     wgmma_wait<0>();
     fence_accumulators(partial);
     pipe.template consumer_release<1>(st, lt, 0);
