@@ -4,7 +4,7 @@
 // Tensor maps: TMA copies bytes, so the e4m3 operands are described as bf16 tensors of half the width (a pair
 // of e4m3 per "bf16"): a 128-byte box row is 128 e4m3 = one K block, the swizzle (on bytes) is the same, and
 // out-of-range elements load as zero bytes, which are +0 in e4m3 too. The A scales are an fp32 tensor
-// [K / 128, fp8_scale_pitch(rows)] whose boxes are one K block's scales of a tile's 128 rows.
+// [K / 128, fp8_scale_pitch(rows)] whose boxes are one K block's scales of a tile's rows (block_scales.cuh).
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -72,7 +72,7 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   const uint64_t rows = static_cast<uint64_t>(std::max<int64_t>(max_rows, 1));
   {
     const uint64_t dims[2] = {rows, static_cast<uint64_t>(K / kKBlock)};
-    const uint32_t box[2] = {static_cast<uint32_t>(kBM), 1};
+    const uint32_t box[2] = {static_cast<uint32_t>(device::kScaleBoxRows), 1};
     MEGAMOE_RETURN_IF_ERROR(make_fp32_tensor_map_2d(&tm_sa, sa, dims, fp8_scale_pitch(static_cast<int64_t>(rows)), box));
   }
   {

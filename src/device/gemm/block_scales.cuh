@@ -21,14 +21,22 @@
 
 namespace megamoe::device {
 
-// One stage's A scales (the tile is 128 rows high); rows past the tensor's end load as 0, rows past the
-// tile's valid rows carry the next rows' scales (their outputs are never stored). 128-byte aligned: a TMA
-// destination.
+// One stage's A scales. A TMA box must start on a 16-byte boundary of its inner dimension (seen on the
+// H200: a box of scales starting at row 130 stopped the kernel with an illegal instruction), and a tile's
+// first row is any row, so the box starts at the tile's first row rounded down to a multiple of 4 and is
+// 4 rows longer than the tile: the tile's row r has its scale at a[(row0 & 3) + r] (tile_scales). Rows past
+// the tensor's end load as 0; rows outside the tile carry their own scales (their outputs are never stored).
+// 128-byte aligned: a TMA destination.
+inline constexpr int kScaleBoxRows = 128 + 4;
 struct alignas(128) StageScales {
-  float a[128];
+  float a[kScaleBoxRows];
 };
 
 inline constexpr uint32_t kStageScaleBytes = sizeof(StageScales::a);
+
+__device__ __forceinline__ int scale_box_row0(int row0) { return row0 & ~3; }
+// The scales of the tile's rows (row 0 first) in a stage's slot.
+__device__ __forceinline__ const float* tile_scales(const StageScales& slot, int row0) { return slot.a + (row0 & 3); }
 inline constexpr int kScaleArrivals = 1;  // full-barrier arrivals per stage of the thread that loads the scales
 
 // Where the B scales come from: sb [groups, n_blocks, k_blocks] fp32 row-major.
@@ -44,13 +52,14 @@ struct WeightScales {
 };
 
 // One thread: the A scales of K block kb of `tile` into the stage's slot, through `map_sa` (the fp32 tensor
-// [k_blocks, pitch] of sa, boxes of 128 rows x 1 K block), with this thread's arrival and transaction count.
+// [k_blocks, pitch] of sa, boxes of kScaleBoxRows rows x 1 K block), with this thread's arrival and
+// transaction count.
 template <int kStages>
 __device__ __forceinline__ void load_block_scales(const StagePipeline<kStages>& pipe, const PipeState<kStages>& st,
                                                   StageScales* slot, const CUtensorMap* map_sa, const TileCoord& tile,
                                                   int kb) {
   pipe.producer_expect_tx(st, kStageScaleBytes);
-  tma_load_2d(slot->a, map_sa, tile.row0, kb, pipe.full_barrier(st));
+  tma_load_2d(slot->a, map_sa, scale_box_row0(tile.row0), kb, pipe.full_barrier(st));
 }
 
 }  // namespace megamoe::device

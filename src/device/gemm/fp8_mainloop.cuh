@@ -62,7 +62,7 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
       Mma::mma(partial, da, db, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
-    const float* a_scales = scales[st.index].a;
+    const float* a_scales = tile_scales(scales[st.index], tile.row0);
     const float scale[2] = {promotion_scale(a_scales, b_scale, cwg, warp, lane, 0),
                             promotion_scale(a_scales, b_scale, cwg, warp, lane, 1)};
     wgmma_wait<0>();
