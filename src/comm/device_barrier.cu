@@ -1,14 +1,6 @@
-// The rank barrier: every rank adds 1 to counter[id] on every peer (release, system scope, so NVLink peers see
-// the data written before), then waits until its own counter[id] == R (acquire, bounded). Once a rank has
-// seen R arrivals nobody touches its counter[id] again in this call (a peer's next arrival needs this
-// rank's arrival at an earlier barrier of the next call), so it resets the counter to 0 itself: the
-// workspace is clean after every call, also under CUDA graph replay.
-//
-// A timeout leaves counters that no later call can trust (a late peer may still arrive). The rank that
-// timed out therefore marks the whole group broken, for good: it records the timeout in every rank's error
-// record and sets every rank's `broken` flag. A broken rank's later barriers neither arrive nor wait (no
-// hang), they record kErrorBroken, and the combines turn the outputs into NaN; the layer must be recreated.
-#include "comm/device_sync.cuh"
+// The modular path's rank barrier: one thread runs rank_barrier (rank_barrier.cuh) between the kernels
+// whose data it orders.
+#include "comm/rank_barrier.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/ep_kernels.hpp"
 
@@ -17,29 +9,7 @@ namespace {
 
 __global__ void barrier_kernel(Params p, int id) {
   if (threadIdx.x != 0) return;
-  if (is_broken(p)) {
-    record_error(error_record(p.local, p.layout), StatusCode::kTimeout, kErrorBroken, p.shape.rank, id, 0);
-    return;
-  }
-  const int64_t offset = p.layout.barriers + 8 * static_cast<int64_t>(id);
-  // Make every store of this rank's earlier kernels (peer stores included) visible before arriving.
-  __threadfence_system();
-  for (int peer = 0; peer < p.shape.num_ranks; ++peer)
-    device::signal_add<device::Scope::kSystem>(at<uint64_t>(p.peers[peer], offset), uint64_t{1});
-  uint64_t* mine = at<uint64_t>(p.local, offset);
-  device::WaitReport report{error_record(p.local, p.layout), p.shape.rank, p.timeout_ns, kErrorBarrierTimeout, false};
-  if (device::wait_at_least<device::Scope::kSystem>(mine, static_cast<uint64_t>(p.shape.num_ranks), report, id)) {
-    *mine = 0;
-    return;
-  }
-  // Timed out: every rank learns of it, and the group is broken for good.
-  const int64_t seen = static_cast<int64_t>(device::load_acquire<device::Scope::kSystem>(mine));
-  for (int peer = 0; peer < p.shape.num_ranks; ++peer) {
-    record_error(error_record(p.peers[peer], p.layout), StatusCode::kTimeout, kErrorBarrierTimeout, p.shape.rank, id,
-                 seen);
-    *reinterpret_cast<volatile int32_t*>(p.peers[peer] + p.layout.broken) = 1;
-  }
-  __threadfence_system();
+  rank_barrier(p, id);
 }
 
 }  // namespace

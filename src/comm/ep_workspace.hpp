@@ -45,7 +45,7 @@ struct WorkspaceLayout {
   // control
   int64_t error = 0;           // DeviceError
   int64_t barriers = 0;        // uint64 [kNumBarriers]
-  int64_t broken = 0;          // int32: set for good when a barrier timed out on any rank (see device_barrier.cu)
+  int64_t broken = 0;          // int32: set for good when a barrier timed out on any rank (see rank_barrier.cuh)
   // source side (this rank's tokens)
   int64_t pair_dest_slot = 0;  // int32 [T, K]: slot of token t in the receive slab of slot j's rank; -1 masked
   int64_t pair_send_rank = 0;  // int32 [T, K]: slot j's rank if j is the token's first slot on it, else -1
@@ -70,7 +70,19 @@ struct WorkspaceLayout {
   int64_t h = 0;               // bf16 [C, 2I]  saved for the backward (SwiGLU backward)
   int64_t a = 0;               // bf16 [C, I]   forward: a; backward: w * a (recomputed from h) for d_w2
   int64_t dh = 0;              // bf16 [C, 2I]
+  // fused forward (kernels/fused_forward_kernel.cuh): counters that are 0 between calls
+  int64_t grid_arrivals = 0;   // uint32: grid barrier of the rank's persistent kernel (device/comm/grid_barrier.cuh)
+  int64_t grid_exits = 0;      // uint32
+  int64_t counts_arrived = 0;  // uint32: sources whose counts have reached this rank's recv_counts
+  int64_t rows_arrived = 0;    // uint32 [R]: token rows each source has written into this rank's receive slab
+  int64_t rows_ready = 0;      // uint32 [row blocks]: rows routed per 128-row block of the expert-major rows
+  int64_t act_ready = 0;       // uint32 [row blocks]: GEMM1 warpgroup slices whose a is stored, per block
+  int64_t token_done = 0;      // uint32 [T]: y rows stored home per token (one per slot and GEMM2 n-tile)
+  int64_t row_signal = 0;      // pointer [C]: the row's token_done counter on its source rank
   int64_t total = 0;
+
+  // 128-row blocks of the expert-major rows: at most one partial block per expert besides the full ones.
+  static int64_t row_blocks(const Shape& s) { return (s.row_capacity + 127) / 128 + s.experts_per_rank; }
 
   static WorkspaceLayout make(const Shape& s) {
     WorkspaceLayout l;
@@ -107,6 +119,15 @@ struct WorkspaceLayout {
     l.h = take(2 * C * 2 * I);
     l.a = take(2 * C * I);
     l.dh = take(2 * C * 2 * I);
+    const int64_t blocks = row_blocks(s);
+    l.grid_arrivals = take(4);
+    l.grid_exits = take(4);
+    l.counts_arrived = take(4);
+    l.rows_arrived = take(4 * R);
+    l.rows_ready = take(4 * blocks);
+    l.act_ready = take(4 * blocks);
+    l.token_done = take(4 * T);
+    l.row_signal = take(8 * C);
     l.total = at;
     return l;
   }

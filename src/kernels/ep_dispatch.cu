@@ -1,10 +1,7 @@
-// Dispatch: each token's row goes once to every rank that owns one of its experts, into the slot the
-// layout step gave it in that rank's receive slab for this source. The forward also sends the routing
-// (local expert and row index per top-k slot, and the weights); the backward reuses it.
-#include "comm/device_sync.cuh"
+// The modular dispatch kernel: one warp per token (ep_dispatch.cuh), grid-stride.
 #include "kernels/cuda_check.hpp"
+#include "kernels/ep_dispatch.cuh"
 #include "kernels/ep_kernels.hpp"
-#include "kernels/ep_row_copy.cuh"
 
 namespace megamoe::ep {
 namespace {
@@ -13,31 +10,10 @@ template <typename Index>
 __global__ void dispatch_kernel(Params p, const __nv_bfloat16* __restrict__ rows, int64_t recv_buffer,
                                 const Index* __restrict__ idx, const float* __restrict__ weights) {
   if (has_error(p)) return;
-  const Shape& s = p.shape;
-  const int K = s.top_k, EL = s.experts_per_rank;
   const int lane = threadIdx.x % 32;
-  const int32_t* send_rank = at<int32_t>(p.local, p.layout.pair_send_rank);
-  const int32_t* dest_slot = at<int32_t>(p.local, p.layout.pair_dest_slot);
-  const int32_t* row_index = at<int32_t>(p.local, p.layout.pair_row_index);
   const int64_t first = first_warp(), num_warps = warp_count();
-  for (int64_t t = first; t < p.num_tokens; t += num_warps) {
-    for (int j = 0; j < K; ++j) {
-      const int d = send_rank[t * K + j];
-      if (d < 0) continue;
-      const int64_t recv = static_cast<int64_t>(s.rank) * s.max_tokens + dest_slot[t * K + j];
-      char* peer = p.peers[d];
-      warp_copy_row(rows + t * s.hidden, at<__nv_bfloat16>(peer, recv_buffer) + recv * s.hidden, s.hidden, lane);
-      if (weights == nullptr) continue;
-      if (lane == 0) at<int32_t>(peer, p.layout.recv_token)[recv] = static_cast<int32_t>(t);
-      for (int jj = lane; jj < K; jj += 32) {
-        const int e = static_cast<int>(idx[t * K + jj]);
-        SlotRoute route{-1, 0};
-        if (e >= 0 && e / EL == d) route = SlotRoute{e % EL, row_index[t * K + jj]};
-        at<SlotRoute>(peer, p.layout.recv_routes)[recv * K + jj] = route;
-        at<float>(peer, p.layout.recv_weights)[recv * K + jj] = weights[t * K + jj];
-      }
-    }
-  }
+  for (int64_t t = first; t < p.num_tokens; t += num_warps)
+    dispatch_token(p, rows, recv_buffer, idx, weights, t, lane, nullptr);
 }
 
 }  // namespace

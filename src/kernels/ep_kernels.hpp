@@ -20,7 +20,7 @@ Status load_route_rows_kernels();
 Status load_combine_kernels();
 Status load_failure_kernels();
 
-// Cross-rank barrier `id` with timeout (comm/device_barrier.cu).
+// Cross-rank barrier `id` with timeout (comm/rank_barrier.cuh).
 Status launch_barrier(const Params& p, BarrierId id, cudaStream_t stream);
 
 // Validates expert ids, numbers every (token, slot) deterministically: its slot in the receiving rank's

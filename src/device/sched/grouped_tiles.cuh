@@ -25,11 +25,24 @@ struct TileCoord {
   int m_block;  // M-grouped: the tile's row block numbered over all experts (readiness counters); else 0
 };
 
+// Within an expert, tiles go in bands of kBandM m-tiles, m fastest inside a band: the CTAs running at the
+// same time cover about kBandM x (grid / kBandM) tiles, so their A and B panels are shared in L2. Item
+// `local` of an expert's m_tiles x n_tiles items (in cluster units of kCluster m-tiles; CTA `rank` of the
+// cluster) is the tile (m_idx, n_idx).
+template <int kBandM, int kCluster>
+__device__ __forceinline__ void band_position(int local, int m_tiles, int n_tiles, int rank, int& m_idx, int& n_idx) {
+  const int m_units = (m_tiles + kCluster - 1) / kCluster;
+  constexpr int kBandU = kBandM / kCluster;
+  const int band = local / (kBandU * n_tiles);
+  const int in_band = local - band * (kBandU * n_tiles);
+  const int band_h = min(kBandU, m_units - band * kBandU);
+  n_idx = in_band / band_h;
+  m_idx = (band * kBandU + (in_band - n_idx * band_h)) * kCluster + rank;
+}
+
 template <int kBM, int kBN, int kBK, int kCluster, bool kKGrouped>
 struct GroupedTiles {
-  // Within an expert, tiles go in bands of kBandM m-tiles, m fastest inside a band: the CTAs running at the
-  // same time cover about kBandM x (grid / kBandM) tiles, so their A and B panels are shared in L2.
-  static constexpr int kBandM = 16;
+  static constexpr int kBandM = 16;  // band_position
 
   struct Storage {
     int offsets[kMaxGroups + 1];     // row offsets, clamped into [0, max_rows]
@@ -125,14 +138,7 @@ struct GroupedTiles {
     const int off = s->offsets[tile.e];
     const int rows_e = s->offsets[tile.e + 1] - off;
     const int m_tiles = kKGrouped ? (M + kBM - 1) / kBM : (rows_e + kBM - 1) / kBM;
-    const int m_units = (m_tiles + kCluster - 1) / kCluster;
-    constexpr int kBandU = kBandM / kCluster;
-    const int local = t - s->tile_start[lo];
-    const int band = local / (kBandU * n_tiles);
-    const int in_band = local - band * (kBandU * n_tiles);
-    const int band_h = min(kBandU, m_units - band * kBandU);
-    tile.n_idx = in_band / band_h;
-    tile.m_idx = (band * kBandU + (in_band - tile.n_idx * band_h)) * kCluster + rank;
+    band_position<kBandM, kCluster>(t - s->tile_start[lo], m_tiles, n_tiles, rank, tile.m_idx, tile.n_idx);
     if constexpr (kKGrouped) {
       tile.row0 = off;
       tile.rows = rows_e;
