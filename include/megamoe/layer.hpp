@@ -31,6 +31,13 @@
 
 namespace megamoe {
 
+// Which forward a layer runs. kModular: a sequence of kernels (layout, dispatch, a rank barrier, row
+// routing, GEMM1 with SwiGLU, GEMM2 storing each row home, a rank barrier, combine). kFused: one persistent
+// kernel per rank that does all of it with the communication overlapped with the GEMMs (docs/LAYER.md).
+// Both compute bitwise the same outputs and leave the same state for the backward; every rank of a group
+// must use the same one.
+enum class ForwardPath : int32_t { kModular = 0, kFused = 1 };
+
 struct LayerOptions {
   // Expert-major rows a rank can receive in one call. 0 = num_ranks * max_tokens_per_rank *
   // min(top_k, experts_per_rank): the worst case for tokens whose top-k experts are distinct (every token of
@@ -41,6 +48,8 @@ struct LayerOptions {
   // the wait, and the layer is unusable from then on (every rank's later calls give NaN and report it;
   // once reported, calls are refused): recreate it.
   double wait_timeout_seconds = 20.0;
+  // kFused runs at most 256 local experts per rank and 64 ranks (create() says so otherwise).
+  ForwardPath forward_path = ForwardPath::kModular;
 };
 
 // Checks the options' own rules (the capacity's sign, the timeout's range); the message names the field.

@@ -40,7 +40,7 @@ extern "C" {
 /* Bumped whenever a signature or a struct below changes; bindings refuse a library of another version.
  * Functions and structs added without changing existing ones keep the version: a binding finds out that
  * a library lacks them by their symbols (the Python binding checks every one it declares). */
-#define MEGAMOE_ABI_VERSION 1
+#define MEGAMOE_ABI_VERSION 2
 
 #define MEGAMOE_OK 0
 #define MEGAMOE_INVALID_ARGUMENT 1
@@ -71,7 +71,12 @@ typedef struct megamoe_config {
 typedef struct megamoe_options {
   int64_t expert_row_capacity; /* 0 = worst case */
   double wait_timeout_seconds;
+  int32_t forward_path;        /* MEGAMOE_FORWARD_MODULAR or MEGAMOE_FORWARD_FUSED */
+  int32_t reserved;            /* 0 */
 } megamoe_options;
+
+#define MEGAMOE_FORWARD_MODULAR 0
+#define MEGAMOE_FORWARD_FUSED 1
 
 /* One rank's forward (shapes in docs/MODEL.md): device pointers, bf16 unless stated. */
 typedef struct megamoe_forward_args {

@@ -15,7 +15,7 @@ import os
 import pathlib
 import threading
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 OK = 0
 INVALID_ARGUMENT = 1
@@ -54,6 +54,8 @@ class Options(ctypes.Structure):
     _fields_ = [
         ("expert_row_capacity", ctypes.c_int64),
         ("wait_timeout_seconds", ctypes.c_double),
+        ("forward_path", ctypes.c_int32),  # 0: modular, 1: fused
+        ("reserved", ctypes.c_int32),
     ]
 
 

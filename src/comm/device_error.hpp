@@ -19,6 +19,17 @@ enum ErrorWhat : int32_t {
   kErrorForwardFailed = 7,   // a backward whose forward had failed
 };
 
+// What a kErrorWaitTimeout of the fused forward waited for: its wait id is kind * 2^32 + index.
+enum FusedWait : int64_t {
+  kWaitGridBarrier = 1,  // index: the barrier's number in the launch
+  kWaitCounts = 2,       // index: this rank (the counts of every source)
+  kWaitRows = 3,         // index: the source rank whose token rows had not all landed
+  kWaitRowBlock = 4,     // index: the 128-row block whose rows were not all routed (GEMM1)
+  kWaitActBlock = 5,     // index: the 128-row block whose a was not all stored (GEMM2)
+  kWaitToken = 6,        // index: the token whose rows had not all come home (combine)
+};
+inline constexpr int64_t fused_wait_id(FusedWait kind, int64_t index) { return (int64_t{kind} << 32) + index; }
+
 // Fields of the receive buffers that peers write and the receiver checks (kErrorPeerIndex, c).
 enum PeerField : int32_t { kPeerCount = 0, kPeerTokens = 1, kPeerLocalExpert = 2, kPeerRowIndex = 3, kPeerToken = 4 };
 

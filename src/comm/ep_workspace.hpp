@@ -79,10 +79,11 @@ struct WorkspaceLayout {
   int64_t act_ready = 0;       // uint32 [row blocks]: GEMM1 warpgroup slices whose a is stored, per block
   int64_t token_done = 0;      // uint32 [T]: y rows stored home per token (one per slot and GEMM2 n-tile)
   int64_t row_signal = 0;      // pointer [C]: the row's token_done counter on its source rank
+  int64_t fused_work = 0;      // int32: work-item counter of the fused forward's GEMMs (dynamic schedule)
   int64_t total = 0;
 
   // 128-row blocks of the expert-major rows: at most one partial block per expert besides the full ones.
-  static int64_t row_blocks(const Shape& s) { return (s.row_capacity + 127) / 128 + s.experts_per_rank; }
+  static constexpr int64_t row_blocks(const Shape& s) { return (s.row_capacity + 127) / 128 + s.experts_per_rank; }
 
   static WorkspaceLayout make(const Shape& s) {
     WorkspaceLayout l;
@@ -128,6 +129,7 @@ struct WorkspaceLayout {
     l.act_ready = take(4 * blocks);
     l.token_done = take(4 * T);
     l.row_signal = take(8 * C);
+    l.fused_work = take(4);
     l.total = at;
     return l;
   }

@@ -32,6 +32,7 @@ struct RankFingerprint {
   int64_t precision = 0;
   int64_t expert_row_capacity = 0;  // after defaults
   int64_t workspace_bytes = 0;
+  int64_t forward_path = 0;         // LayerOptions::forward_path: the ranks' kernels meet at different counters
   char setup_message[kMessageBytes] = {};  // why setup failed, truncated
 
   static RankFingerprint ready(const LayerConfig& config, int rank, int64_t expert_row_capacity,

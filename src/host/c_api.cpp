@@ -111,6 +111,7 @@ megamoe::LayerOptions to_options(const megamoe_options* in) {
   if (in != nullptr) {
     options.expert_row_capacity = in->expert_row_capacity;
     options.wait_timeout_seconds = in->wait_timeout_seconds;
+    options.forward_path = static_cast<megamoe::ForwardPath>(in->forward_path);
   }
   return options;
 }
@@ -351,6 +352,8 @@ int32_t megamoe_default_options(megamoe_options* options) {
     // Mirrors megamoe::LayerOptions' defaults without needing layer.hpp (a CUDA header) here.
     options->expert_row_capacity = 0;
     options->wait_timeout_seconds = 20.0;
+    options->forward_path = MEGAMOE_FORWARD_MODULAR;
+    options->reserved = 0;
     return Status::ok();
   });
 }

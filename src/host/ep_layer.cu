@@ -10,6 +10,7 @@
 #include "comm/ep_workspace.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/ep_kernels.hpp"
+#include "kernels/fused_forward.hpp"
 #include "kernels/grouped_gemm.hpp"
 #include "megamoe/layer.hpp"
 
@@ -63,6 +64,9 @@ Status validate(const LayerOptions& options) {
   if (options.expert_row_capacity < 0)
     return Status::invalid("expert_row_capacity must be >= 0 (0 = worst case), got " +
                            std::to_string(options.expert_row_capacity));
+  if (options.forward_path != ForwardPath::kModular && options.forward_path != ForwardPath::kFused)
+    return Status::invalid("forward_path must be kModular (0) or kFused (1), got " +
+                           std::to_string(static_cast<int>(options.forward_path)));
   // A finite, bounded range: inf or huge values would overflow the nanosecond count into an instant timeout.
   if (!(options.wait_timeout_seconds >= kMinWaitTimeoutSeconds && options.wait_timeout_seconds <= kMaxWaitTimeoutSeconds))
     return Status::invalid("wait_timeout_seconds must be in [" + std::to_string(kMinWaitTimeoutSeconds) + ", " +
@@ -91,6 +95,18 @@ ep::Shape make_shape(const LayerConfig& c, int rank, int64_t capacity) {
   return s;
 }
 
+const char* fused_wait_name(int64_t kind) {
+  switch (kind) {
+    case ep::kWaitGridBarrier: return "its grid barrier";
+    case ep::kWaitCounts: return "every source's counts on rank";
+    case ep::kWaitRows: return "the token rows of source rank";
+    case ep::kWaitRowBlock: return "the routed rows of row block";
+    case ep::kWaitActBlock: return "the GEMM1 output of row block";
+    case ep::kWaitToken: return "the rows coming home to token";
+    default: return "an unknown counter";
+  }
+}
+
 std::string describe(const ep::DeviceError& e, const LayerConfig& c) {
   std::ostringstream s;
   switch (e.what) {
@@ -117,8 +133,13 @@ std::string describe(const ep::DeviceError& e, const LayerConfig& c) {
       s << "rank " << e.rank << ": backward of a forward that failed";
       break;
     case ep::kErrorWaitTimeout:
-      s << "rank " << e.rank << ": wait " << e.a << " timed out at " << e.b << " of " << e.c
-        << " signals (its producer never finished); recreate the layer";
+      s << "rank " << e.rank << ": ";
+      if (e.a >= (int64_t{1} << 32)) {
+        s << "the fused forward's wait for " << fused_wait_name(e.a >> 32) << " " << (e.a & 0xffffffff);
+      } else {
+        s << "wait " << e.a;
+      }
+      s << " timed out at " << e.b << " of " << e.c << " signals (its producer never finished); recreate the layer";
       break;
     default:
       s << "rank " << e.rank << ": device error " << e.what;
@@ -260,6 +281,7 @@ Status preload_kernels() {
   MEGAMOE_RETURN_IF_ERROR(load_route_rows_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_combine_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_failure_kernels());
+  MEGAMOE_RETURN_IF_ERROR(load_fused_forward_kernels());
   return kernels::grouped_gemm_preload();
 }
 
@@ -273,6 +295,8 @@ Status ExpertParallelLayer::create(const LayerConfig& config, const LayerOptions
     return Status::invalid("rank must be in [0, num_ranks), got " + std::to_string(placement.rank));
   if (placement.workspace == nullptr || placement.peer_workspaces_device == nullptr)
     return Status::invalid("placement needs the rank's workspace and the device table of peer workspaces");
+  if (options.forward_path == ForwardPath::kFused)
+    MEGAMOE_RETURN_IF_ERROR(ep::check_fused_forward_shape(make_shape(config, placement.rank, capacity)));
   MEGAMOE_RETURN_IF_ERROR(ep::preload_kernels());
   auto impl = std::make_unique<Impl>();
   impl->config = config;
@@ -321,15 +345,26 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
   p.num_tokens = args.num_tokens;
   const bool idx64 = args.topk_idx_type == IndexType::kInt64;
 
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_layout(p, args.topk_idx, idx64, stream, m.max_blocks));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch(p, args.x, args.topk_idx, idx64, args.topk_weights, stream, m.max_blocks));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierDispatched, stream));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_route_rows(p, stream, m.max_blocks));
-
-  MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward(p, args.w13, args.w2));
-
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierCombined, stream));
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_forward(p, args.topk_weights, args.out, stream, m.max_blocks));
+  if (m.options.forward_path == ForwardPath::kFused) {
+    ep::FusedForwardArgs fused;
+    fused.x = args.x;
+    fused.topk_idx = args.topk_idx;
+    fused.idx_is_int64 = idx64;
+    fused.topk_weights = args.topk_weights;
+    fused.w13 = args.w13;
+    fused.w2 = args.w2;
+    fused.out = args.out;
+    MEGAMOE_RETURN_IF_ERROR(ep::launch_fused_forward(p, fused, m.max_blocks, stream));
+  } else {
+    MEGAMOE_RETURN_IF_ERROR(ep::launch_layout(p, args.topk_idx, idx64, stream, m.max_blocks));
+    MEGAMOE_RETURN_IF_ERROR(
+        ep::launch_dispatch(p, args.x, args.topk_idx, idx64, args.topk_weights, stream, m.max_blocks));
+    MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierDispatched, stream));
+    MEGAMOE_RETURN_IF_ERROR(ep::launch_route_rows(p, stream, m.max_blocks));
+    MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward(p, args.w13, args.w2));
+    MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierCombined, stream));
+    MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_forward(p, args.topk_weights, args.out, stream, m.max_blocks));
+  }
   m.has_forward = true;
   m.forward_failed = false;
   m.forward_tokens = args.num_tokens;

@@ -7,6 +7,8 @@
 // (ep_route_rows.cu) and by the fused forward's route role, which routes each source's rows as they land.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include "comm/device_sync.cuh"
 #include "comm/ep_workspace.hpp"
 
@@ -39,7 +41,7 @@ __device__ __forceinline__ bool peer_value_ok(const Params& p, bool ok, int src,
 // Every thread of a CTA, once every source's counts are in recv_counts: fills `t` (on overflow every expert
 // is left empty: nothing is written past the buffers, the GEMMs do nothing, and the error recorded by the
 // CTA with `report` set turns the outputs into NaN). publish: this CTA also writes expert_offsets.
-__device__ void route_offsets(const Params& p, const RouteTables& t, bool report, bool publish) {
+__device__ inline void route_offsets(const Params& p, const RouteTables& t, bool report, bool publish) {
   const Shape& s = p.shape;
   const int EL = s.experts_per_rank, R = s.num_ranks, K = s.top_k;
   const int32_t* counts = at<int32_t>(p.local, p.layout.recv_counts);

@@ -1,6 +1,7 @@
 // The C ABI as a binding sees it: status codes, messages, and no crash when the GPU layer is missing.
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -87,9 +88,13 @@ TEST(CApiTest, StatusNamesMatchTheCppNames) {
 TEST(CApiTest, DefaultOptionsMatchTheLibrary) {
   megamoe_options o{};
   o.expert_row_capacity = 5;
+  o.forward_path = MEGAMOE_FORWARD_FUSED;
   ASSERT_EQ(megamoe_default_options(&o), MEGAMOE_OK);
   EXPECT_EQ(o.expert_row_capacity, 0);
   EXPECT_EQ(o.wait_timeout_seconds, 20.0);
+  EXPECT_EQ(o.forward_path, MEGAMOE_FORWARD_MODULAR);
+  EXPECT_EQ(offsetof(megamoe_options, forward_path), 16u);
+  EXPECT_EQ(sizeof(megamoe_options), 24u);
 }
 
 TEST(CApiTest, CreateWithInvalidConfigFailsBeforeTouchingTheGpu) {

@@ -48,6 +48,7 @@ TEST(RankAgreementTest, EachFieldThatDiffersIsNamedWithBothValues) {
       {"expert_row_capacity", [](RankFingerprint& f) { f.expert_row_capacity = 100; }, "4096", "100"},
       {"workspace_bytes", [](RankFingerprint& f) { f.workspace_bytes = 7; }, "1048576", "7"},
       {"num_ranks", [](RankFingerprint& f) { f.num_ranks = 8; }, "4", "8"},
+      {"forward_path", [](RankFingerprint& f) { f.forward_path = 1; }, "0", "1"},
   };
   for (const Case& c : cases) {
     std::vector<RankFingerprint> all = agreeing(4);

@@ -183,6 +183,31 @@ void run_gpu(const Problem& p, Group& group, std::vector<RankTensors>& t, Output
   }
 }
 
+// Every output of two runs bitwise the same (out, d_x, d_topk_weights on every rank; d_w13, d_w2 of every
+// routed expert and the probe).
+void expect_same_bits(const Outputs& a, const Outputs& b, const Problem& p, const std::string& what) {
+  for (size_t r = 0; r < a.out.size(); ++r) {
+    EXPECT_EQ(0, std::memcmp(a.out[r].data(), b.out[r].data(), a.out[r].size() * 4)) << what << ": out, rank " << r;
+    EXPECT_EQ(0, std::memcmp(a.d_x[r].data(), b.d_x[r].data(), a.d_x[r].size() * 4)) << what << ": d_x, rank " << r;
+    EXPECT_EQ(0, std::memcmp(a.d_weights[r].data(), b.d_weights[r].data(), a.d_weights[r].size() * 4))
+        << what << ": d_topk_weights, rank " << r;
+  }
+  std::vector<int64_t> experts = p.routed;
+  if (p.probe_expert >= 0) experts.push_back(p.probe_expert);
+  for (int64_t e : experts) {
+    EXPECT_EQ(0, std::memcmp(a.d_w13.at(e).data(), b.d_w13.at(e).data(), a.d_w13.at(e).size() * 4))
+        << what << ": d_w13 of expert " << e;
+    EXPECT_EQ(0, std::memcmp(a.d_w2.at(e).data(), b.d_w2.at(e).data(), a.d_w2.at(e).size() * 4))
+        << what << ": d_w2 of expert " << e;
+  }
+}
+
+LayerOptions with_forward(ForwardPath path) {
+  LayerOptions o;
+  o.forward_path = path;
+  return o;
+}
+
 TEST_P(EpLayerTest, MatchesReferenceAndIsDeterministic) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const Scenario& sc = GetParam();
@@ -236,6 +261,18 @@ TEST_P(EpLayerTest, MatchesReferenceAndIsDeterministic) {
   RecordProperty("worst_relative_error", std::to_string(worst));
   std::printf("[ scenario ] %s: worst relative error %.3e over out, d_x, d_topk_weights, d_w13, d_w2\n",
               sc.name.c_str(), worst);
+
+  // The fused forward on the same inputs: its output bitwise the modular forward's, and the (modular)
+  // backward after it bitwise the same, so it leaves the state the backward reads exactly as the modular
+  // forward does; a second call (repetitions = 2) checks that its counters are clean after a call.
+  group.reset();
+  std::unique_ptr<VirtualRankGroup> fused_group;
+  const Status made = VirtualRankGroup::create(p.config, with_forward(ForwardPath::kFused), &fused_group);
+  ASSERT_TRUE(made.is_ok()) << made.to_string();
+  Outputs fused;
+  run_gpu(p, *fused_group, tensors, &fused, 2);
+  if (HasFatalFailure()) return;
+  expect_same_bits(first, fused, p, "fused forward vs modular");
 }
 
 LayerConfig qwen() { return LayerConfig::qwen3_30b_a3b(); }
@@ -313,13 +350,12 @@ Status forward_all(VirtualRankGroup& group, SmallRun& run) {
   return group.synchronize_and_check();
 }
 
-TEST(EpLayerErrorsTest, ExpertIdOutOfRangeIsReportedAndOutputsAreNaN) {
-  MEGAMOE_SKIP_WITHOUT_GPU();
+void expert_id_out_of_range(ForwardPath path) {
   SmallRun run = small_problem(2, Routing::kRandom);
   run.p.idx[1][5] = 8;  // E = 8: one past the last expert
   run.t[1].idx.upload(run.p.idx[1]);
   std::unique_ptr<VirtualRankGroup> group;
-  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, LayerOptions{}, &group).is_ok());
+  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, with_forward(path), &group).is_ok());
   const Status s = forward_all(*group, run);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
   EXPECT_NE(s.message().find("expert id 8"), std::string::npos) << s.message();
@@ -333,10 +369,9 @@ TEST(EpLayerErrorsTest, ExpertIdOutOfRangeIsReportedAndOutputsAreNaN) {
   for (float v : to_float(run.t[0].out.download())) ASSERT_FALSE(std::isnan(v));
 }
 
-TEST(EpLayerErrorsTest, CapacityExceededIsReported) {
-  MEGAMOE_SKIP_WITHOUT_GPU();
+void capacity_exceeded(ForwardPath path) {
   SmallRun run = small_problem(2, Routing::kRandom);
-  LayerOptions options;
+  LayerOptions options = with_forward(path);
   options.expert_row_capacity = 10;  // 2 ranks x 16 tokens x 2 slots = 64 rows over 2 ranks
   std::unique_ptr<VirtualRankGroup> group;
   ASSERT_TRUE(VirtualRankGroup::create(run.p.config, options, &group).is_ok());
@@ -346,17 +381,43 @@ TEST(EpLayerErrorsTest, CapacityExceededIsReported) {
   for (float v : to_float(run.t[0].out.download())) ASSERT_TRUE(std::isnan(v));
 }
 
-TEST(EpLayerErrorsTest, MissingPeerTimesOutInsteadOfHanging) {
-  MEGAMOE_SKIP_WITHOUT_GPU();
+// expected: a word of the message that names what was waited for.
+void missing_peer_times_out(ForwardPath path, const char* expected) {
   SmallRun run = small_problem(2, Routing::kRandom);
-  LayerOptions options;
+  LayerOptions options = with_forward(path);
   options.wait_timeout_seconds = 0.2;
   std::unique_ptr<VirtualRankGroup> group;
   ASSERT_TRUE(VirtualRankGroup::create(run.p.config, options, &group).is_ok());
   ASSERT_TRUE(group->layer(0).forward(forward_args(run, 0)).is_ok());  // rank 1 never calls forward
   const Status s = group->layer(0).synchronize_and_check();
   EXPECT_EQ(s.code(), StatusCode::kTimeout) << s.to_string();
-  EXPECT_NE(s.message().find("barrier"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(expected), std::string::npos) << s.message();
+}
+
+TEST(EpLayerErrorsTest, ExpertIdOutOfRangeIsReportedAndOutputsAreNaN) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  expert_id_out_of_range(ForwardPath::kModular);
+}
+TEST(FusedForwardErrorsTest, ExpertIdOutOfRangeIsReportedAndOutputsAreNaN) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  expert_id_out_of_range(ForwardPath::kFused);
+}
+TEST(EpLayerErrorsTest, CapacityExceededIsReported) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  capacity_exceeded(ForwardPath::kModular);
+}
+TEST(FusedForwardErrorsTest, CapacityExceededIsReported) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  capacity_exceeded(ForwardPath::kFused);
+}
+TEST(EpLayerErrorsTest, MissingPeerTimesOutInsteadOfHanging) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  missing_peer_times_out(ForwardPath::kModular, "barrier");
+}
+// The fused forward's first wait on its peers is for their counts.
+TEST(FusedForwardErrorsTest, MissingPeerTimesOutInsteadOfHanging) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  missing_peer_times_out(ForwardPath::kFused, "every source's counts");
 }
 
 TEST(EpLayerErrorsTest, HostSideArgumentChecks) {
@@ -401,10 +462,9 @@ bool all_nan(const std::vector<float>& v) {
 // A timed-out barrier leaves counters no later call can trust: the group is broken for good. A call made
 // before the error was checked gives NaN on every rank (the old barrier let it pass with a stale count and
 // wrong results); once the error is seen, calls are refused with "recreate the layer".
-TEST(EpLayerErrorsTest, TimeoutBreaksTheLayerForGood) {
-  MEGAMOE_SKIP_WITHOUT_GPU();
+void timeout_breaks_the_layer(ForwardPath path) {
   SmallRun run = small_problem(2, Routing::kRandom);
-  LayerOptions options;
+  LayerOptions options = with_forward(path);
   options.wait_timeout_seconds = 0.2;
   std::unique_ptr<VirtualRankGroup> group;
   ASSERT_TRUE(VirtualRankGroup::create(run.p.config, options, &group).is_ok());
@@ -425,13 +485,12 @@ TEST(EpLayerErrorsTest, TimeoutBreaksTheLayerForGood) {
 
 // Every output of a failed call is NaN, on every rank, the weight gradients included; also when the
 // forward's error was already reported before the backward ran.
-TEST(EpLayerErrorsTest, BackwardAfterFailedForwardIsNaNEverywhere) {
-  MEGAMOE_SKIP_WITHOUT_GPU();
+void backward_after_failed_forward(ForwardPath path) {
   SmallRun run = small_problem(2, Routing::kRandom);
   run.p.idx[1][3] = 99;  // a bad id on rank 1 only
   run.t[1].idx.upload(run.p.idx[1]);
   std::unique_ptr<VirtualRankGroup> group;
-  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, LayerOptions{}, &group).is_ok());
+  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, with_forward(path), &group).is_ok());
   for (int checked_between = 0; checked_between < 2; ++checked_between) {
     for (int r = 0; r < 2; ++r) {
       run.t[r].d_x.poison();
@@ -456,6 +515,23 @@ TEST(EpLayerErrorsTest, BackwardAfterFailedForwardIsNaNEverywhere) {
       EXPECT_TRUE(all_nan(run.t[r].d_w2.download())) << "rank " << r << " d_w2";
     }
   }
+}
+
+TEST(EpLayerErrorsTest, TimeoutBreaksTheLayerForGood) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  timeout_breaks_the_layer(ForwardPath::kModular);
+}
+TEST(FusedForwardErrorsTest, TimeoutBreaksTheLayerForGood) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  timeout_breaks_the_layer(ForwardPath::kFused);
+}
+TEST(EpLayerErrorsTest, BackwardAfterFailedForwardIsNaNEverywhere) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  backward_after_failed_forward(ForwardPath::kModular);
+}
+TEST(FusedForwardErrorsTest, BackwardAfterFailedForwardIsNaNEverywhere) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  backward_after_failed_forward(ForwardPath::kFused);
 }
 
 // A misaligned tensor is refused before anything is enqueued (it would fault in the 16-byte row copies),
@@ -498,19 +574,32 @@ TEST(EpLayerOptionsTest, WaitTimeoutMustBeFiniteAndBounded) {
   EXPECT_TRUE(ExpertParallelLayer::workspace_bytes(c, ok, &bytes).is_ok());
 }
 
+// The forward path is one of the two the library has; anything else is refused with the field's name.
+// Host-only: no GPU needed.
+TEST(EpLayerOptionsTest, ForwardPathMustBeKnown) {
+  const LayerConfig c = small_config(1);
+  int64_t bytes = 0;
+  LayerOptions o;
+  o.forward_path = static_cast<ForwardPath>(2);
+  const Status s = ExpertParallelLayer::workspace_bytes(c, o, &bytes);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("forward_path"), std::string::npos) << s.message();
+  for (ForwardPath path : {ForwardPath::kModular, ForwardPath::kFused})
+    EXPECT_TRUE(ExpertParallelLayer::workspace_bytes(c, with_forward(path), &bytes).is_ok());
+}
+
 // The whole forward + backward of one rank captured in a CUDA graph: no host synchronisation inside,
 // and replays give the same bits as direct calls.
-TEST(EpLayerGraphTest, ForwardBackwardCaptureAndReplay) {
-  MEGAMOE_SKIP_WITHOUT_GPU();
+void capture_and_replay(ForwardPath path) {
   Scenario sc{"graph", small_config(1), 1, {16}, Routing::kMaskedAndRagged, 8};
   sc.shape.hidden = 512;
   const Problem p = make_problem(sc, std::random_device{}());
   std::unique_ptr<VirtualRankGroup> group;
-  ASSERT_TRUE(VirtualRankGroup::create(p.config, LayerOptions{}, &group).is_ok());
+  ASSERT_TRUE(VirtualRankGroup::create(p.config, with_forward(path), &group).is_ok());
   std::vector<RankTensors> t = upload(p);
   Outputs direct;
   run_gpu(p, *group, t, &direct);
-  if (HasFatalFailure()) return;
+  if (::testing::Test::HasFatalFailure()) return;
   t[0].out.poison();
   t[0].d_x.poison();
   t[0].d_w13.poison();
@@ -549,6 +638,15 @@ TEST(EpLayerGraphTest, ForwardBackwardCaptureAndReplay) {
   EXPECT_EQ(0, std::memcmp(d_x.data(), direct.d_x[0].data(), d_x.size() * 4));
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+}
+
+TEST(EpLayerGraphTest, ForwardBackwardCaptureAndReplay) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  capture_and_replay(ForwardPath::kModular);
+}
+TEST(FusedForwardGraphTest, ForwardBackwardCaptureAndReplay) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  capture_and_replay(ForwardPath::kFused);
 }
 
 // The multi-process path's bootstrap (NCCL unique id, IPC handle exchange, peer table) with one rank:

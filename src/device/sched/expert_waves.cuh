@@ -33,6 +33,9 @@ struct ExpertWaves {
   int experts;
   int n_tiles[2];  // n-tiles of GEMM1 (SwiGLU: one tile covers BN/2 gate and BN/2 up columns) and GEMM2
   int k_tiles[2];  // 64-deep K stages of each GEMM
+  // (Read through the selects below: a run-time index into a register array would put it in local memory.)
+  __device__ int n_tiles_of(int g) const { return g == 0 ? n_tiles[0] : n_tiles[1]; }
+  __device__ int k_tiles_of(int g) const { return g == 0 ? k_tiles[0] : k_tiles[1]; }
   int lag;         // GEMM2 of expert e comes after GEMM1 of expert e + lag
 
   // All threads of the block. offsets: E + 1 nondecreasing row offsets (shared or global memory). Contains
@@ -51,7 +54,7 @@ struct ExpertWaves {
       auto add = [&](int e, int g) {
         s->seg_start[seg] = items;
         s->seg_owner[seg] = 2 * e + g;
-        items += m_tiles(e) * n_tiles[g];
+        items += m_tiles(e) * n_tiles_of(g);
         ++seg;
       };
       for (int step = 0; step < experts + lag; ++step) {
@@ -83,11 +86,11 @@ struct ExpertWaves {
     const int g = owner & 1;
     TileCoord tile;
     tile.e = owner >> 1;
-    band_position<kBandM, 1>(t - s->seg_start[lo], m_tiles(tile.e), n_tiles[g], 0, tile.m_idx, tile.n_idx);
+    band_position<kBandM, 1>(t - s->seg_start[lo], m_tiles(tile.e), n_tiles_of(g), 0, tile.m_idx, tile.n_idx);
     const int off = s->offsets[tile.e];
     tile.row0 = off + tile.m_idx * kBM;
     tile.rows = min(kBM, s->offsets[tile.e + 1] - tile.row0);
-    tile.k_tiles = k_tiles[g];
+    tile.k_tiles = k_tiles_of(g);
     tile.m_block = s->block_start[tile.e] + tile.m_idx;
     *gemm = g;
     return tile;

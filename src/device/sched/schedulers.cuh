@@ -67,9 +67,11 @@ struct ReadinessGate {
   // Waits for the tile's block; false after a timeout (recorded: the wait id is the block). The tile is then
   // loaded anyway, so that no role waits forever; the recorded error marks the call's outputs as invalid.
   // The loads that follow may go through TMA (the async proxy), so the acquire is extended to it.
-  __device__ bool wait(int m_block) const {
+  __device__ bool wait(int m_block) const { return wait(m_block, target, m_block); }
+  // The same with a target of its own (a block's row count, say) and the id its timeout is reported with.
+  __device__ bool wait(int m_block, uint32_t block_target, int64_t wait_id) const {
     if (counters == nullptr) return true;
-    const bool ok = wait_at_least<Scope::kSystem>(counters + m_block, target, report, m_block);
+    const bool ok = wait_at_least<Scope::kSystem>(counters + m_block, block_target, report, wait_id);
     cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
     return ok;
   }

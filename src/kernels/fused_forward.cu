@@ -1,0 +1,126 @@
+// Host side of the fused forward: shape checks, tensor maps of the two GEMMs, the kernel's parameters and
+// its launch (one CTA per SM of the rank's share; the first comm_ctas of them dispatch and route first).
+#include <algorithm>
+#include <string>
+
+#include "host/tensor_map.hpp"
+#include "kernels/cuda_check.hpp"
+#include "kernels/ep_layout.cuh"
+#include "kernels/ep_route_rows.cuh"
+#include "kernels/fused_forward.hpp"
+#include "kernels/fused_forward_kernel.cuh"
+
+namespace megamoe::ep {
+namespace {
+
+using kernels::FusedForwardConfig;
+using kernels::FusedForwardParams;
+constexpr int kBN = FusedForwardConfig::kBN;
+constexpr int kBM = FusedForwardConfig::Shape::kBM;
+constexpr int kBK = FusedForwardConfig::Shape::kBK;
+
+// One SM in 16 dispatches and routes before joining the GEMMs (at least one).
+int comm_ctas_for(int ctas) { return std::max(1, ctas / 16); }
+
+Status map_rows(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, uint32_t box_rows) {
+  const uint64_t dims[2] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(std::max<int64_t>(rows, 1))};
+  const uint32_t box[2] = {64, box_rows};
+  return make_bf16_tensor_map(map, base, 2, dims, box);
+}
+
+// Expert weights [E_local, rows, cols] in panels of BN / 2 rows x 64 columns.
+Status map_panels(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, int64_t experts) {
+  const uint64_t dims[3] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows), static_cast<uint64_t>(experts)};
+  const uint32_t box[3] = {64, static_cast<uint32_t>(kBN / 2), 1};
+  return make_bf16_tensor_map(map, base, 3, dims, box);
+}
+
+}  // namespace
+
+Status check_fused_forward_shape(const Shape& s) {
+  if (s.experts_per_rank > kernels::kFusedMaxExperts)
+    return Status(StatusCode::kNotSupported, "fused forward: at most " + std::to_string(kernels::kFusedMaxExperts) +
+                                                 " local experts per rank, got " + std::to_string(s.experts_per_rank));
+  if (s.num_ranks > kernels::kFusedMaxRanks)
+    return Status(StatusCode::kNotSupported, "fused forward: at most " + std::to_string(kernels::kFusedMaxRanks) +
+                                                 " ranks, got " + std::to_string(s.num_ranks));
+  const int64_t tables = std::max(layout_assign_smem<kernels::kFusedWarps>(s), RouteTables::smem_bytes(s));
+  if (tables > FusedForwardConfig::kScratchBytes)
+    return Status(StatusCode::kNotSupported, "fused forward: E + R = " + std::to_string(s.num_experts + s.num_ranks) +
+                                                 " is too many for the layout's shared-memory tables");
+  if ((2 * static_cast<int64_t>(s.intermediate)) % kBN != 0)
+    return Status(StatusCode::kNotSupported, "fused forward: 2I must be a multiple of " + std::to_string(kBN));
+  return Status::ok();
+}
+
+Status launch_fused_forward(const Params& p, const FusedForwardArgs& a, int max_blocks, cudaStream_t stream) {
+  const Shape& s = p.shape;
+  MEGAMOE_RETURN_IF_ERROR(check_fused_forward_shape(s));
+  const int64_t H = s.hidden, I = s.intermediate, EL = s.experts_per_rank, C = s.row_capacity;
+  const int64_t source_rows = static_cast<int64_t>(s.num_ranks) * s.max_tokens;
+  char* w = p.local;
+  auto* recv_x = reinterpret_cast<__nv_bfloat16*>(w + p.layout.recv_x);
+  auto* act = reinterpret_cast<__nv_bfloat16*>(w + p.layout.a);
+  auto* h = reinterpret_cast<__nv_bfloat16*>(w + p.layout.h);
+
+  CUtensorMap tm_w13{}, tm_a_load{}, tm_w2{}, tm_a_store{}, tm_h_store{};
+  MEGAMOE_RETURN_IF_ERROR(map_panels(&tm_w13, a.w13, H, 2 * I, EL));
+  MEGAMOE_RETURN_IF_ERROR(map_panels(&tm_w2, a.w2, I, H, EL));
+  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_a_load, act, I, C, kBM));
+  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_a_store, act, I, C, 64));
+  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_h_store, h, 2 * I, C, 64));
+
+  FusedForwardParams k{};
+  k.layer = p;
+  k.x = a.x;
+  k.topk_idx = a.topk_idx;
+  k.topk_weights = a.topk_weights;
+  k.out = a.out;
+  const int ctas = std::max(1, max_blocks);
+  k.comm_ctas = comm_ctas_for(ctas);
+  k.layout_blocks = layout_blocks(p.num_tokens, ctas);
+  k.wave_lag = 1;
+  k.n_tiles[0] = static_cast<int>(2 * I / kBN);
+  k.n_tiles[1] = static_cast<int>((H + kBN - 1) / kBN);
+  k.k_tiles[0] = static_cast<int>((H + kBK - 1) / kBK);
+  k.k_tiles[1] = static_cast<int>((I + kBK - 1) / kBK);
+  // GEMM1: x rows gathered from the receive slabs; each tile loads matching gate and up half panels of W13.
+  k.gemm1_src.a = device::GatherOperand{recv_x, H, reinterpret_cast<const int32_t*>(w + p.layout.row_src),
+                                        static_cast<int>(source_rows), static_cast<int>(H)};
+  k.gemm1_src.b_row_step = kBN / 2;
+  k.gemm1_src.b_half_offset = static_cast<int>(I);
+  k.gemm1_epi.c = device::OutputRows{act, I, nullptr, nullptr};
+  k.gemm1_epi.aux = device::OutputRows{h, 2 * I, nullptr, nullptr};
+  k.gemm1_epi.c_cols = static_cast<int>(I);
+  k.gemm1_epi.aux_cols = static_cast<int>(2 * I);
+  k.gemm1_epi.up_offset = static_cast<int>(I);
+  // GEMM2: y rows through the row pointers into the sources' combine slots.
+  k.gemm2_src.b_row_step = kBN;
+  k.gemm2_src.b_half_offset = kBN / 2;
+  k.gemm2_epi.c = device::OutputRows{nullptr, H, nullptr, reinterpret_cast<void* const*>(w + p.layout.row_dest)};
+  k.gemm2_epi.aux = device::OutputRows{nullptr, H, nullptr, nullptr};
+  k.gemm2_epi.c_cols = static_cast<int>(H);
+  k.gemm2_epi.aux_cols = static_cast<int>(H);
+
+  const int smem = FusedForwardConfig::kSmemBytes;
+  if (a.idx_is_int64) {
+    auto kernel = kernels::fused_forward_kernel<int64_t>;
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<ctas, kernels::kFusedThreads, smem, stream>>>(tm_w13, tm_a_load, tm_w2, tm_a_store, tm_h_store, k);
+  } else {
+    auto kernel = kernels::fused_forward_kernel<int32_t>;
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<ctas, kernels::kFusedThreads, smem, stream>>>(tm_w13, tm_a_load, tm_w2, tm_a_store, tm_h_store, k);
+  }
+  MEGAMOE_CHECK_LAUNCH(stream, "fused_forward_kernel");
+  return Status::ok();
+}
+
+Status load_fused_forward_kernels() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernels::fused_forward_kernel<int64_t>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernels::fused_forward_kernel<int32_t>));
+  return Status::ok();
+}
+
+}  // namespace megamoe::ep

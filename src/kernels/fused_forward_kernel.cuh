@@ -1,0 +1,436 @@
+// The fused forward: one persistent launch per rank that numbers the tokens, dispatches them, routes the rows
+// it receives, runs GEMM1 + SwiGLU and GEMM2 on them, stores every result row home and combines its own
+// tokens, with the communication overlapped with the tensor-core work. It composes the layer's device code
+// (ep_layout.cuh, ep_dispatch.cuh, ep_route_rows.cuh, ep_combine.cuh, comm/rank_barrier.cuh) and the
+// engine's parts (TileLoader, mma_tile, the SwiGLU and plain epilogues through BoxStore), and leaves the
+// workspace exactly as the modular forward does, so the backward runs on either.
+//
+// One CTA of 384 threads per SM of the rank's share, all resident. Phases (grid: GridBarrier):
+//   1. layout_count, grid barrier, layout_assign: counts to every receiver, each signalled (counts_arrived).
+//   2. dispatch role (CTAs [0, comm_ctas)): every token once per destination rank; then per destination one
+//      release of how many token rows went there (rows_arrived[src] on the receiver).
+//   3. every CTA: waits for the counts of all R sources, derives the expert-major offsets and row blocks
+//      (route_offsets) and numbers the GEMM work (ExpertWaves: GEMM1 of expert e, then GEMM2 of e - 1, ...).
+//   4. route role (CTAs [0, comm_ctas)): per source, as soon as its token rows have all landed, the tables
+//      of its rows (row_src, row_weight, row_dest, row_dot_dest, and row_signal: the token's counter on the
+//      source), each row adding 1 to its 128-row block's rows_ready.
+//   5. GEMM roles (every CTA, taking items in increasing order from a shared counter, the comm CTAs once
+//      they are done routing): producer warpgroup (gathered x rows for GEMM1 once their block is routed,
+//      TMA loads of a for GEMM2 once every GEMM1 slice of the block has stored it), two consumer
+//      warpgroups (wgmma; GEMM1: SwiGLU epilogue storing a and h, then act_ready[block] += 1 per slice;
+//      GEMM2: y rows straight into their combine slots on the source ranks, then per row token_done += 1
+//      on the source).
+//   6. combine (every CTA): a token once all its slots x GEMM2 n-tiles have come home, in slot order.
+//   7. counters back to 0, the rank barrier, NaN outputs if any rank recorded an error.
+// Every wait is bounded and reported with what it waited for (FusedWait); the kernel never waits on the host.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "comm/device_sync.cuh"
+#include "comm/ep_workspace.hpp"
+#include "comm/rank_barrier.cuh"
+#include "device/comm/grid_barrier.cuh"
+#include "device/comm/signal.cuh"
+#include "device/epilogue/box_store.cuh"
+#include "device/epilogue/epilogues.cuh"
+#include "device/gemm/mainloop.cuh"
+#include "device/gemm/operands.cuh"
+#include "device/pipeline.cuh"
+#include "device/ptx/sync.cuh"
+#include "device/ptx/tma.cuh"
+#include "device/sched/expert_waves.cuh"
+#include "device/sched/schedulers.cuh"
+#include "kernels/ep_combine.cuh"
+#include "kernels/ep_dispatch.cuh"
+#include "kernels/ep_layout.cuh"
+#include "kernels/ep_route_rows.cuh"
+
+namespace megamoe::kernels {
+
+inline constexpr int kFusedThreads = 384;
+inline constexpr int kFusedWarps = kFusedThreads / 32;
+inline constexpr int kFusedMaxExperts = 256;  // local experts
+inline constexpr int kFusedMaxRanks = 64;
+
+// Everything the kernel reads, by value.
+struct FusedForwardParams {
+  ep::Params layer;
+  const __nv_bfloat16* x;
+  const void* topk_idx;  // int64 or int32, as the kernel's Index
+  const float* topk_weights;
+  __nv_bfloat16* out;
+  int comm_ctas;      // CTAs [0, comm_ctas) dispatch and route before they join the GEMMs
+  int layout_blocks;  // CTAs [0, layout_blocks) number the tokens
+  int wave_lag;       // ExpertWaves::lag
+  int n_tiles[2];     // GEMM1 (over 2I), GEMM2 (over H)
+  int k_tiles[2];     // 64-deep stages: GEMM1 over H, GEMM2 over I
+  device::OperandSources gemm1_src;  // A: x rows gathered from recv_x through row_src; B: W13 gate/up panels
+  device::OperandSources gemm2_src;  // B: W2 panels (A, a, through TMA)
+  device::EpilogueArgs gemm1_epi;    // C = a, aux = h
+  device::EpilogueArgs gemm2_epi;    // C = y rows through row_dest
+};
+
+struct FusedForwardConfig {
+  static constexpr int kBN = 256;
+  static constexpr int kStages = 3;
+  static constexpr int kSlots = kBN / 64;  // TMA stores of a whole 64 x BN slice (GEMM1); GEMM2 uses the threads
+  static constexpr int kScheduleRing = 8;
+  using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, 1>;
+  using GatherLoader = device::TileLoader<Shape, true, false>;  // GEMM1
+  using TmaLoader = device::TileLoader<Shape, false, false>;    // GEMM2
+  using Waves = device::ExpertWaves<kFusedMaxExperts>;
+  using Schedule = device::DynamicSchedule<kScheduleRing>;
+  // Both GEMMs fill the same ring, so a stage counts the gathering loader's arrivals; a GEMM2 stage gets
+  // them as plain arrivals of the producer threads besides the TMA thread's.
+  static constexpr int kFullArrivals = GatherLoader::kFullArrivals;
+  static constexpr int kProducerRegs = 72;
+  static constexpr int kConsumerRegs = 216;
+  static constexpr int kRegsAtLaunch = 65536 / kFusedThreads / 8 * 8;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kRegsAtLaunch * kFusedThreads, "register budget");
+  static constexpr int kProducerBarrier = 4;  // named barrier of the producer warpgroup (2, 3: the consumers')
+
+  struct alignas(1024) SharedStorage {
+    // The pipeline stages; before the GEMMs the same bytes hold the layout's and the routing's tables.
+    union {
+      uint8_t stages[kStages][Shape::kStageBytes];
+      int32_t scratch[kStages * Shape::kStageBytes / 4];
+    };
+    uint8_t staging[2][kSlots][device::kBoxBytes];
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+    device::SliceRows slice_rows[2];
+    typename Schedule::Storage schedule;
+    typename Waves::Storage waves;
+    uint32_t sent[kFusedMaxRanks];
+    int flag;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");
+  static constexpr int64_t kScratchBytes = kStages * Shape::kStageBytes;
+};
+
+// ---------------------------------------------------------------- roles
+
+__device__ __forceinline__ device::WaitReport wait_report(const ep::Params& L, bool stop_on_error) {
+  device::WaitReport r{ep::error_record(L.local, L.layout), L.shape.rank, L.timeout_ns};
+  r.stop_on_error = stop_on_error;
+  return r;
+}
+
+// One thread waits (acquire, system scope: peers write these counters), then the CTA goes on together.
+template <class T>
+__device__ __forceinline__ bool cta_wait(const T* counter, T target, const device::WaitReport& report, int64_t id,
+                                         int* flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) *flag = device::wait_at_least<device::Scope::kSystem>(counter, target, report, id) ? 1 : 0;
+  __syncthreads();
+  return *flag != 0;
+}
+
+// Phase 2: this rank's tokens to their destination ranks, one warp per token, then one release per
+// destination of the token rows sent there. sent: shared memory, R counters.
+template <typename Index>
+__device__ void dispatch_role(const FusedForwardParams& p, const Index* idx, uint32_t* sent, int cta) {
+  const ep::Params& L = p.layer;
+  const int R = L.shape.num_ranks;
+  for (int d = threadIdx.x; d < R; d += kFusedThreads) sent[d] = 0;
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(p.comm_ctas) * kFusedWarps;
+  for (int64_t t = static_cast<int64_t>(cta) * kFusedWarps + threadIdx.x / 32; t < L.num_tokens; t += warps)
+    ep::dispatch_token(L, p.x, L.layout.recv_x, idx, p.topk_weights, t, lane, sent);
+  __syncthreads();
+  for (int d = threadIdx.x; d < R; d += kFusedThreads) {
+    if (sent[d] == 0) continue;
+    __threadfence_system();  // this CTA's row copies (ordered before by __syncthreads) reach the peer first
+    device::signal_add<device::Scope::kSystem>(ep::at<uint32_t>(L.peers[d], L.layout.rows_arrived) + L.shape.rank,
+                                               sent[d]);
+  }
+}
+
+// Phase 4: the rows of every source, source by source (this rank's own first: they land first), each as
+// soon as all its token rows have landed.
+__device__ inline void route_role(const FusedForwardParams& p, const ep::RouteTables& t, int cta, int* flag) {
+  const ep::Params& L = p.layer;
+  const ep::Shape& s = L.shape;
+  const int R = s.num_ranks, EL = s.experts_per_rank;
+  const int32_t* counts = ep::at<int32_t>(L.local, L.layout.recv_counts);
+  const uint32_t* rows_arrived = ep::at<uint32_t>(L.local, L.layout.rows_arrived);
+  uint32_t* rows_ready = ep::at<uint32_t>(L.local, L.layout.rows_ready);
+  uint32_t** row_signal = ep::at<uint32_t*>(L.local, L.layout.row_signal);
+  // Every source signals once per call whatever happened, so this wait does not give up on a recorded
+  // error: its counter must have seen every arrival before it is reset.
+  const device::WaitReport report = wait_report(L, false);
+  for (int i = 0; i < R; ++i) {
+    const int src = (s.rank + i) % R;
+    const int32_t tokens = counts[src * (EL + 1) + EL];
+    if (!(tokens >= 0 && tokens <= s.max_tokens)) {
+      if (cta == 0 && threadIdx.x == 0) (void)ep::peer_value_ok(L, false, src, tokens, ep::kPeerTokens);
+      continue;
+    }
+    if (!cta_wait(rows_arrived + src, static_cast<uint32_t>(tokens), report, ep::fused_wait_id(ep::kWaitRows, src),
+                  flag))
+      continue;
+    for (int64_t slot = static_cast<int64_t>(cta) * kFusedThreads + threadIdx.x; slot < tokens;
+         slot += static_cast<int64_t>(p.comm_ctas) * kFusedThreads) {
+      ep::route_item(L, t, static_cast<int64_t>(src) * s.max_tokens + slot, [&](int64_t row, int e, int64_t token, int) {
+        row_signal[row] = ep::at<uint32_t>(L.peers[src], L.layout.token_done) + token;
+        // Release: the row's tables (and, through this CTA's acquire above, its landed x row) before the count.
+        device::signal_add<device::Scope::kGpu>(rows_ready + t.block_start[e] + (row - t.offsets[e]) / 128, 1u);
+      });
+    }
+  }
+}
+
+// Phase 5, producer warpgroup (ptid 0..127): the stages of every item this CTA draws.
+template <class Cfg>
+__device__ void gemm_producer(const CUtensorMap* tm_w13, const CUtensorMap* tm_a_load, const CUtensorMap* tm_w2,
+                              const FusedForwardParams& p, typename Cfg::SharedStorage& smem,
+                              const typename Cfg::Waves& waves, const typename Cfg::Schedule& schedule, int ptid) {
+  using Shape = typename Cfg::Shape;
+  const ep::Params& L = p.layer;
+  const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
+  typename Cfg::GatherLoader gemm1{nullptr, tm_w13, p.gemm1_src, {}};
+  typename Cfg::TmaLoader gemm2{tm_a_load, tm_w2, p.gemm2_src, {}};
+  const device::WaitReport report = wait_report(L, true);
+  const device::ReadinessGate rows_ready{ep::at<uint32_t>(L.local, L.layout.rows_ready), 0, report};
+  const device::ReadinessGate act_ready{ep::at<uint32_t>(L.local, L.layout.act_ready), 0, report};
+  const uint32_t slices_per_block = 2u * static_cast<uint32_t>(p.n_tiles[0]);
+  device::PipeState<Shape::kStages> st;
+  const int total = waves.total();
+  for (int j = 0;; ++j) {
+    const int t = ptid == 0 ? schedule.draw(j) : schedule.read(j);
+    if (t >= total) break;
+    int gemm = 0;
+    const device::TileCoord tile = waves.decode(t, &gemm);
+    // One thread waits for the tile's rows; the barrier then orders every producer thread's loads after it.
+    if (ptid == 0 && tile.rows > 0) {
+      if (gemm == 0) {
+        (void)rows_ready.wait(tile.m_block, static_cast<uint32_t>(tile.rows),
+                              ep::fused_wait_id(ep::kWaitRowBlock, tile.m_block));
+      } else {
+        (void)act_ready.wait(tile.m_block, slices_per_block, ep::fused_wait_id(ep::kWaitActBlock, tile.m_block));
+      }
+    }
+    device::named_barrier_sync(Cfg::kProducerBarrier, 128);
+    if (gemm == 0) {
+      gemm1.begin_tile(tile, ptid);
+      for (int kt = 0; kt < tile.k_tiles; ++kt) {
+        pipe.producer_acquire(st);
+        gemm1.load(pipe, st, smem.stages[st.index], tile, kt, ptid, 0);
+        st.advance();
+      }
+    } else {
+      for (int kt = 0; kt < tile.k_tiles; ++kt) {
+        pipe.producer_acquire(st);
+        gemm2.load(pipe, st, smem.stages[st.index], tile, kt, ptid, 0);  // thread 0: TMA with its byte count
+        device::mbarrier_arrive(pipe.full_barrier(st));                  // the stage's other arrivals
+        st.advance();
+      }
+    }
+  }
+}
+
+// Phase 5, consumer warpgroups (tid 128..383): main loop and epilogue of every item this CTA draws.
+template <class Cfg>
+__device__ void gemm_consumer(const CUtensorMap* tm_a_store, const CUtensorMap* tm_h_store,
+                              const FusedForwardParams& p, typename Cfg::SharedStorage& smem,
+                              const typename Cfg::Waves& waves, const typename Cfg::Schedule& schedule, int tid) {
+  using Shape = typename Cfg::Shape;
+  constexpr int kBN = Shape::kBN;
+  const ep::Params& L = p.layer;
+  const int cwg = tid / 128 - 1;  // rows 64 cwg .. 64 cwg + 63 of the tile
+  const int ctid = tid - 128;
+  const int lt = tid & 127;
+  const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
+  device::BoxStore<Cfg::kSlots, true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
+  uint32_t* act_ready = ep::at<uint32_t>(L.local, L.layout.act_ready);
+  uint32_t* const* row_signal = ep::at<uint32_t*>(L.local, L.layout.row_signal);
+  device::PipeState<Shape::kStages> st;
+  float acc[kBN / 2];
+  for (int j = 0;; ++j) {
+    const int t = schedule.read(j);
+    if (t >= waves.total_now()) break;
+    int gemm = 0;
+    const device::TileCoord tile = waves.decode(t, &gemm);
+    const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
+                               lt, lt >> 5, lt & 31};
+    if (gemm == 0) {
+      device::mma_tile<Shape, true>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0);
+      // a and h are contiguous: whole slices leave through TMA, a partial one through the threads.
+      store.begin_tile(s.valid >= 64, p.gemm1_epi.c, p.gemm1_epi.aux, s.slice0, s.valid);
+      device::epilogue_swiglu<kBN>(acc, p.gemm1_epi, s, tm_a_store, tm_h_store, store);
+      // GEMM2 loads a through TMA: this slice's stores must be complete (and handed from the async proxy)
+      // before the release that counts them.
+      store.barrier();
+      if (lt == 0) {
+        device::tma_store_wait_all<0>();
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+        device::signal_add<device::Scope::kGpu>(act_ready + tile.m_block, 1u);
+      }
+    } else {
+      device::mma_tile<Shape, false>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0);
+      store.begin_tile(false, p.gemm2_epi.c, p.gemm2_epi.aux, s.slice0, s.valid);
+      device::epilogue_plain<kBN>(acc, p.gemm2_epi, s, nullptr, store);
+      // Each row of the slice is home (this warpgroup's threads stored it): one count on its token.
+      store.barrier();
+      if (lt < 64 && lt < s.valid) {
+        uint32_t* done = row_signal[s.slice0 + lt];
+        if (done != nullptr) {
+          __threadfence_system();
+          device::signal_add<device::Scope::kSystem>(done, 1u);
+        }
+      }
+    }
+  }
+  store.finish();
+}
+
+// Phase 6: this rank's tokens, one warp each, as soon as every slot's rows are home.
+__device__ inline void combine_role(const FusedForwardParams& p) {
+  const ep::Params& L = p.layer;
+  const uint32_t* token_done = ep::at<uint32_t>(L.local, L.layout.token_done);
+  const device::WaitReport report = wait_report(L, true);
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kFusedWarps;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kFusedWarps + threadIdx.x / 32; t < L.num_tokens; t += warps) {
+    int ok = 1;
+    if (lane == 0) {
+      const uint32_t target = static_cast<uint32_t>(ep::routed_slots(L, t) * p.n_tiles[1]);
+      ok = device::wait_at_least<device::Scope::kSystem>(token_done + t, target, report,
+                                                         ep::fused_wait_id(ep::kWaitToken, t))
+               ? 1
+               : 0;
+    }
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    ep::combine_token<true>(L, t, lane, ok == 0 || ep::has_error(L), p.topk_weights, p.out, nullptr);
+  }
+}
+
+// Phase 7, every thread of every CTA (between two grid barriers): this call's counters back to 0. The
+// counters peers signal (counts_arrived, rows_arrived) have seen every arrival of the call by now, and a
+// peer's next signal needs this rank's arrival at the rank barrier that follows.
+__device__ inline void reset_counters(const ep::Params& L) {
+  const int64_t blocks = ep::WorkspaceLayout::row_blocks(L.shape);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kFusedThreads;
+  uint32_t* rows_ready = ep::at<uint32_t>(L.local, L.layout.rows_ready);
+  uint32_t* act_ready = ep::at<uint32_t>(L.local, L.layout.act_ready);
+  uint32_t* rows_arrived = ep::at<uint32_t>(L.local, L.layout.rows_arrived);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kFusedThreads + threadIdx.x; i < blocks; i += stride) {
+    rows_ready[i] = 0;
+    act_ready[i] = 0;
+    if (i < L.shape.num_ranks) rows_arrived[i] = 0;
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    *ep::at<uint32_t>(L.local, L.layout.counts_arrived) = 0;
+    *ep::at<int>(L.local, L.layout.fused_work) = 0;
+  }
+}
+
+// Every thread of every CTA: out[0, count) = NaN.
+__device__ __forceinline__ void fill_nan(__nv_bfloat16* out, int64_t count) {
+  const __nv_bfloat16 nan = __float2bfloat16(__int_as_float(0x7fc00000));
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kFusedThreads + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * kFusedThreads)
+    out[i] = nan;
+}
+
+// ---------------------------------------------------------------- the kernel
+
+template <typename Index>
+__global__ void __launch_bounds__(kFusedThreads, 1)
+    fused_forward_kernel(const __grid_constant__ CUtensorMap tm_w13, const __grid_constant__ CUtensorMap tm_a_load,
+                         const __grid_constant__ CUtensorMap tm_w2, const __grid_constant__ CUtensorMap tm_a_store,
+                         const __grid_constant__ CUtensorMap tm_h_store, const FusedForwardParams p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using Cfg = FusedForwardConfig;
+  using Shape = Cfg::Shape;
+  extern __shared__ uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<Cfg::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                                      ~uintptr_t(1023));
+  const ep::Params& L = p.layer;
+  const ep::Shape& s = L.shape;
+  const int tid = threadIdx.x;
+  const int cta = blockIdx.x;
+  const Index* idx = static_cast<const Index*>(p.topk_idx);
+  const device::GridBarrier grid{ep::at<uint32_t>(L.local, L.layout.grid_arrivals),
+                                 ep::at<uint32_t>(L.local, L.layout.grid_exits), static_cast<int>(gridDim.x)};
+  const device::WaitReport no_stop = wait_report(L, false);
+  int barriers = 0;
+  auto grid_sync = [&] {
+    ++barriers;
+    (void)grid.sync(barriers, no_stop, ep::fused_wait_id(ep::kWaitGridBarrier, barriers));
+  };
+  // A group broken by an earlier timeout: its counters cannot be trusted, so nothing is sent or awaited.
+  if (ep::is_broken(L)) {
+    if (cta == 0 && tid == 0)
+      ep::record_error(ep::error_record(L.local, L.layout), StatusCode::kTimeout, ep::kErrorBroken, s.rank,
+                       ep::kBarrierCombined, 0);
+    fill_nan(p.out, L.num_tokens * s.hidden);
+    return;
+  }
+  const typename Cfg::Schedule schedule{&smem.schedule, ep::at<int>(L.local, L.layout.fused_work)};
+  if (tid == 0) {
+    const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
+    pipe.init(Cfg::kFullArrivals, Shape::kConsumerGroups);
+    schedule.init(256 + device::kProducerThreads - 1);  // every consumer thread, the other producer threads
+    device::mbarrier_init_fence();
+  }
+
+  // 1. layout
+  if (cta < p.layout_blocks) ep::layout_count<kFusedWarps>(L, idx, cta, p.layout_blocks, smem.scratch);
+  grid_sync();
+  if (cta < p.layout_blocks) ep::layout_assign<kFusedWarps>(L, idx, cta, p.layout_blocks, smem.scratch, true);
+  grid_sync();
+
+  // 2. dispatch
+  if (cta < p.comm_ctas) dispatch_role(p, idx, smem.sent, cta);
+
+  // 3. every source's counts -> offsets, row blocks, the GEMM work
+  (void)cta_wait(ep::at<uint32_t>(L.local, L.layout.counts_arrived), static_cast<uint32_t>(s.num_ranks), no_stop,
+                 ep::fused_wait_id(ep::kWaitCounts, s.rank), &smem.flag);
+  const ep::RouteTables tables = ep::RouteTables::in(smem.scratch, s);
+  ep::route_offsets(L, tables, cta == 0, cta == 0);
+  const typename Cfg::Waves waves{&smem.waves, s.experts_per_rank, {p.n_tiles[0], p.n_tiles[1]},
+                                  {p.k_tiles[0], p.k_tiles[1]}, p.wave_lag};
+  waves.build(tables.offsets, tid, kFusedThreads);
+
+  // 4. route
+  if (cta < p.comm_ctas && !tables.overflow(s)) route_role(p, tables, cta, &smem.flag);
+  __syncthreads();  // the tables' bytes become pipeline stages
+
+  // 5. GEMMs
+  if (tid < 128) {
+    device::setmaxnreg_dec<Cfg::kProducerRegs>();
+    gemm_producer<Cfg>(&tm_w13, &tm_a_load, &tm_w2, p, smem, waves, schedule, tid);
+    device::setmaxnreg_inc<Cfg::kRegsAtLaunch>();
+  } else {
+    device::setmaxnreg_inc<Cfg::kConsumerRegs>();
+    gemm_consumer<Cfg>(&tm_a_store, &tm_h_store, p, smem, waves, schedule, tid);
+    device::setmaxnreg_dec<Cfg::kRegsAtLaunch>();
+  }
+  __syncthreads();
+
+  // 6. combine
+  combine_role(p);
+
+  // 7. clean up, meet the peers, NaN on failure
+  grid_sync();
+  reset_counters(L);
+  grid_sync();
+  if (cta == 0 && tid == 0) ep::rank_barrier(L, ep::kBarrierCombined);
+  grid_sync();
+  const bool failed = ep::has_error(L);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kFusedThreads;
+  uint32_t* token_done = ep::at<uint32_t>(L.local, L.layout.token_done);
+  for (int64_t i = static_cast<int64_t>(cta) * kFusedThreads + tid; i < L.num_tokens; i += stride) token_done[i] = 0;
+  if (failed) fill_nan(p.out, L.num_tokens * s.hidden);
+  grid.leave();
+#endif
+}
+
+}  // namespace megamoe::kernels
