@@ -1,9 +1,13 @@
 // Times the expert-parallel layer (R = 1, T = 16384, 16 local experts, top-8, the benchmark configuration of
 // docs/MODEL.md):
-// forward and forward+backward, median of many runs with CUDA events, two input sets alternating.
+// forward and forward+backward, median of many runs with CUDA events, two input sets alternating; the
+// modular and the fused forward (LayerOptions::forward_path) timed interleaved, run for run; and the cost
+// of expert parallelism: E = 128 on 8 virtual ranks of 2048 tokens each against the same problem on one
+// rank (E = 128, T = 16384), both paths.
 // The PyTorch baseline of the same configs (benchmarks/bench_layer_torch.py) runs just before in the same
 // gpu-check call; its CSV, given with --baseline, is printed next to ours with the ratios.
-//   bench_layer [--out PATH.json] [--baseline PATH.csv] [--iters N]
+//   bench_layer [--out PATH.json] [--baseline PATH.csv] [--iters N] [--ep]
+// --ep adds the expert-parallel comparison.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -43,6 +47,7 @@ struct Result {
   int64_t hidden, intermediate;
   float forward_ms, total_ms;
   double forward_tflops, total_tflops;
+  float fused_forward_ms = 0, fused_total_ms = 0;  // the fused forward, timed interleaved with the above
   double gemm_ms = 0, other_ms = 0;  // kernel time per forward + backward, from the profile
   int kernels = 0;                   // kernels per forward + backward
 };
@@ -60,9 +65,11 @@ constexpr GemmStep kGemmSteps[6] = {{"GEMM1 x.W13^T + SwiGLU (gathered x)", 2},
                                      {"wgrad dW13 = dh^T x", 2}};
 
 #if MEGAMOE_BENCH_CUPTI
-// Kernel time per forward + backward by kernel, and of each GEMM of the layer, averaged over `iters` runs.
+// Kernel time per forward + backward by kernel, and of each GEMM launch of the layer, averaged over `iters`
+// runs. first_gemm: the first of kGemmSteps that is a launch of its own (2 with the fused forward, whose two
+// GEMMs run inside its kernel).
 void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, int iters, double pairs, int64_t H,
-                     int64_t I, Result* r) {
+                     int64_t I, Result* r, int first_gemm = 0) {
   auto& profile = megamoe::bench::KernelProfile::instance();
   BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
   if (!profile.start()) return;
@@ -76,7 +83,7 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
     auto& e = by_name[k.name];
     e.first += 1;
     e.second += k.ms();
-    if (k.name == "grouped_gemm_kernel") gemm_ms[gemm_index++ % 6] += k.ms();
+    if (k.name == "grouped_gemm_kernel") gemm_ms[first_gemm + gemm_index++ % (6 - first_gemm)] += k.ms();
   }
   std::printf("  kernel time per forward + backward (CUPTI, mean of %d):\n", iters);
   std::printf("  %-44s %6s %9s\n", "kernel", "calls", "ms");
@@ -90,7 +97,7 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
   std::printf("  %-44s %6s %9.3f\n  %-44s %6s %9.3f\n  %-44s %6.1f\n", "GEMMs", "", gemm, "everything else", "", other,
               "kernels", double(calls) / iters);
   std::printf("  %-44s %9s %8s\n", "GEMM", "ms", "TFLOP/s");
-  for (int g = 0; g < 6; ++g) {
+  for (int g = first_gemm; g < 6; ++g) {
     const double ms = gemm_ms[g] / iters;
     const double flops = 2.0 * pairs * kGemmSteps[g].hi_per_row * static_cast<double>(H) * static_cast<double>(I);
     std::printf("  %-44s %9.3f %8.1f\n", kGemmSteps[g].name, ms, ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0);
@@ -110,8 +117,11 @@ Result run(int64_t H, int64_t I, int iters) {
   c.num_ranks = 1;
   c.max_tokens_per_rank = 16384;
   const int64_t T = c.max_tokens_per_rank, K = c.top_k, E = c.num_experts;
-  std::unique_ptr<megamoe::VirtualRankGroup> group;
+  std::unique_ptr<megamoe::VirtualRankGroup> group, fused_group;
   BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, megamoe::LayerOptions{}, &group));
+  megamoe::LayerOptions fused_options;
+  fused_options.forward_path = megamoe::ForwardPath::kFused;
+  BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &fused_group));
   cudaStream_t stream = group->stream(0);
 
   constexpr int kSets = 2;  // alternate two token sets so x and d_out are not L2-resident between runs
@@ -153,7 +163,7 @@ Result run(int64_t H, int64_t I, int iters) {
   auto* d_w2 = device_alloc<float>(E * H * I);
   BENCH_CHECK_CUDA(cudaDeviceSynchronize());
 
-  auto forward = [&](int s) {
+  auto forward_on = [&](megamoe::VirtualRankGroup& g, int s) {
     megamoe::ForwardArgs f;
     f.num_tokens = T;
     f.x = x[s];
@@ -162,40 +172,58 @@ Result run(int64_t H, int64_t I, int iters) {
     f.w13 = w13;
     f.w2 = w2;
     f.out = out;
-    BENCH_CHECK_OK(group->layer(0).forward(f));
+    BENCH_CHECK_OK(g.layer(0).forward(f));
   };
-  auto backward = [&](int s) {
+  auto backward_on = [&](megamoe::VirtualRankGroup& g, int s) {
     megamoe::BackwardArgs b;
     b.d_out = d_out[s];
     b.d_x = d_x;
     b.d_topk_weights = d_weights;
     b.d_w13 = d_w13;
     b.d_w2 = d_w2;
-    BENCH_CHECK_OK(group->layer(0).backward(b));
+    BENCH_CHECK_OK(g.layer(0).backward(b));
   };
+  auto forward = [&](int s) { forward_on(*group, s); };
+  auto backward = [&](int s) { backward_on(*group, s); };
   cudaEvent_t start, stop;
   BENCH_CHECK_CUDA(cudaEventCreate(&start));
   BENCH_CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<float> fwd, total;
+  // One timed region on a group's stream.
+  auto timed = [&](megamoe::VirtualRankGroup& g, const std::function<void()>& body) {
+    cudaStream_t st = g.stream(0);
+    float ms = 0;
+    BENCH_CHECK_CUDA(cudaEventRecord(start, st));
+    body();
+    BENCH_CHECK_CUDA(cudaEventRecord(stop, st));
+    BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
+    BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    return ms;
+  };
+  // Modular and fused interleaved run for run, so that clock drift falls on both alike.
+  std::vector<float> fwd, total, fused_fwd, fused_total;
   for (int it = -3; it < iters; ++it) {
     const int s = (it + 3) % kSets;
-    float ms = 0;
-    BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
-    forward(s);
-    BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
-    BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
-    BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    if (it >= 0) fwd.push_back(ms);
-    BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
-    forward(s);
-    backward(s);
-    BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
-    BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
-    BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    if (it >= 0) total.push_back(ms);
+    const float f_mod = timed(*group, [&] { forward_on(*group, s); });
+    const float f_fus = timed(*fused_group, [&] { forward_on(*fused_group, s); });
+    const float t_mod = timed(*group, [&] {
+      forward_on(*group, s);
+      backward_on(*group, s);
+    });
+    const float t_fus = timed(*fused_group, [&] {
+      forward_on(*fused_group, s);
+      backward_on(*fused_group, s);
+    });
+    if (it < 0) continue;
+    fwd.push_back(f_mod);
+    fused_fwd.push_back(f_fus);
+    total.push_back(t_mod);
+    fused_total.push_back(t_fus);
   }
   BENCH_CHECK_OK(group->synchronize_and_check());
+  BENCH_CHECK_OK(fused_group->synchronize_and_check());
   Result r{H, I, median(fwd), median(total), 0, 0};
+  r.fused_forward_ms = median(fused_fwd);
+  r.fused_total_ms = median(fused_total);
 #if MEGAMOE_BENCH_CUPTI
   print_breakdown(
       [&](int it) {
@@ -204,6 +232,15 @@ Result run(int64_t H, int64_t I, int iters) {
       },
       stream, 10, static_cast<double>(T * K), H, I, &r);
   BENCH_CHECK_OK(group->synchronize_and_check());
+  std::printf("  fused forward + modular backward:\n");
+  Result fused_breakdown = r;
+  print_breakdown(
+      [&](int it) {
+        forward_on(*fused_group, it % kSets);
+        backward_on(*fused_group, it % kSets);
+      },
+      fused_group->stream(0), 10, static_cast<double>(T * K), H, I, &fused_breakdown, 2);
+  BENCH_CHECK_OK(fused_group->synchronize_and_check());
 #endif
   const double pairs = static_cast<double>(T * K);
   r.forward_tflops = c.forward_flops(static_cast<int64_t>(pairs)) / (r.forward_ms * 1e-3) / 1e12;
@@ -225,16 +262,153 @@ Result run(int64_t H, int64_t I, int iters) {
   return r;
 }
 
+// ---- the cost of expert parallelism ----
+
+// One group of R virtual ranks with its inputs and outputs: the Qwen3-30B shape, E experts, top-8, uniform
+// random routing, T tokens per rank.
+struct RankedLayer {
+  std::unique_ptr<megamoe::VirtualRankGroup> group;
+  int R = 0;
+  int64_t T = 0;
+  std::vector<__nv_bfloat16*> x, d_out, out, d_x, w13, w2;
+  std::vector<int64_t*> idx;
+  std::vector<float*> weights, d_weights, d_w13, d_w2;
+
+  RankedLayer(int ranks, int64_t tokens, int64_t experts, megamoe::ForwardPath path) : R(ranks), T(tokens) {
+    megamoe::LayerConfig c = megamoe::LayerConfig::qwen3_30b_a3b();
+    c.num_experts = experts;
+    c.num_ranks = ranks;
+    c.max_tokens_per_rank = tokens;
+    megamoe::LayerOptions o;
+    o.forward_path = path;
+    BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, o, &group));
+    const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, EL = experts / ranks;
+    std::mt19937_64 rng(4321);
+    std::vector<int64_t> all(experts);
+    for (int64_t e = 0; e < experts; ++e) all[e] = e;
+    for (int r = 0; r < ranks; ++r) {
+      x.push_back(device_alloc<__nv_bfloat16>(T * H));
+      d_out.push_back(device_alloc<__nv_bfloat16>(T * H));
+      out.push_back(device_alloc<__nv_bfloat16>(T * H));
+      d_x.push_back(device_alloc<__nv_bfloat16>(T * H));
+      w13.push_back(device_alloc<__nv_bfloat16>(EL * 2 * I * H));
+      w2.push_back(device_alloc<__nv_bfloat16>(EL * H * I));
+      d_w13.push_back(device_alloc<float>(EL * 2 * I * H));
+      d_w2.push_back(device_alloc<float>(EL * H * I));
+      d_weights.push_back(device_alloc<float>(T * K));
+      if (!megamoe::kernels::fill_hashed_bf16(x[r], T * H, 40 + r, 0, 1.0f) ||
+          !megamoe::kernels::fill_hashed_bf16(d_out[r], T * H, 60 + r, 0, 1.0f) ||
+          !megamoe::kernels::fill_hashed_bf16(w13[r], EL * 2 * I * H, 80 + r, 0, 0.03f) ||
+          !megamoe::kernels::fill_hashed_bf16(w2[r], EL * H * I, 100 + r, 0, 0.03f))
+        std::exit(1);
+      std::vector<int64_t> h_idx(T * K);
+      std::vector<float> h_w(T * K, 1.0f / static_cast<float>(K));
+      for (int64_t t = 0; t < T; ++t) {
+        std::shuffle(all.begin(), all.end(), rng);
+        for (int64_t j = 0; j < K; ++j) h_idx[t * K + j] = all[j];
+      }
+      idx.push_back(device_alloc<int64_t>(T * K));
+      weights.push_back(device_alloc<float>(T * K));
+      BENCH_CHECK_CUDA(cudaMemcpy(idx[r], h_idx.data(), 8 * T * K, cudaMemcpyHostToDevice));
+      BENCH_CHECK_CUDA(cudaMemcpy(weights[r], h_w.data(), 4 * T * K, cudaMemcpyHostToDevice));
+    }
+    BENCH_CHECK_CUDA(cudaDeviceSynchronize());
+  }
+  ~RankedLayer() {
+    for (auto* v : {&x, &d_out, &out, &d_x, &w13, &w2})
+      for (auto* q : *v) cudaFree(q);
+    for (auto* v : {&weights, &d_weights, &d_w13, &d_w2})
+      for (auto* q : *v) cudaFree(q);
+    for (auto* q : idx) cudaFree(q);
+  }
+  void forward(int r) {
+    megamoe::ForwardArgs f;
+    f.num_tokens = T;
+    f.x = x[r];
+    f.topk_idx = idx[r];
+    f.topk_weights = weights[r];
+    f.w13 = w13[r];
+    f.w2 = w2[r];
+    f.out = out[r];
+    BENCH_CHECK_OK(group->layer(r).forward(f));
+  }
+  void backward(int r) {
+    megamoe::BackwardArgs b;
+    b.d_out = d_out[r];
+    b.d_x = d_x[r];
+    b.d_topk_weights = d_weights[r];
+    b.d_w13 = d_w13[r];
+    b.d_w2 = d_w2[r];
+    BENCH_CHECK_OK(group->layer(r).backward(b));
+  }
+  // From one start to the end of every rank's work (each rank on its own stream).
+  float time_all(bool with_backward, cudaStream_t main, cudaEvent_t start, cudaEvent_t stop,
+                 std::vector<cudaEvent_t>& done) {
+    BENCH_CHECK_CUDA(cudaEventRecord(start, main));
+    for (int r = 0; r < R; ++r) BENCH_CHECK_CUDA(cudaStreamWaitEvent(group->stream(r), start, 0));
+    for (int r = 0; r < R; ++r) forward(r);
+    if (with_backward)
+      for (int r = 0; r < R; ++r) backward(r);
+    for (int r = 0; r < R; ++r) {
+      BENCH_CHECK_CUDA(cudaEventRecord(done[r], group->stream(r)));
+      BENCH_CHECK_CUDA(cudaStreamWaitEvent(main, done[r], 0));
+    }
+    BENCH_CHECK_CUDA(cudaEventRecord(stop, main));
+    BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    return ms;
+  }
+};
+
+struct EpResult {
+  float forward_ms[2], total_ms[2];  // [0]: one rank of 16384 tokens, [1]: 8 virtual ranks of 2048
+};
+
+// E = 128, top-8 at the Qwen3-30B shape: 8 virtual ranks of 2048 tokens against one rank of 16384, the two
+// timed interleaved, run for run.
+EpResult run_ep(megamoe::ForwardPath path, int iters) {
+  RankedLayer one(1, 16384, 128, path), eight(8, 2048, 128, path);
+  cudaStream_t main = nullptr;
+  BENCH_CHECK_CUDA(cudaStreamCreateWithFlags(&main, cudaStreamNonBlocking));
+  cudaEvent_t start, stop;
+  BENCH_CHECK_CUDA(cudaEventCreate(&start));
+  BENCH_CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<cudaEvent_t> done(8);
+  for (auto& e : done) BENCH_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  std::vector<float> f1, f8, t1, t8;
+  for (int it = -3; it < iters; ++it) {
+    const float a = one.time_all(false, main, start, stop, done);
+    const float b = eight.time_all(false, main, start, stop, done);
+    const float c = one.time_all(true, main, start, stop, done);
+    const float d = eight.time_all(true, main, start, stop, done);
+    if (it < 0) continue;
+    f1.push_back(a);
+    f8.push_back(b);
+    t1.push_back(c);
+    t8.push_back(d);
+  }
+  BENCH_CHECK_OK(one.group->synchronize_and_check());
+  BENCH_CHECK_OK(eight.group->synchronize_and_check());
+  for (auto& e : done) cudaEventDestroy(e);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaStreamDestroy(main);
+  return EpResult{{median(f1), median(f8)}, {median(t1), median(t8)}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const char* json_path = nullptr;
   const char* baseline_path = nullptr;
   int iters = 20;
+  bool with_ep = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--baseline") && i + 1 < argc) baseline_path = argv[++i];
     else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--ep")) with_ep = true;
   }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
@@ -255,6 +429,28 @@ int main(int argc, char** argv) {
       std::array<double, 4> row{};
       while (std::fscanf(f, "%lf,%lf,%lf,%lf", &row[0], &row[1], &row[2], &row[3]) == 4) baseline.push_back(row);
       std::fclose(f);
+    }
+  }
+  std::printf("fused forward vs modular (interleaved, median of %d):\n", iters);
+  std::printf("| layer H, I (bf16) | modular fwd ms | fused fwd ms | TFLOP/s | fused / modular | modular fwd+bwd ms | "
+              "fused fwd+bwd ms | TFLOP/s |\n");
+  for (const Result& r : results) {
+    const double fused_tflops = r.forward_tflops * r.forward_ms / r.fused_forward_ms;
+    const double fused_total_tflops = r.total_tflops * r.total_ms / r.fused_total_ms;
+    std::printf("| %lld, %lld | %.3f | %.3f | %.1f | %.3fx | %.3f | %.3f | %.1f |\n",
+                static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate), r.forward_ms,
+                r.fused_forward_ms, fused_tflops, r.fused_forward_ms / r.forward_ms, r.total_ms, r.fused_total_ms,
+                fused_total_tflops);
+  }
+  if (with_ep) {
+    std::printf("cost of expert parallelism: Qwen3-30B shape, E=128, top-8; 8 virtual ranks x 2048 tokens vs "
+                "1 rank x 16384 (interleaved, median of %d)\n", iters);
+    std::printf("| forward path | R=1 fwd ms | R=8 fwd ms | ratio | R=1 fwd+bwd ms | R=8 fwd+bwd ms | ratio |\n");
+    for (auto path : {megamoe::ForwardPath::kModular, megamoe::ForwardPath::kFused}) {
+      const EpResult e = run_ep(path, iters);
+      std::printf("| %s | %.3f | %.3f | %.2fx | %.3f | %.3f | %.2fx |\n",
+                  path == megamoe::ForwardPath::kFused ? "fused" : "modular", e.forward_ms[0], e.forward_ms[1],
+                  e.forward_ms[1] / e.forward_ms[0], e.total_ms[0], e.total_ms[1], e.total_ms[1] / e.total_ms[0]);
     }
   }
   std::printf("| layer H, I (bf16) | megamoe fwd ms | TFLOP/s | torch fwd ms | fwd speedup | megamoe fwd+bwd ms | "
@@ -278,9 +474,11 @@ int main(int argc, char** argv) {
       std::fprintf(f,
                    "%s{\"hidden\": %lld, \"intermediate\": %lld, \"forward_ms\": %.4f, \"total_ms\": %.4f, "
                    "\"forward_tflops\": %.2f, \"total_tflops\": %.2f, \"gemm_kernel_ms\": %.4f, "
-                   "\"other_kernel_ms\": %.4f, \"kernels\": %d}",
+                   "\"other_kernel_ms\": %.4f, \"kernels\": %d, \"fused_forward_ms\": %.4f, "
+                   "\"fused_total_ms\": %.4f}",
                    i ? ", " : "", static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate),
-                   r.forward_ms, r.total_ms, r.forward_tflops, r.total_tflops, r.gemm_ms, r.other_ms, r.kernels);
+                   r.forward_ms, r.total_ms, r.forward_tflops, r.total_tflops, r.gemm_ms, r.other_ms, r.kernels,
+                   r.fused_forward_ms, r.fused_total_ms);
     }
     std::fprintf(f, "]\n");
     std::fclose(f);
