@@ -37,4 +37,15 @@ __device__ __forceinline__ void record_error_everywhere(const Params& p, StatusC
     record_error(error_record(p.peers[peer], p.layout), code, what, p.shape.rank, a, b, c);
 }
 
+// After a wait that timed out: its counters can no longer be trusted (a late arrival may still come), so
+// every rank records the timeout and is marked broken for good (later calls neither send nor wait; the
+// layer must be recreated).
+__device__ inline void break_group(const Params& p, ErrorWhat what, int64_t a, int64_t b, int64_t c = 0) {
+  for (int peer = 0; peer < p.shape.num_ranks; ++peer) {
+    record_error(error_record(p.peers[peer], p.layout), StatusCode::kTimeout, what, p.shape.rank, a, b, c);
+    *reinterpret_cast<volatile int32_t*>(p.peers[peer] + p.layout.broken) = 1;
+  }
+  __threadfence_system();
+}
+
 }  // namespace megamoe::ep

@@ -32,13 +32,7 @@ __device__ inline void rank_barrier(const Params& p, int id) {
     return;
   }
   // Timed out: every rank learns of it, and the group is broken for good.
-  const int64_t seen = static_cast<int64_t>(device::load_acquire<device::Scope::kSystem>(mine));
-  for (int peer = 0; peer < p.shape.num_ranks; ++peer) {
-    record_error(error_record(p.peers[peer], p.layout), StatusCode::kTimeout, kErrorBarrierTimeout, p.shape.rank, id,
-                 seen);
-    *reinterpret_cast<volatile int32_t*>(p.peers[peer] + p.layout.broken) = 1;
-  }
-  __threadfence_system();
+  break_group(p, kErrorBarrierTimeout, id, static_cast<int64_t>(device::load_acquire<device::Scope::kSystem>(mine)));
 }
 
 }  // namespace megamoe::ep

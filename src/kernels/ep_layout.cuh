@@ -7,8 +7,11 @@
 // layout_assign then gives each CTA the counts of the CTAs before it (its base per key) and numbers its
 // chunk in token order: inside the CTA the chunk is cut into one piece per warp; a warp walks its piece 32
 // tokens at a time and, for each slot j, numbers the lanes that share a key with __match_any_sync, in two
-// passes (per-warp counts, a scan over warps, the numbering). No atomics decide a number, so the numbering,
-// and every later summation order that follows it, is the same on every run and for any number of CTAs.
+// passes (per-warp counts, a scan over warps, the numbering). No atomics decide a number. Chunks and pieces
+// are whole windows of 32 tokens starting at multiples of 32, so the order of a key's numbers is (token
+// window, slot, token) whatever the number of CTAs and warps: the modular kernels (8 warps) and the fused
+// forward (12 warps, another CTA count) number alike, and every later summation order that follows from
+// the numbering is the same on every run.
 #pragma once
 
 #include "comm/device_sync.cuh"
@@ -55,8 +58,13 @@ __device__ __forceinline__ int first_send_rank(const Index* idx, int64_t t, int6
 struct LayoutChunk {
   int64_t begin, end;
 };
+inline constexpr int64_t kLayoutWindow = 32;  // tokens a warp numbers at once (one per lane)
+__device__ __forceinline__ int64_t whole_windows(int64_t tokens) {
+  return (tokens + kLayoutWindow - 1) / kLayoutWindow * kLayoutWindow;
+}
+// CTA `block`'s tokens: whole windows, so that the numbering does not depend on the number of CTAs.
 __device__ __forceinline__ LayoutChunk layout_chunk_of(int64_t T, int block, int blocks) {
-  const int64_t per = (T + blocks - 1) / blocks;
+  const int64_t per = whole_windows((T + blocks - 1) / blocks);
   const int64_t begin = block * per;
   return LayoutChunk{begin < T ? begin : T, begin + per < T ? begin + per : T};
 }
@@ -162,7 +170,8 @@ __device__ void layout_assign(const Params& p, const Index* __restrict__ idx, in
   if (block == 0 && signal_receivers) signal_counts_sent(p);
   for (int k = threadIdx.x; k < kWarps * keys; k += kThreads) hist[k] = 0;
   __syncthreads();
-  const int64_t piece = (c.end - c.begin + kWarps - 1) / kWarps;
+  // Whole windows per warp (the chunk starts at a multiple of 32): the windows are the same for any kWarps.
+  const int64_t piece = whole_windows((c.end - c.begin + kWarps - 1) / kWarps);
   const int64_t begin = c.begin + warp * piece;
   const int64_t end = begin + piece < c.end ? begin + piece : c.end;
   int32_t* my_hist = hist + warp * keys;

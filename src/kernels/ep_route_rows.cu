@@ -18,7 +18,7 @@ __global__ void route_rows_kernel(Params p) {
   const int64_t items = static_cast<int64_t>(s.num_ranks) * s.max_tokens;
   for (int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; item < items;
        item += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    route_item(p, t, item, [](int64_t, int, int64_t, int) {});
+    (void)route_item(p, t, item, [](int64_t, int, int64_t, int) {});
 }
 
 }  // namespace

@@ -97,28 +97,35 @@ __device__ inline void route_offsets(const Params& p, const RouteTables& t, bool
 }
 
 // One received token (item = src * T + slot of the receive slab) whose rows have landed: the tables of each
-// of its expert rows. on_row(row, local_expert, token, j) runs after a row's tables are written.
+// of its expert rows. on_row(row, local_expert, token, j) runs after a row's tables are written. False when
+// a value the peer wrote was out of range (recorded; its rows are left out).
 template <class OnRow>
-__device__ __forceinline__ void route_item(const Params& p, const RouteTables& t, int64_t item, OnRow&& on_row) {
+__device__ __forceinline__ bool route_item(const Params& p, const RouteTables& t, int64_t item, OnRow&& on_row) {
   const Shape& s = p.shape;
   const int EL = s.experts_per_rank, K = s.top_k;
   const int32_t* counts = at<int32_t>(p.local, p.layout.recv_counts);
   const int src = static_cast<int>(item / s.max_tokens);
   const int slot = static_cast<int>(item % s.max_tokens);
   const int32_t tokens = counts[src * (EL + 1) + EL];
-  if (slot == 0) (void)peer_value_ok(p, tokens >= 0 && tokens <= s.max_tokens, src, tokens, kPeerTokens);
-  if (slot >= tokens) return;
+  if (slot == 0 && !peer_value_ok(p, tokens >= 0 && tokens <= s.max_tokens, src, tokens, kPeerTokens)) return false;
+  if (slot >= tokens) return true;
   const int64_t token = at<int32_t>(p.local, p.layout.recv_token)[item];
-  if (!peer_value_ok(p, token >= 0 && token < s.max_tokens, src, token, kPeerToken)) return;
+  if (!peer_value_ok(p, token >= 0 && token < s.max_tokens, src, token, kPeerToken)) return false;
+  bool ok = true;
   const SlotRoute* routes = at<SlotRoute>(p.local, p.layout.recv_routes);
   const float* recv_weights = at<float>(p.local, p.layout.recv_weights);
   for (int j = 0; j < K; ++j) {
     const SlotRoute route = routes[item * K + j];
     if (route.local_expert < 0) continue;
-    if (!peer_value_ok(p, route.local_expert < EL, src, route.local_expert, kPeerLocalExpert)) continue;
-    const int32_t rows_of_source = counts[src * (EL + 1) + route.local_expert];
-    if (!peer_value_ok(p, route.index >= 0 && route.index < rows_of_source, src, route.index, kPeerRowIndex))
+    if (!peer_value_ok(p, route.local_expert < EL, src, route.local_expert, kPeerLocalExpert)) {
+      ok = false;
       continue;
+    }
+    const int32_t rows_of_source = counts[src * (EL + 1) + route.local_expert];
+    if (!peer_value_ok(p, route.index >= 0 && route.index < rows_of_source, src, route.index, kPeerRowIndex)) {
+      ok = false;
+      continue;
+    }
     const int64_t row = t.base[src * EL + route.local_expert] + route.index;
     const int64_t pair = token * K + j;
     at<int32_t>(p.local, p.layout.row_src)[row] = static_cast<int32_t>(item);
@@ -127,6 +134,7 @@ __device__ __forceinline__ void route_item(const Params& p, const RouteTables& t
     at<float*>(p.local, p.layout.row_dot_dest)[row] = at<float>(p.peers[src], p.layout.slot_dots) + pair * s.dot_parts;
     on_row(row, route.local_expert, token, j);
   }
+  return ok;
 }
 
 }  // namespace megamoe::ep

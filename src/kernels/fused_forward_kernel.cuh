@@ -106,30 +106,50 @@ struct FusedForwardConfig {
     typename Schedule::Storage schedule;
     typename Waves::Storage waves;
     uint32_t sent[kFusedMaxRanks];
-    int flag;
+    int flags[2];  // a CTA's shared decisions: [0] a wait's outcome, [1] a peer-written count
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");
   static constexpr int64_t kScratchBytes = kStages * Shape::kStageBytes;
 };
 
-// ---------------------------------------------------------------- roles
+// ---------------------------------------------------------------- waits
 
-__device__ __forceinline__ device::WaitReport wait_report(const ep::Params& L, bool stop_on_error) {
-  device::WaitReport r{ep::error_record(L.local, L.layout), L.shape.rank, L.timeout_ns};
-  r.stop_on_error = stop_on_error;
-  return r;
+// When a wait of the fused forward gives up before its target without a timeout.
+enum class GiveUp {
+  kWhenBroken,  // only when the group is broken: the counter's producers always finish otherwise
+  kOnError,     // also when any error is recorded (the waiting result is then NaN anyway)
+};
+
+// Waits until *counter >= target (acquire, system scope: peers write some of these counters). A timeout
+// breaks the group on every rank (break_group): a late arrival could still come and would leave the
+// counter wrong for the next call, so no later call may trust it.
+template <class T>
+__device__ bool fused_wait(const ep::Params& L, const T* counter, T target, int64_t id, GiveUp give_up,
+                           uint64_t timeout_ns) {
+  device::WaitReport r{ep::error_record(L.local, L.layout), L.shape.rank, timeout_ns};
+  r.stop_on_error = give_up == GiveUp::kOnError;
+  r.stop_flag = ep::at<int32_t>(L.local, L.layout.broken);
+  bool timed_out = false;
+  if (device::wait_at_least<device::Scope::kSystem>(counter, target, r, id, &timed_out)) return true;
+  if (timed_out) {
+    const T seen = device::load_acquire<device::Scope::kSystem>(counter);
+    ep::break_group(L, ep::kErrorWaitTimeout, id, static_cast<int64_t>(seen), static_cast<int64_t>(target));
+  }
+  return false;
 }
 
-// One thread waits (acquire, system scope: peers write these counters), then the CTA goes on together.
+// One thread waits, then the CTA goes on together; flag: shared memory.
 template <class T>
-__device__ __forceinline__ bool cta_wait(const T* counter, T target, const device::WaitReport& report, int64_t id,
+__device__ __forceinline__ bool cta_wait(const ep::Params& L, const T* counter, T target, int64_t id, GiveUp give_up,
                                          int* flag) {
   __syncthreads();
-  if (threadIdx.x == 0) *flag = device::wait_at_least<device::Scope::kSystem>(counter, target, report, id) ? 1 : 0;
+  if (threadIdx.x == 0) *flag = fused_wait(L, counter, target, id, give_up, L.timeout_ns) ? 1 : 0;
   __syncthreads();
   return *flag != 0;
 }
+
+// ---------------------------------------------------------------- roles
 
 // Phase 2: this rank's tokens to their destination ranks, one warp per token, then one release per
 // destination of the token rows sent there. sent: shared memory, R counters.
@@ -153,8 +173,12 @@ __device__ void dispatch_role(const FusedForwardParams& p, const Index* idx, uin
 }
 
 // Phase 4: the rows of every source, source by source (this rank's own first: they land first), each as
-// soon as all its token rows have landed.
-__device__ inline void route_role(const FusedForwardParams& p, const ep::RouteTables& t, int cta, int* flag) {
+// soon as all its token rows have landed. Every source's arrivals are waited for, also when this rank routes
+// nothing (its capacity overflowed: `route` false), so that rows_arrived has seen them all before it is
+// reset. A value out of range that a peer wrote (a token count: its arrivals cannot be counted; a route:
+// its row would never be ready) breaks the group.
+__device__ inline void route_role(const FusedForwardParams& p, const ep::RouteTables& t, bool route, int cta,
+                                  int* shared) {
   const ep::Params& L = p.layer;
   const ep::Shape& s = L.shape;
   const int R = s.num_ranks, EL = s.experts_per_rank;
@@ -162,27 +186,41 @@ __device__ inline void route_role(const FusedForwardParams& p, const ep::RouteTa
   const uint32_t* rows_arrived = ep::at<uint32_t>(L.local, L.layout.rows_arrived);
   uint32_t* rows_ready = ep::at<uint32_t>(L.local, L.layout.rows_ready);
   uint32_t** row_signal = ep::at<uint32_t*>(L.local, L.layout.row_signal);
-  // Every source signals once per call whatever happened, so this wait does not give up on a recorded
-  // error: its counter must have seen every arrival before it is reset.
-  const device::WaitReport report = wait_report(L, false);
   for (int i = 0; i < R; ++i) {
     const int src = (s.rank + i) % R;
-    const int32_t tokens = counts[src * (EL + 1) + EL];
-    if (!(tokens >= 0 && tokens <= s.max_tokens)) {
-      if (cta == 0 && threadIdx.x == 0) (void)ep::peer_value_ok(L, false, src, tokens, ep::kPeerTokens);
-      continue;
+    // One thread reads the peer-written count, so that the CTA agrees on it.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int32_t tokens = counts[src * (EL + 1) + EL];
+      const bool ok = tokens >= 0 && tokens <= s.max_tokens;
+      if (!ok && cta == 0) {
+        (void)ep::peer_value_ok(L, false, src, tokens, ep::kPeerTokens);
+        ep::break_group(L, ep::kErrorPeerIndex, src, tokens, ep::kPeerTokens);
+      }
+      shared[1] = ok ? tokens : -1;
     }
-    if (!cta_wait(rows_arrived + src, static_cast<uint32_t>(tokens), report, ep::fused_wait_id(ep::kWaitRows, src),
-                  flag))
+    __syncthreads();
+    const int32_t tokens = shared[1];
+    if (tokens < 0) continue;
+    if (!cta_wait(L, rows_arrived + src, static_cast<uint32_t>(tokens), ep::fused_wait_id(ep::kWaitRows, src),
+                  GiveUp::kWhenBroken, shared))
       continue;
+    if (!route) continue;
+    bool ok = true;
     for (int64_t slot = static_cast<int64_t>(cta) * kFusedThreads + threadIdx.x; slot < tokens;
          slot += static_cast<int64_t>(p.comm_ctas) * kFusedThreads) {
-      ep::route_item(L, t, static_cast<int64_t>(src) * s.max_tokens + slot, [&](int64_t row, int e, int64_t token, int) {
-        row_signal[row] = ep::at<uint32_t>(L.peers[src], L.layout.token_done) + token;
-        // Release: the row's tables (and, through this CTA's acquire above, its landed x row) before the count.
-        device::signal_add<device::Scope::kGpu>(rows_ready + t.block_start[e] + (row - t.offsets[e]) / 128, 1u);
-      });
+      ok &= ep::route_item(L, t, static_cast<int64_t>(src) * s.max_tokens + slot,
+                           [&](int64_t row, int e, int64_t token, int) {
+                             row_signal[row] = ep::at<uint32_t>(L.peers[src], L.layout.token_done) + token;
+                             // Release: the row's tables (and, through this CTA's acquire above, its landed x
+                             // row) before the count.
+                             device::signal_add<device::Scope::kGpu>(
+                                 rows_ready + t.block_start[e] + (row - t.offsets[e]) / 128, 1u);
+                           });
     }
+    // A row left out would keep its block's GEMM1 tiles waiting: a peer that wrote garbage breaks the group
+    // (the value is already recorded on every rank), so that every wait on it gives up at once.
+    if (__syncthreads_or(!ok) && threadIdx.x == 0) ep::break_group(L, ep::kErrorPeerIndex, src, 0);
   }
 }
 
@@ -196,9 +234,11 @@ __device__ void gemm_producer(const CUtensorMap* tm_w13, const CUtensorMap* tm_a
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   typename Cfg::GatherLoader gemm1{nullptr, tm_w13, p.gemm1_src, {}};
   typename Cfg::TmaLoader gemm2{tm_a_load, tm_w2, p.gemm2_src, {}};
-  const device::WaitReport report = wait_report(L, true);
-  const device::ReadinessGate rows_ready{ep::at<uint32_t>(L.local, L.layout.rows_ready), 0, report};
-  const device::ReadinessGate act_ready{ep::at<uint32_t>(L.local, L.layout.act_ready), 0, report};
+  // The gates wait for this rank's own routing and GEMM1, which always finish unless the group broke: they
+  // do not give up on a recorded error (a tile loaded before its rows are routed would store through the
+  // previous call's row pointers).
+  const uint32_t* rows_ready = ep::at<uint32_t>(L.local, L.layout.rows_ready);
+  const uint32_t* act_ready = ep::at<uint32_t>(L.local, L.layout.act_ready);
   const uint32_t slices_per_block = 2u * static_cast<uint32_t>(p.n_tiles[0]);
   device::PipeState<Shape::kStages> st;
   const int total = waves.total();
@@ -207,13 +247,16 @@ __device__ void gemm_producer(const CUtensorMap* tm_w13, const CUtensorMap* tm_a
     if (t >= total) break;
     int gemm = 0;
     const device::TileCoord tile = waves.decode(t, &gemm);
-    // One thread waits for the tile's rows; the barrier then orders every producer thread's loads after it.
+    // One thread waits for the tile's rows; the barrier then orders every producer thread's loads after it
+    // (the TMA loads of GEMM2 through the proxy fence: the async proxy reads what the acquire made visible).
     if (ptid == 0 && tile.rows > 0) {
       if (gemm == 0) {
-        (void)rows_ready.wait(tile.m_block, static_cast<uint32_t>(tile.rows),
-                              ep::fused_wait_id(ep::kWaitRowBlock, tile.m_block));
+        (void)fused_wait(L, rows_ready + tile.m_block, static_cast<uint32_t>(tile.rows),
+                         ep::fused_wait_id(ep::kWaitRowBlock, tile.m_block), GiveUp::kWhenBroken, L.timeout_ns);
       } else {
-        (void)act_ready.wait(tile.m_block, slices_per_block, ep::fused_wait_id(ep::kWaitActBlock, tile.m_block));
+        (void)fused_wait(L, act_ready + tile.m_block, slices_per_block,
+                         ep::fused_wait_id(ep::kWaitActBlock, tile.m_block), GiveUp::kWhenBroken, L.timeout_ns);
+        cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
       }
     }
     device::named_barrier_sync(Cfg::kProducerBarrier, 128);
@@ -294,19 +337,18 @@ __device__ void gemm_consumer(const CUtensorMap* tm_a_store, const CUtensorMap* 
 __device__ inline void combine_role(const FusedForwardParams& p) {
   const ep::Params& L = p.layer;
   const uint32_t* token_done = ep::at<uint32_t>(L.local, L.layout.token_done);
-  const device::WaitReport report = wait_report(L, true);
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kFusedWarps;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kFusedWarps + threadIdx.x / 32; t < L.num_tokens; t += warps) {
     int ok = 1;
     if (lane == 0) {
       const uint32_t target = static_cast<uint32_t>(ep::routed_slots(L, t) * p.n_tiles[1]);
-      ok = device::wait_at_least<device::Scope::kSystem>(token_done + t, target, report,
-                                                         ep::fused_wait_id(ep::kWaitToken, t))
+      ok = fused_wait(L, token_done + t, target, ep::fused_wait_id(ep::kWaitToken, t), GiveUp::kOnError, L.timeout_ns)
                ? 1
                : 0;
     }
     ok = __shfl_sync(0xffffffffu, ok, 0);
+    __syncwarp();  // the lanes' reads of the slots after lane 0's acquire
     ep::combine_token<true>(L, t, lane, ok == 0 || ep::has_error(L), p.topk_weights, p.out, nullptr);
   }
 }
@@ -320,11 +362,12 @@ __device__ inline void reset_counters(const ep::Params& L) {
   uint32_t* rows_ready = ep::at<uint32_t>(L.local, L.layout.rows_ready);
   uint32_t* act_ready = ep::at<uint32_t>(L.local, L.layout.act_ready);
   uint32_t* rows_arrived = ep::at<uint32_t>(L.local, L.layout.rows_arrived);
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kFusedThreads + threadIdx.x; i < blocks; i += stride) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kFusedThreads + threadIdx.x;
+  for (int64_t i = first; i < blocks; i += stride) {
     rows_ready[i] = 0;
     act_ready[i] = 0;
-    if (i < L.shape.num_ranks) rows_arrived[i] = 0;
   }
+  for (int64_t i = first; i < L.shape.num_ranks; i += stride) rows_arrived[i] = 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     *ep::at<uint32_t>(L.local, L.layout.counts_arrived) = 0;
     *ep::at<int>(L.local, L.layout.fused_work) = 0;
@@ -359,13 +402,21 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   const Index* idx = static_cast<const Index*>(p.topk_idx);
   const device::GridBarrier grid{ep::at<uint32_t>(L.local, L.layout.grid_arrivals),
                                  ep::at<uint32_t>(L.local, L.layout.grid_exits), static_cast<int>(gridDim.x)};
-  const device::WaitReport no_stop = wait_report(L, false);
+  // A CTA can reach a grid barrier up to one wait timeout after the others (its last wait gave up there,
+  // or CTA 0 waited at the rank barrier), so the grid barriers wait three timeouts before they give up.
+  device::WaitReport grid_report{ep::error_record(L.local, L.layout), s.rank, 3 * L.timeout_ns};
+  grid_report.stop_flag = ep::at<int32_t>(L.local, L.layout.broken);
   int barriers = 0;
   auto grid_sync = [&] {
     ++barriers;
-    (void)grid.sync(barriers, no_stop, ep::fused_wait_id(ep::kWaitGridBarrier, barriers));
+    const int64_t id = ep::fused_wait_id(ep::kWaitGridBarrier, barriers);
+    bool timed_out = false;
+    if (!grid.sync(barriers, grid_report, id, &timed_out) && tid == 0 && timed_out)
+      ep::break_group(L, ep::kErrorWaitTimeout, id, 0, static_cast<int64_t>(barriers) * gridDim.x);
   };
   // A group broken by an earlier timeout: its counters cannot be trusted, so nothing is sent or awaited.
+  // (Each CTA reads the flag: should a peer set it during these first instructions, the CTAs that missed it
+  // give up at their first grid barrier, through its stop flag.)
   if (ep::is_broken(L)) {
     if (cta == 0 && tid == 0)
       ep::record_error(ep::error_record(L.local, L.layout), StatusCode::kTimeout, ep::kErrorBroken, s.rank,
@@ -391,8 +442,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   if (cta < p.comm_ctas) dispatch_role(p, idx, smem.sent, cta);
 
   // 3. every source's counts -> offsets, row blocks, the GEMM work
-  (void)cta_wait(ep::at<uint32_t>(L.local, L.layout.counts_arrived), static_cast<uint32_t>(s.num_ranks), no_stop,
-                 ep::fused_wait_id(ep::kWaitCounts, s.rank), &smem.flag);
+  (void)cta_wait(L, ep::at<uint32_t>(L.local, L.layout.counts_arrived), static_cast<uint32_t>(s.num_ranks),
+                 ep::fused_wait_id(ep::kWaitCounts, s.rank), GiveUp::kWhenBroken, smem.flags);
   const ep::RouteTables tables = ep::RouteTables::in(smem.scratch, s);
   ep::route_offsets(L, tables, cta == 0, cta == 0);
   const typename Cfg::Waves waves{&smem.waves, s.experts_per_rank, {p.n_tiles[0], p.n_tiles[1]},
@@ -400,8 +451,10 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   waves.build(tables.offsets, tid, kFusedThreads);
 
   // 4. route
-  if (cta < p.comm_ctas && !tables.overflow(s)) route_role(p, tables, cta, &smem.flag);
-  __syncthreads();  // the tables' bytes become pipeline stages
+  if (cta < p.comm_ctas) route_role(p, tables, !tables.overflow(s), cta, smem.flags);
+  // The tables' bytes become pipeline stages, which TMA (the async proxy) writes next.
+  device::fence_proxy_async_smem();
+  __syncthreads();
 
   // 5. GEMMs
   if (tid < 128) {
@@ -427,7 +480,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   const bool failed = ep::has_error(L);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kFusedThreads;
   uint32_t* token_done = ep::at<uint32_t>(L.local, L.layout.token_done);
-  for (int64_t i = static_cast<int64_t>(cta) * kFusedThreads + tid; i < L.num_tokens; i += stride) token_done[i] = 0;
+  // Every token of the workspace, not only this call's: a row of a failed call may have counted any.
+  for (int64_t i = static_cast<int64_t>(cta) * kFusedThreads + tid; i < s.max_tokens; i += stride) token_done[i] = 0;
   if (failed) fill_nan(p.out, L.num_tokens * s.hidden);
   grid.leave();
 #endif

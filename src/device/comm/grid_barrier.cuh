@@ -21,10 +21,12 @@ struct GridBarrier {
 
   // Every thread of every CTA; the n-th call of the launch passes n = 1, 2, ... Writes of any thread of
   // any CTA made before its CTA arrived are visible to every thread after the barrier. It waits even when
-  // an error is already recorded (the phases it separates must stay ordered on the error paths too).
-  // Returns false (recorded through report, wait id `wait_id`) on timeout; the CTA then goes on, so that
+  // an error is already recorded (the phases it separates must stay ordered on the error paths too), so
+  // report.stop_on_error is ignored (report.stop_flag is not). Returns false (recorded through report,
+  // wait id `wait_id`, unless given up through stop_flag) after the wait; the CTA then goes on, so that
   // nothing hangs.
-  __device__ bool sync(int n, WaitReport report, int64_t wait_id) const {
+  // timed_out, optional: set in thread 0 when the wait ended by its timeout.
+  __device__ bool sync(int n, WaitReport report, int64_t wait_id, bool* timed_out = nullptr) const {
     __shared__ int passed;
     report.stop_on_error = false;
     __syncthreads();
@@ -32,7 +34,7 @@ struct GridBarrier {
       __threadfence();  // release the whole CTA's writes (ordered before by __syncthreads) at gpu scope
       signal_add<Scope::kGpu>(arrivals, 1u);
       passed = wait_at_least<Scope::kGpu>(arrivals, static_cast<uint32_t>(n) * static_cast<uint32_t>(ctas), report,
-                                          wait_id)
+                                          wait_id, timed_out)
                    ? 1
                    : 0;
     }

@@ -84,20 +84,29 @@ struct WaitReport {
   // one ends after one timeout, not one per wait. Off for the rank barriers, whose counters must see every
   // arrival of a call even when its outputs are already known to be NaN.
   bool stop_on_error = true;
+  // Optional: give up at once when this flag is set (a group broken for good), also with stop_on_error
+  // off: waits whose producers always finish unless the group is broken.
+  const int32_t* stop_flag = nullptr;
 };
 
 // Waits until *counter >= target (acquire). On timeout records kTimeout / report.what with the wait's id,
-// the value seen and the target, and returns false.
+// the value seen and the target, and returns false; also false, without a record, when it gave up early
+// (stop_on_error, stop_flag).
+// timed_out, optional: whether a false came from the timeout (else it gave up early).
 template <Scope kScope, typename T>
-__device__ bool wait_at_least(const T* counter, T target, const WaitReport& report, int64_t wait_id) {
+__device__ bool wait_at_least(const T* counter, T target, const WaitReport& report, int64_t wait_id,
+                              bool* timed_out = nullptr) {
+  if (timed_out != nullptr) *timed_out = false;
   T seen = load_acquire<kScope>(counter);
   if (seen >= target) return true;
   const uint64_t start = global_timer_ns();
   while ((seen = load_acquire<kScope>(counter)) < target) {
     if (report.stop_on_error && error_recorded(report.record)) return false;
+    if (report.stop_flag != nullptr && *reinterpret_cast<const volatile int32_t*>(report.stop_flag) != 0) return false;
     if (global_timer_ns() - start > report.timeout_ns) {
       record_error(report.record, StatusCode::kTimeout, report.what, report.rank, wait_id,
                    static_cast<int64_t>(seen), static_cast<int64_t>(target));
+      if (timed_out != nullptr) *timed_out = true;
       return false;
     }
     __nanosleep(64);
