@@ -39,11 +39,12 @@ if ! { cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_
   printf '{"build": "failed"}\n' >"$out/summary.json"
   exit 1
 fi
-# Machine code of the engine: wgmma must be there (HGMMA), local memory must not (LDL/STL).
-for obj in "$build_dir"/CMakeFiles/megamoe.dir/src/kernels/grouped_gemm_*.cu.o; do
+# Machine code of the GEMM kernels (the engine, the fused forward, FP8): wgmma must be there (HGMMA, or
+# QGMMA for FP8), local memory must not (LDL/STL).
+for obj in "$build_dir"/CMakeFiles/megamoe.dir/src/kernels/{grouped_gemm_*,fused_forward,fp8_gemm}.cu.o; do
   [ -f "$obj" ] || continue
   cuobjdump --dump-sass "$obj" >"$out/sass_$(basename "$obj" .cu.o).txt" 2>&1 || true
-  note "SASS $(basename "$obj"): $(grep -c HGMMA "$out/sass_$(basename "$obj" .cu.o).txt") HGMMA, $(grep -cE '\b(LDL|STL)\b' "$out/sass_$(basename "$obj" .cu.o).txt") LDL/STL"
+  note "SASS $(basename "$obj"): $(grep -cE "[HQ]GMMA" "$out/sass_$(basename "$obj" .cu.o).txt") HGMMA/QGMMA, $(grep -cE '\b(LDL|STL)\b' "$out/sass_$(basename "$obj" .cu.o).txt") LDL/STL"
 done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader \
   >"$out/gpu.txt" 2>&1 || true
