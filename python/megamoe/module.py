@@ -116,13 +116,9 @@ class MegaMoE(nn.Module):
         ranks = self.config.num_ranks
         if ranks == 1:
             return ops.moe(x, topk_idx, topk_weights, self.w13, self.w2, config=self.config, key=self._key)
-        per_rank = self.config.num_experts // ranks
-        outs = ops.moe_ranks(
+        outs = ops.moe_ranks_all_experts(
             list(torch.tensor_split(x, ranks)), list(torch.tensor_split(topk_idx, ranks)),
-            list(torch.tensor_split(topk_weights, ranks)),
-            [self.w13[r * per_rank:(r + 1) * per_rank] for r in range(ranks)],
-            [self.w2[r * per_rank:(r + 1) * per_rank] for r in range(ranks)],
-            config=self.config, key=self._key)
+            list(torch.tensor_split(topk_weights, ranks)), self.w13, self.w2, config=self.config, key=self._key)
         return torch.cat(outs)
 
     def synchronize_and_check(self) -> None:

@@ -4,6 +4,8 @@ Ops (opaque to torch.compile, so no graph break inside them; shapes come from re
   megamoe::moe_forward(key, config, x[], topk_idx[], topk_weights[], w13[], w2[]) -> out[]
   megamoe::moe_backward(key, config, d_out[], x[], topk_idx[], topk_weights[], w13[], w2[])
       -> (d_x[], d_topk_weights[], d_w13[] fp32, d_w2[] fp32)
+  megamoe::moe_forward_all_experts / moe_backward_all_experts: the same with w13, w2 (and their
+      gradients) one tensor each holding every rank's experts.
 Each list holds one tensor per virtual rank. `key` names the layer state (its symmetric workspace) and
 `config` its shape; both are plain ints so that compile and CUDA graphs see constants.
 
@@ -45,7 +47,7 @@ from torch import Tensor
 from . import _lib
 from .reference import check_ids
 
-__all__ = ["LayerConfig", "moe", "moe_ranks", "new_key", "release", "release_all", "set_debug_checks", "debug_checks",
+__all__ = ["LayerConfig", "moe", "moe_ranks", "moe_ranks_all_experts", "new_key", "release", "release_all", "set_debug_checks", "debug_checks",
            "synchronize_and_check", "group_name", "MegaMoEError"]
 
 MegaMoEError = _lib.MegaMoEError
@@ -368,22 +370,29 @@ def _(key, config, x, topk_idx, topk_weights, w13, w2):
     return [torch.empty_like(xi) for xi in x]
 
 
+def _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2) -> tuple[list, list]:
+    """The backward of the forward on these inputs into the fp32 weight-gradient buffers d_w13 / d_w2 (one per
+    rank, the shapes of w13 / w2); returns d_x and d_topk_weights."""
+    state = _state(key, cfg)
+    if state.latest_forward.get(x[0].device.index) != _forward_key(x, topk_idx, topk_weights, w13, w2):
+        _run_forward(key, cfg, x, topk_idx, topk_weights, w13, w2)  # restores this forward's routing
+    d_x = [torch.empty_like(xi) for xi in x]
+    d_topk_weights = [torch.empty_like(wi) for wi in topk_weights]
+    _backend.backward(state, d_out, d_x, d_topk_weights, d_w13, d_w2)
+    if _host_may_wait():
+        _backend.synchronize_and_check(state, x[0].device)
+    return d_x, d_topk_weights
+
+
 @torch.library.custom_op("megamoe::moe_backward", mutates_args=())
 def _moe_backward(key: int, config: list[int], d_out: list[Tensor], x: list[Tensor], topk_idx: list[Tensor],
                   topk_weights: list[Tensor], w13: list[Tensor], w2: list[Tensor]
                   ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, x, topk_idx, topk_weights, w13, w2, d_out)
-    state = _state(key, cfg)
-    if state.latest_forward.get(x[0].device.index) != _forward_key(x, topk_idx, topk_weights, w13, w2):
-        _run_forward(key, cfg, x, topk_idx, topk_weights, w13, w2)  # restores this forward's routing
-    d_x = [torch.empty_like(xi) for xi in x]
-    d_topk_weights = [torch.empty_like(wi) for wi in topk_weights]
     d_w13 = [torch.empty_like(wi, dtype=torch.float32) for wi in w13]
     d_w2 = [torch.empty_like(wi, dtype=torch.float32) for wi in w2]
-    _backend.backward(state, d_out, d_x, d_topk_weights, d_w13, d_w2)
-    if _host_may_wait():
-        _backend.synchronize_and_check(state, x[0].device)
+    d_x, d_topk_weights = _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2)
     return d_x, d_topk_weights, d_w13, d_w2
 
 
@@ -415,6 +424,81 @@ def _backward(ctx, grads):
 
 
 _moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- virtual ranks whose experts live in one tensor (MegaMoE with virtual_ranks) ----
+# The same layer with w13 [E, 2I, H] and w2 [E, H, I] holding every rank's experts: each rank's weights are a
+# view, and the backward writes one gradient tensor for all of them. Slicing the parameter per rank in front
+# of moe_forward instead makes autograd give every slice's gradient back as a zero-filled full-size tensor
+# and add them up (R full-size fills, copies and adds per step).
+
+def _rank_views(cfg: LayerConfig, *tensors: Tensor) -> list[list[Tensor]]:
+    """Each [E, ...] tensor as R views of its ranks' experts [E/R, ...] (contiguous when it is)."""
+    for t in tensors:
+        if not isinstance(t, Tensor) or t.dim() < 1 or t.shape[0] != cfg.num_experts:
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"megamoe: the experts' weights must hold all E={cfg.num_experts} experts in their "
+                             f"first dimension, got {shape}")
+    per = cfg.experts_per_rank
+    return [[t[r * per:(r + 1) * per] for r in range(cfg.num_ranks)] for t in tensors]
+
+
+@torch.library.custom_op("megamoe::moe_forward_all_experts", mutates_args=())
+def _moe_forward_all_experts(key: int, config: list[int], x: list[Tensor], topk_idx: list[Tensor],
+                             topk_weights: list[Tensor], w13: Tensor, w2: Tensor) -> list[Tensor]:
+    cfg = LayerConfig.from_list(config)
+    w13s, w2s = _rank_views(cfg, w13, w2)
+    _check_inputs(cfg, x, topk_idx, topk_weights, w13s, w2s)
+    return _run_forward(key, cfg, x, topk_idx, topk_weights, w13s, w2s)
+
+
+@_moe_forward_all_experts.register_fake
+def _(key, config, x, topk_idx, topk_weights, w13, w2):
+    cfg = LayerConfig.from_list(config)
+    _check_inputs(cfg, x, topk_idx, topk_weights, *_rank_views(cfg, w13, w2))
+    return [torch.empty_like(xi) for xi in x]
+
+
+@torch.library.custom_op("megamoe::moe_backward_all_experts", mutates_args=())
+def _moe_backward_all_experts(key: int, config: list[int], d_out: list[Tensor], x: list[Tensor],
+                              topk_idx: list[Tensor], topk_weights: list[Tensor], w13: Tensor, w2: Tensor
+                              ) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor]:
+    cfg = LayerConfig.from_list(config)
+    w13s, w2s = _rank_views(cfg, w13, w2)
+    _check_inputs(cfg, x, topk_idx, topk_weights, w13s, w2s, d_out)
+    d_w13 = torch.empty_like(w13, dtype=torch.float32)
+    d_w2 = torch.empty_like(w2, dtype=torch.float32)
+    d_w13s, d_w2s = _rank_views(cfg, d_w13, d_w2)
+    d_x, d_topk_weights = _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13s, w2s, d_w13s, d_w2s)
+    return d_x, d_topk_weights, d_w13, d_w2
+
+
+@_moe_backward_all_experts.register_fake
+def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2):
+    cfg = LayerConfig.from_list(config)
+    _check_inputs(cfg, x, topk_idx, topk_weights, *_rank_views(cfg, w13, w2), d_out)
+    return ([torch.empty_like(xi) for xi in x], [torch.empty_like(wi) for wi in topk_weights],
+            torch.empty_like(w13, dtype=torch.float32), torch.empty_like(w2, dtype=torch.float32))
+
+
+def _setup_all_experts_context(ctx, inputs, output):
+    key, config, x, topk_idx, topk_weights, w13, w2 = inputs
+    ctx.key, ctx.config, ctx.ranks = key, config, len(x)
+    ctx.save_for_backward(*x, *topk_idx, *topk_weights, w13, w2)
+
+
+def _backward_all_experts(ctx, grads):
+    r = ctx.ranks
+    saved = ctx.saved_tensors
+    x, topk_idx, topk_weights = (list(saved[j * r:(j + 1) * r]) for j in range(3))
+    w13, w2 = saved[3 * r], saved[3 * r + 1]
+    d_out = [torch.zeros_like(xi) if g is None else g.to(xi.dtype).contiguous() for g, xi in zip(grads, x)]
+    d_x, d_w, d_w13, d_w2 = torch.ops.megamoe.moe_backward_all_experts(ctx.key, ctx.config, d_out, x, topk_idx,
+                                                                       topk_weights, w13, w2)
+    return None, None, d_x, [None] * r, d_w, d_w13.to(w13.dtype), d_w2.to(w2.dtype)
+
+
+_moe_forward_all_experts.register_autograd(_backward_all_experts, setup_context=_setup_all_experts_context)
 
 
 # ---- the process-group ops (one rank per process) ----
@@ -519,6 +603,14 @@ def moe_ranks(x: list[Tensor], topk_idx: list[Tensor], topk_weights: list[Tensor
     experts [r*E/R, (r+1)*E/R), ids are global). Differentiable in x, topk_weights, w13 and w2."""
     return torch.ops.megamoe.moe_forward(_key_for(config, key), config.as_list(), list(x), list(topk_idx),
                                          list(topk_weights), list(w13), list(w2))
+
+
+def moe_ranks_all_experts(x: list[Tensor], topk_idx: list[Tensor], topk_weights: list[Tensor], w13: Tensor,
+                          w2: Tensor, *, config: LayerConfig, key: int | None = None) -> list[Tensor]:
+    """moe_ranks with every rank's experts in one tensor each: w13 [E, 2I, H], w2 [E, H, I] (rank r's are
+    experts [r*E/R, (r+1)*E/R)); their gradients come back as one tensor each, not one per rank."""
+    return torch.ops.megamoe.moe_forward_all_experts(_key_for(config, key), config.as_list(), list(x),
+                                                     list(topk_idx), list(topk_weights), w13, w2)
 
 
 def moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, *,

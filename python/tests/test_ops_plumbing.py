@@ -128,6 +128,70 @@ def test_opcheck(backend):
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
+def test_all_experts_in_one_tensor_give_the_per_rank_results_bitwise(backend):
+    cfg, x, idx, w, w13, w2 = inputs(ranks=2, experts=4)
+    w13_all = torch.cat([t.detach() for t in w13]).requires_grad_()
+    w2_all = torch.cat([t.detach() for t in w2]).requires_grad_()
+    d_out = [torch.randn_like(t) for t in x]
+    got = ops.moe_ranks_all_experts(x, idx, w, w13_all, w2_all, config=cfg, key=ops.new_key())
+    got_g = torch.autograd.grad(got, [*x, *w, w13_all, w2_all], d_out)
+    want = ops.moe_ranks(x, idx, w, w13, w2, config=cfg, key=ops.new_key())
+    want_g = torch.autograd.grad(want, [*x, *w, *w13, *w2], d_out)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for a, b in zip(got_g[:4], want_g[:4]):
+        assert torch.equal(a, b)
+    assert torch.equal(got_g[4], torch.cat(want_g[4:6])) and got_g[4].dtype == torch.bfloat16
+    assert torch.equal(got_g[5], torch.cat(want_g[6:8])) and got_g[5].dtype == torch.bfloat16
+
+
+def _feeders(root, param):
+    """The autograd nodes that hand a gradient to param's accumulator."""
+    seen, found, stack = set(), [], [root]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        for nxt, _ in fn.next_functions:
+            if nxt is not None and type(nxt).__name__ == "AccumulateGrad" and nxt.variable is param:
+                found.append(type(fn).__name__)
+            stack.append(nxt)
+    return found
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_module_weight_gradients_come_back_in_one_piece(backend, ranks):
+    """With virtual ranks the module's parameters hold every rank's experts; their gradients must come back
+    from the layer's op as one tensor, not as one slice per rank that autograd widens to the full size
+    (zero-filled) and adds up."""
+    from megamoe import MegaMoE
+
+    module = MegaMoE(hidden=128, intermediate=128, num_experts=8, top_k=2, max_tokens_per_rank=16,
+                     virtual_ranks=ranks, device="cpu")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4 * ranks, 128, generator=g).bfloat16().requires_grad_()
+    idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(4 * ranks)])
+    w = torch.rand(4 * ranks, 2, generator=g).requires_grad_()
+    out = module(x, idx, w)
+    for param in (module.w13, module.w2):
+        feeders = _feeders(out.grad_fn, param)
+        assert len(feeders) == 1 and "Slice" not in feeders[0], feeders
+    out.float().square().sum().backward()
+    want = reference.moe(x.detach().float(), idx, w.detach(), module.w13.detach().float(), module.w2.detach().float())
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+    assert module.w13.grad.shape == module.w13.shape and module.w2.grad.shape == module.w2.shape
+
+
+def test_opcheck_all_experts(backend):
+    cfg, x, idx, w, w13, w2 = inputs()
+    w13_all = torch.cat([t.detach() for t in w13]).requires_grad_()
+    w2_all = torch.cat([t.detach() for t in w2]).requires_grad_()
+    args = (ops.new_key(), cfg.as_list(), x, idx, w, w13_all, w2_all)
+    torch.library.opcheck(torch.ops.megamoe.moe_forward_all_experts.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
 class CountingBackend(ReferenceBackend):
     def __init__(self):
         super().__init__()
