@@ -50,11 +50,17 @@ class MegaMoE(nn.Module):
     first_expert + E/R) (w13 [E/R, 2I, H], w2 [E/R, H, I]) and its process's tokens (at most
     max_tokens_per_rank; ranks may have different T). Every rank must construct the module and call it
     (forward and backward) in the same order: see megamoe.ops on collective use.
+
+    main_grad=True: the weight gradients are added to fp32 buffers `w13.main_grad` and `w2.main_grad` (made
+    here, zeroed; or the caller's, if it set them before the first forward) by the GEMMs themselves, and w13
+    and w2 get no `.grad`: gradient accumulation over micro-batches without a gradient tensor, a conversion or
+    an add per step. The caller zeroes the buffers when an accumulation starts (as Megatron-style trainers
+    do with `param.main_grad`).
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, max_tokens_per_rank: int,
                  *, virtual_ranks: int = 1, group=None, init_std: float = 0.02, device=None,
-                 dtype=torch.bfloat16):
+                 dtype=torch.bfloat16, main_grad: bool = False):
         super().__init__()
         if group is not None and virtual_ranks != 1:
             raise ValueError("megamoe: virtual_ranks and group exclude each other (group= runs one rank per process)")
@@ -75,6 +81,10 @@ class MegaMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate, hidden, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(local, hidden, intermediate, device=device, dtype=dtype))
         self.reset_parameters()
+        self.main_grad = bool(main_grad)
+        if self.main_grad:
+            for param in (self.w13, self.w2):
+                param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
 
     @torch.no_grad()
     def reset_parameters(self, init_std: float | None = None) -> None:
@@ -110,16 +120,16 @@ class MegaMoE(nn.Module):
         return w1, self.w2.detach().clone(), w3
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        main_grads = (self.w13.main_grad, self.w2.main_grad) if self.main_grad else None
         if self._group_name is not None:
             return ops._moe_process(x, topk_idx, topk_weights, self.w13, self.w2, config=self.config, key=self._key,
-                                    name=self._group_name)
+                                    name=self._group_name, main_grads=main_grads)
         ranks = self.config.num_ranks
-        if ranks == 1:
-            return ops.moe(x, topk_idx, topk_weights, self.w13, self.w2, config=self.config, key=self._key)
         outs = ops.moe_ranks_all_experts(
             list(torch.tensor_split(x, ranks)), list(torch.tensor_split(topk_idx, ranks)),
-            list(torch.tensor_split(topk_weights, ranks)), self.w13, self.w2, config=self.config, key=self._key)
-        return torch.cat(outs)
+            list(torch.tensor_split(topk_weights, ranks)), self.w13, self.w2, config=self.config, key=self._key,
+            main_grads=main_grads)
+        return outs[0] if ranks == 1 else torch.cat(outs)
 
     def synchronize_and_check(self) -> None:
         """Waits for this layer's GPU work and raises MegaMoEError for an error the GPU recorded (bad expert

@@ -5,7 +5,8 @@ Ops (opaque to torch.compile, so no graph break inside them; shapes come from re
   megamoe::moe_backward(key, config, d_out[], x[], topk_idx[], topk_weights[], w13[], w2[])
       -> (d_x[], d_topk_weights[], d_w13[] fp32, d_w2[] fp32)
   megamoe::moe_forward_all_experts / moe_backward_all_experts: the same with w13, w2 (and their
-      gradients) one tensor each holding every rank's experts.
+      gradients) one tensor each holding every rank's experts; with fp32 main gradients given to the
+      forward, its backward is megamoe::moe_backward_into_main_grads, which adds the weight gradients to them.
 Each list holds one tensor per virtual rank. `key` names the layer state (its symmetric workspace) and
 `config` its shape; both are plain ints so that compile and CUDA graphs see constants.
 
@@ -40,6 +41,7 @@ import dataclasses
 import itertools
 import os
 import threading
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -212,10 +214,11 @@ class _LibraryBackend:
                 for xi, ii, wi, a, b, o in zip(x, topk_idx, topk_weights, w13, w2, out)]
         group.forward(args, torch.cuda.current_stream(x[0].device).cuda_stream)
 
-    def backward(self, state, d_out, d_x, d_topk_weights, d_w13, d_w2) -> None:
+    def backward(self, state, d_out, d_x, d_topk_weights, d_w13, d_w2, accumulate=False) -> None:
         group = self.group(state, d_out[0].device)
         args = [_lib.BackwardArgs(d_out=g.data_ptr(), d_x=dx.data_ptr(), d_topk_weights=dw.data_ptr(),
-                                  d_w13=a.data_ptr(), d_w2=b.data_ptr(), accumulate_weight_grads=0, reserved=0)
+                                  d_w13=a.data_ptr(), d_w2=b.data_ptr(), accumulate_weight_grads=int(accumulate),
+                                  reserved=0)
                 for g, dx, dw, a, b in zip(d_out, d_x, d_topk_weights, d_w13, d_w2)]
         group.backward(args, torch.cuda.current_stream(d_out[0].device).cuda_stream)
 
@@ -249,10 +252,11 @@ class _LibraryBackend:
                                 out=out.data_ptr())
         group.forward(args, torch.cuda.current_stream(x.device).cuda_stream)
 
-    def process_backward(self, state, name, d_out, d_x, d_topk_weights, d_w13, d_w2) -> None:
+    def process_backward(self, state, name, d_out, d_x, d_topk_weights, d_w13, d_w2, accumulate=False) -> None:
         group = self.process_group(state, name, d_out.device)
         args = _lib.BackwardArgs(d_out=d_out.data_ptr(), d_x=d_x.data_ptr(), d_topk_weights=d_topk_weights.data_ptr(),
-                                 d_w13=d_w13.data_ptr(), d_w2=d_w2.data_ptr(), accumulate_weight_grads=0, reserved=0)
+                                 d_w13=d_w13.data_ptr(), d_w2=d_w2.data_ptr(), accumulate_weight_grads=int(accumulate),
+                                 reserved=0)
         group.backward(args, torch.cuda.current_stream(d_out.device).cuda_stream)
 
     def process_synchronize_and_check(self, state, name, device) -> None:
@@ -370,15 +374,16 @@ def _(key, config, x, topk_idx, topk_weights, w13, w2):
     return [torch.empty_like(xi) for xi in x]
 
 
-def _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2) -> tuple[list, list]:
+def _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2,
+                  accumulate=False) -> tuple[list, list]:
     """The backward of the forward on these inputs into the fp32 weight-gradient buffers d_w13 / d_w2 (one per
-    rank, the shapes of w13 / w2); returns d_x and d_topk_weights."""
+    rank, the shapes of w13 / w2; added to them with accumulate); returns d_x and d_topk_weights."""
     state = _state(key, cfg)
     if state.latest_forward.get(x[0].device.index) != _forward_key(x, topk_idx, topk_weights, w13, w2):
         _run_forward(key, cfg, x, topk_idx, topk_weights, w13, w2)  # restores this forward's routing
     d_x = [torch.empty_like(xi) for xi in x]
     d_topk_weights = [torch.empty_like(wi) for wi in topk_weights]
-    _backend.backward(state, d_out, d_x, d_topk_weights, d_w13, d_w2)
+    _backend.backward(state, d_out, d_x, d_topk_weights, d_w13, d_w2, accumulate)
     if _host_may_wait():
         _backend.synchronize_and_check(state, x[0].device)
     return d_x, d_topk_weights
@@ -443,19 +448,41 @@ def _rank_views(cfg: LayerConfig, *tensors: Tensor) -> list[list[Tensor]]:
     return [[t[r * per:(r + 1) * per] for r in range(cfg.num_ranks)] for t in tensors]
 
 
+def _check_main_grads(w13: Tensor, w2: Tensor, main_grad13: Tensor | None, main_grad2: Tensor | None) -> None:
+    """The fp32 buffers the weight gradients are added to: both or neither, each shaped like its weight."""
+    if (main_grad13 is None) != (main_grad2 is None):
+        raise ValueError("megamoe: the main gradients of w13 and w2 come together (both or neither)")
+    for name, grad, weight in (("w13", main_grad13, w13), ("w2", main_grad2, w2)):
+        if grad is None:
+            continue
+        if not isinstance(grad, Tensor) or grad.dtype != torch.float32:
+            raise TypeError(f"megamoe: {name}.main_grad must be a torch.float32 tensor, got "
+                            f"{getattr(grad, 'dtype', type(grad).__name__)}")
+        if tuple(grad.shape) != tuple(weight.shape) or grad.device != weight.device:
+            raise ValueError(f"megamoe: {name}.main_grad must have {name}'s shape {list(weight.shape)} and device "
+                             f"{weight.device}, got {list(grad.shape)} on {grad.device}")
+        address = _address(grad)
+        if not grad.is_contiguous() or (address is not None and address % 16):
+            raise ValueError(f"megamoe: {name}.main_grad must be contiguous and 16-byte aligned")
+
+
 @torch.library.custom_op("megamoe::moe_forward_all_experts", mutates_args=())
 def _moe_forward_all_experts(key: int, config: list[int], x: list[Tensor], topk_idx: list[Tensor],
-                             topk_weights: list[Tensor], w13: Tensor, w2: Tensor) -> list[Tensor]:
+                             topk_weights: list[Tensor], w13: Tensor, w2: Tensor,
+                             main_grad13: Optional[Tensor] = None,
+                             main_grad2: Optional[Tensor] = None) -> list[Tensor]:
     cfg = LayerConfig.from_list(config)
     w13s, w2s = _rank_views(cfg, w13, w2)
     _check_inputs(cfg, x, topk_idx, topk_weights, w13s, w2s)
+    _check_main_grads(w13, w2, main_grad13, main_grad2)
     return _run_forward(key, cfg, x, topk_idx, topk_weights, w13s, w2s)
 
 
 @_moe_forward_all_experts.register_fake
-def _(key, config, x, topk_idx, topk_weights, w13, w2):
+def _(key, config, x, topk_idx, topk_weights, w13, w2, main_grad13=None, main_grad2=None):
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, x, topk_idx, topk_weights, *_rank_views(cfg, w13, w2))
+    _check_main_grads(w13, w2, main_grad13, main_grad2)
     return [torch.empty_like(xi) for xi in x]
 
 
@@ -481,10 +508,33 @@ def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2):
             torch.empty_like(w13, dtype=torch.float32), torch.empty_like(w2, dtype=torch.float32))
 
 
+@torch.library.custom_op("megamoe::moe_backward_into_main_grads", mutates_args=("main_grad13", "main_grad2"))
+def _moe_backward_into_main_grads(key: int, config: list[int], d_out: list[Tensor], x: list[Tensor],
+                                  topk_idx: list[Tensor], topk_weights: list[Tensor], w13: Tensor, w2: Tensor,
+                                  main_grad13: Tensor, main_grad2: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+    """The backward with the weight gradients added by the GEMMs to the fp32 main gradients (no gradient
+    tensor, no conversion, no separate add)."""
+    cfg = LayerConfig.from_list(config)
+    w13s, w2s = _rank_views(cfg, w13, w2)
+    _check_inputs(cfg, x, topk_idx, topk_weights, w13s, w2s, d_out)
+    _check_main_grads(w13, w2, main_grad13, main_grad2)
+    m13s, m2s = _rank_views(cfg, main_grad13, main_grad2)
+    return _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13s, w2s, m13s, m2s, accumulate=True)
+
+
+@_moe_backward_into_main_grads.register_fake
+def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2, main_grad13, main_grad2):
+    cfg = LayerConfig.from_list(config)
+    _check_inputs(cfg, x, topk_idx, topk_weights, *_rank_views(cfg, w13, w2), d_out)
+    _check_main_grads(w13, w2, main_grad13, main_grad2)
+    return [torch.empty_like(xi) for xi in x], [torch.empty_like(wi) for wi in topk_weights]
+
+
 def _setup_all_experts_context(ctx, inputs, output):
-    key, config, x, topk_idx, topk_weights, w13, w2 = inputs
+    key, config, x, topk_idx, topk_weights, w13, w2, *main_grads = inputs
     ctx.key, ctx.config, ctx.ranks = key, config, len(x)
-    ctx.save_for_backward(*x, *topk_idx, *topk_weights, w13, w2)
+    ctx.main_grads = len(main_grads) == 2 and main_grads[0] is not None
+    ctx.save_for_backward(*x, *topk_idx, *topk_weights, w13, w2, *(main_grads if ctx.main_grads else ()))
 
 
 def _backward_all_experts(ctx, grads):
@@ -493,9 +543,15 @@ def _backward_all_experts(ctx, grads):
     x, topk_idx, topk_weights = (list(saved[j * r:(j + 1) * r]) for j in range(3))
     w13, w2 = saved[3 * r], saved[3 * r + 1]
     d_out = [torch.zeros_like(xi) if g is None else g.to(xi.dtype).contiguous() for g, xi in zip(grads, x)]
+    if ctx.main_grads:
+        # The weight gradients went into the main gradients: the weights' .grad gets nothing.
+        d_x, d_w = torch.ops.megamoe.moe_backward_into_main_grads(ctx.key, ctx.config, d_out, x, topk_idx,
+                                                                  topk_weights, w13, w2, saved[3 * r + 2],
+                                                                  saved[3 * r + 3])
+        return None, None, d_x, [None] * r, d_w, None, None, None, None
     d_x, d_w, d_w13, d_w2 = torch.ops.megamoe.moe_backward_all_experts(ctx.key, ctx.config, d_out, x, topk_idx,
                                                                        topk_weights, w13, w2)
-    return None, None, d_x, [None] * r, d_w, d_w13.to(w13.dtype), d_w2.to(w2.dtype)
+    return None, None, d_x, [None] * r, d_w, d_w13.to(w13.dtype), d_w2.to(w2.dtype), None, None
 
 
 _moe_forward_all_experts.register_autograd(_backward_all_experts, setup_context=_setup_all_experts_context)
@@ -528,16 +584,34 @@ def _run_process_forward(key, cfg, name, x, topk_idx, topk_weights, w13, w2) -> 
 
 @torch.library.custom_op("megamoe::moe_process_forward", mutates_args=())
 def _moe_process_forward(key: int, config: list[int], group_name: str, x: Tensor, topk_idx: Tensor,
-                         topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+                         topk_weights: Tensor, w13: Tensor, w2: Tensor, main_grad13: Optional[Tensor] = None,
+                         main_grad2: Optional[Tensor] = None) -> Tensor:
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, [x], [topk_idx], [topk_weights], [w13], [w2], local=True)
+    _check_main_grads(w13, w2, main_grad13, main_grad2)
     return _run_process_forward(key, cfg, group_name, x, topk_idx, topk_weights, w13, w2)
 
 
 @_moe_process_forward.register_fake
-def _(key, config, group_name, x, topk_idx, topk_weights, w13, w2):
+def _(key, config, group_name, x, topk_idx, topk_weights, w13, w2, main_grad13=None, main_grad2=None):
     _check_inputs(LayerConfig.from_list(config), [x], [topk_idx], [topk_weights], [w13], [w2], local=True)
+    _check_main_grads(w13, w2, main_grad13, main_grad2)
     return torch.empty_like(x)
+
+
+def _run_process_backward(key, cfg, name, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2,
+                          accumulate=False) -> tuple[Tensor, Tensor]:
+    """This rank's backward into the fp32 weight-gradient buffers (added to them with accumulate); returns
+    d_x and d_topk_weights."""
+    state = _state(key, cfg)
+    if state.latest_forward.get((name, x.device.index)) != _process_forward_key(x, topk_idx, topk_weights, w13, w2):
+        _run_process_forward(key, cfg, name, x, topk_idx, topk_weights, w13, w2)
+    d_x = torch.empty_like(x)
+    d_topk_weights = torch.empty_like(topk_weights)
+    _backend.process_backward(state, name, d_out, d_x, d_topk_weights, d_w13, d_w2, accumulate)
+    if _host_may_wait():
+        _backend.process_synchronize_and_check(state, name, x.device)
+    return d_x, d_topk_weights
 
 
 @torch.library.custom_op("megamoe::moe_process_backward", mutates_args=())
@@ -545,18 +619,29 @@ def _moe_process_backward(key: int, config: list[int], group_name: str, d_out: T
                           topk_weights: Tensor, w13: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
-    state = _state(key, cfg)
-    if state.latest_forward.get((group_name, x.device.index)) != _process_forward_key(x, topk_idx, topk_weights,
-                                                                                       w13, w2):
-        _run_process_forward(key, cfg, group_name, x, topk_idx, topk_weights, w13, w2)
-    d_x = torch.empty_like(x)
-    d_topk_weights = torch.empty_like(topk_weights)
     d_w13 = torch.empty_like(w13, dtype=torch.float32)
     d_w2 = torch.empty_like(w2, dtype=torch.float32)
-    _backend.process_backward(state, group_name, d_out, d_x, d_topk_weights, d_w13, d_w2)
-    if _host_may_wait():
-        _backend.process_synchronize_and_check(state, group_name, x.device)
+    d_x, d_topk_weights = _run_process_backward(key, cfg, group_name, d_out, x, topk_idx, topk_weights, w13, w2,
+                                                d_w13, d_w2)
     return d_x, d_topk_weights, d_w13, d_w2
+
+
+@torch.library.custom_op("megamoe::moe_process_backward_into_main_grads", mutates_args=("main_grad13", "main_grad2"))
+def _moe_process_backward_into_main_grads(key: int, config: list[int], group_name: str, d_out: Tensor, x: Tensor,
+                                          topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                                          main_grad13: Tensor, main_grad2: Tensor) -> tuple[Tensor, Tensor]:
+    cfg = LayerConfig.from_list(config)
+    _check_inputs(cfg, [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
+    _check_main_grads(w13, w2, main_grad13, main_grad2)
+    return _run_process_backward(key, cfg, group_name, d_out, x, topk_idx, topk_weights, w13, w2, main_grad13,
+                                 main_grad2, accumulate=True)
+
+
+@_moe_process_backward_into_main_grads.register_fake
+def _(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2, main_grad13, main_grad2):
+    _check_inputs(LayerConfig.from_list(config), [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
+    _check_main_grads(w13, w2, main_grad13, main_grad2)
+    return torch.empty_like(x), torch.empty_like(topk_weights)
 
 
 @_moe_process_backward.register_fake
@@ -567,18 +652,24 @@ def _(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2):
 
 
 def _setup_process_context(ctx, inputs, output):
-    key, config, name, x, topk_idx, topk_weights, w13, w2 = inputs
+    key, config, name, x, topk_idx, topk_weights, w13, w2, *main_grads = inputs
     ctx.key, ctx.config, ctx.group_name = key, config, name
-    ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2)
+    ctx.main_grads = len(main_grads) == 2 and main_grads[0] is not None
+    ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *(main_grads if ctx.main_grads else ()))
 
 
 def _process_backward(ctx, grad):
-    x, topk_idx, topk_weights, w13, w2 = ctx.saved_tensors
+    x, topk_idx, topk_weights, w13, w2, *main_grads = ctx.saved_tensors
     # Zeros rather than skipping: the backward is collective, so this rank must take part regardless.
     d_out = torch.zeros_like(x) if grad is None else grad.to(x.dtype).contiguous()
+    if ctx.main_grads:
+        d_x, d_w = torch.ops.megamoe.moe_process_backward_into_main_grads(ctx.key, ctx.config, ctx.group_name, d_out,
+                                                                          x, topk_idx, topk_weights, w13, w2,
+                                                                          *main_grads)
+        return None, None, None, d_x, None, d_w, None, None, None, None
     d_x, d_w, d_w13, d_w2 = torch.ops.megamoe.moe_process_backward(ctx.key, ctx.config, ctx.group_name, d_out, x,
                                                                    topk_idx, topk_weights, w13, w2)
-    return None, None, None, d_x, None, d_w, d_w13.to(w13.dtype), d_w2.to(w2.dtype)
+    return None, None, None, d_x, None, d_w, d_w13.to(w13.dtype), d_w2.to(w2.dtype), None, None
 
 
 _moe_process_forward.register_autograd(_process_backward, setup_context=_setup_process_context)
@@ -606,11 +697,18 @@ def moe_ranks(x: list[Tensor], topk_idx: list[Tensor], topk_weights: list[Tensor
 
 
 def moe_ranks_all_experts(x: list[Tensor], topk_idx: list[Tensor], topk_weights: list[Tensor], w13: Tensor,
-                          w2: Tensor, *, config: LayerConfig, key: int | None = None) -> list[Tensor]:
+                          w2: Tensor, *, config: LayerConfig, key: int | None = None,
+                          main_grads: tuple[Tensor, Tensor] | None = None) -> list[Tensor]:
     """moe_ranks with every rank's experts in one tensor each: w13 [E, 2I, H], w2 [E, H, I] (rank r's are
-    experts [r*E/R, (r+1)*E/R)); their gradients come back as one tensor each, not one per rank."""
+    experts [r*E/R, (r+1)*E/R)); their gradients come back as one tensor each, not one per rank.
+
+    main_grads=(g13, g2), fp32 tensors shaped like w13 and w2: the backward adds the weight gradients to them
+    (in the GEMMs' epilogues: no gradient tensor, no conversion, no separate add kernel) and gives w13 and w2
+    no gradient through autograd (gradient accumulation over micro-batches with fp32 main gradients, as
+    Megatron-style trainers keep them in `param.main_grad`)."""
+    g13, g2 = main_grads if main_grads is not None else (None, None)
     return torch.ops.megamoe.moe_forward_all_experts(_key_for(config, key), config.as_list(), list(x),
-                                                     list(topk_idx), list(topk_weights), w13, w2)
+                                                     list(topk_idx), list(topk_weights), w13, w2, g13, g2)
 
 
 def moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor, *,
@@ -630,9 +728,11 @@ def moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tens
     return moe_ranks([x], [topk_idx], [topk_weights], [w13], [w2], config=config, key=key)[0]
 
 
-def _moe_process(x, topk_idx, topk_weights, w13, w2, *, config: LayerConfig, key: int | None, name: str) -> Tensor:
+def _moe_process(x, topk_idx, topk_weights, w13, w2, *, config: LayerConfig, key: int | None, name: str,
+                 main_grads: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    g13, g2 = main_grads if main_grads is not None else (None, None)
     return torch.ops.megamoe.moe_process_forward(_key_for(config, key), config.as_list(), name, x, topk_idx,
-                                                 topk_weights, w13, w2)
+                                                 topk_weights, w13, w2, g13, g2)
 
 
 def synchronize_and_check(layer=None, key: int | None = None, device=None, group=None) -> None:

@@ -26,7 +26,7 @@ class ReferenceBackend:
         for o, r in zip(out, reference.moe_ranks(*latest)):
             o.copy_(r)
 
-    def backward(self, state, d_out, d_x, d_w, d_w13, d_w2):
+    def backward(self, state, d_out, d_x, d_w, d_w13, d_w2, accumulate=False):
         self.backwards += 1
         latest = self.latest[id(state)]
 
@@ -41,8 +41,13 @@ class ReferenceBackend:
             grads = pool.submit(reference_grads).result()
         r = len(d_out)
         assert len(grads) == 4 * r
-        for dst, src in zip([*d_x, *d_w, *d_w13, *d_w2], grads):
+        for dst, src in zip([*d_x, *d_w], grads[:2 * r]):
             dst.copy_(src)
+        for dst, src in zip([*d_w13, *d_w2], grads[2 * r:]):
+            if accumulate:  # as the library's accumulate_weight_grads: one fp32 add
+                dst.add_(src)
+            else:
+                dst.copy_(src)
 
     def synchronize_and_check(self, state, device):
         pass

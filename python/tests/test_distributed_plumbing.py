@@ -39,7 +39,7 @@ class DistributedReferenceBackend:
         self.latest = (x.float(), idx, w.float(), w13.float(), w2.float(), group)
         out.copy_(reference.moe_distributed(*self.latest[:5], group=group))
 
-    def process_backward(self, state, name, d_out, d_x, d_w, d_w13, d_w2):
+    def process_backward(self, state, name, d_out, d_x, d_w, d_w13, d_w2, accumulate=False):
         from megamoe import reference
 
         def grads():
@@ -51,8 +51,12 @@ class DistributedReferenceBackend:
         # An op implementation runs below the autograd dispatch keys (thread-local): use a fresh thread.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             result = pool.submit(grads).result()
-        for dst, src in zip((d_x, d_w, d_w13, d_w2), result):
-            dst.copy_(torch.zeros_like(dst) if src is None else src)
+        for k, (dst, src) in enumerate(zip((d_x, d_w, d_w13, d_w2), result)):
+            value = torch.zeros_like(dst) if src is None else src
+            if accumulate and k >= 2:  # the weight gradients, as the library's accumulate_weight_grads
+                dst.add_(value)
+            else:
+                dst.copy_(value)
 
     def process_synchronize_and_check(self, state, name, device):
         pass
@@ -184,6 +188,21 @@ def _check_ops(rank, group):
                                                        fi, fw, fa, fb)
         assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32, torch.float32, torch.float32]
     assert backend.forwards == before + 3  # only the module's forward ran since: checks fail before running
+
+    # main_grad: two backwards add their fp32 gradients to this rank's main gradients; no .grad.
+    torch.manual_seed(rank)
+    accumulating = megamoe.MegaMoE(H, I, E, K, MAX_TOKENS, group=group, main_grad=True)
+    separate = []
+    for seed in (5, 6):
+        xs, ids, ws, _, _, ds = global_data([5, 3], seed=seed)
+        accumulating(xs[rank], ids[rank], ws[rank]).backward(ds[rank])
+        assert accumulating.w13.grad is None and accumulating.w2.grad is None
+        separate.append(torch.ops.megamoe.moe_process_backward(
+            accumulating._key, cfg.as_list(), ops.group_name(group), ds[rank], xs[rank], ids[rank], ws[rank],
+            accumulating.w13.detach(), accumulating.w2.detach())[2:])
+    assert torch.equal(accumulating.w13.main_grad, separate[0][0] + separate[1][0])
+    assert torch.equal(accumulating.w2.main_grad, separate[0][1] + separate[1][1])
+
     ops._backend = ops._LibraryBackend()
 
 

@@ -183,6 +183,54 @@ def test_module_weight_gradients_come_back_in_one_piece(backend, ranks):
     assert module.w13.grad.shape == module.w13.shape and module.w2.grad.shape == module.w2.shape
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_main_grads_accumulate_micro_batches_without_grad_tensors(backend, ranks):
+    """main_grad=True: two micro-batches add their fp32 weight gradients to w13.main_grad / w2.main_grad, bitwise
+    the sum of the two separate fp32 gradients; the weights get no .grad; x and the routing weights still do."""
+    from megamoe import MegaMoE
+
+    module = MegaMoE(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16,
+                     virtual_ranks=ranks, device="cpu", main_grad=True)
+    assert module.w13.main_grad.dtype == torch.float32 and not module.w13.main_grad.any()
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for _ in range(2):
+        x = torch.randn(3 * ranks, 128, generator=g).bfloat16().requires_grad_()
+        idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(3 * ranks)])
+        w = torch.rand(3 * ranks, 2, generator=g).requires_grad_()
+        batches.append((x, idx, w, torch.randn(3 * ranks, 128, generator=g).bfloat16()))
+    separate13, separate2 = [], []
+    for x, idx, w, d in batches:
+        out = module(x, idx, w)
+        out.backward(d)
+        assert module.w13.grad is None and module.w2.grad is None
+        assert x.grad is not None and w.grad is not None
+        # The same micro-batch's fp32 gradients on their own, through the op that returns them.
+        xs, ids, ws = (list(torch.tensor_split(t, ranks)) for t in (x.detach(), idx, w.detach()))
+        _, _, g13, g2 = torch.ops.megamoe.moe_backward_all_experts(
+            module._key, module.config.as_list(), list(torch.tensor_split(d, ranks)), xs, ids, ws,
+            module.w13.detach(), module.w2.detach())
+        separate13.append(g13)
+        separate2.append(g2)
+    assert torch.equal(module.w13.main_grad, separate13[0] + separate13[1])
+    assert torch.equal(module.w2.main_grad, separate2[0] + separate2[1])
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda g13, g2: (g13.bfloat16(), g2), TypeError, "w13.main_grad must be a torch.float32"),
+    (lambda g13, g2: (g13, g2[:1]), ValueError, "w2.main_grad must have w2's shape"),
+    (lambda g13, g2: (g13, None), ValueError, "both or neither"),
+    (lambda g13, g2: (g13.transpose(1, 2).contiguous().transpose(1, 2), g2), ValueError, "contiguous"),
+])
+def test_bad_main_grads_are_refused(backend, change, error, match):
+    cfg, x, idx, w, w13, w2 = inputs()
+    w13_all = torch.cat([t.detach() for t in w13]).requires_grad_()
+    w2_all = torch.cat([t.detach() for t in w2]).requires_grad_()
+    g13, g2 = change(torch.zeros_like(w13_all, dtype=torch.float32), torch.zeros_like(w2_all, dtype=torch.float32))
+    with pytest.raises(error, match=match):
+        ops.moe_ranks_all_experts(x, idx, w, w13_all, w2_all, config=cfg, main_grads=(g13, g2))
+
+
 def test_opcheck_all_experts(backend):
     cfg, x, idx, w, w13, w2 = inputs()
     w13_all = torch.cat([t.detach() for t in w13]).requires_grad_()

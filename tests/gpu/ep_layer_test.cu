@@ -534,6 +534,84 @@ TEST(FusedForwardErrorsTest, BackwardAfterFailedForwardIsNaNEverywhere) {
   backward_after_failed_forward(ForwardPath::kFused);
 }
 
+// Gradient accumulation over micro-batches: two backwards adding into the same fp32 weight-gradient buffers
+// (BackwardArgs::accumulate_weight_grads) give bitwise the sum of the two backwards run on their own (one fp32
+// add per element either way), on every rank, for both forward paths.
+void accumulated_micro_batches(ForwardPath path) {
+  SmallRun a = small_problem(2, Routing::kRandom);
+  SmallRun b = small_problem(2, Routing::kMaskedAndRagged);
+  for (int r = 0; r < 2; ++r) {  // the same weights for both micro-batches
+    MEGAMOE_ASSERT_CUDA(cudaMemcpy(b.t[r].w13.get(), a.t[r].w13.get(), a.t[r].w13.size() * 2, cudaMemcpyDeviceToDevice));
+    MEGAMOE_ASSERT_CUDA(cudaMemcpy(b.t[r].w2.get(), a.t[r].w2.get(), a.t[r].w2.size() * 2, cudaMemcpyDeviceToDevice));
+  }
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(a.p.config, with_forward(path), &group).is_ok());
+  auto step = [&](SmallRun& run, float* const* d_w13, float* const* d_w2, bool accumulate) {
+    ASSERT_TRUE(forward_all(*group, run).is_ok());
+    for (int r = 0; r < 2; ++r) {
+      BackwardArgs bw;
+      bw.d_out = run.t[r].d_out.get();
+      bw.d_x = run.t[r].d_x.get();
+      bw.d_topk_weights = run.t[r].d_weights.get();
+      bw.d_w13 = d_w13[r];
+      bw.d_w2 = d_w2[r];
+      bw.accumulate_weight_grads = accumulate;
+      ASSERT_TRUE(group->layer(r).backward(bw).is_ok());
+    }
+    const Status s = group->synchronize_and_check();
+    ASSERT_TRUE(s.is_ok()) << s.to_string();
+  };
+  // Separately: each micro-batch's gradients in its own buffers.
+  float* sep_a13[2] = {a.t[0].d_w13.get(), a.t[1].d_w13.get()};
+  float* sep_a2[2] = {a.t[0].d_w2.get(), a.t[1].d_w2.get()};
+  float* sep_b13[2] = {b.t[0].d_w13.get(), b.t[1].d_w13.get()};
+  float* sep_b2[2] = {b.t[0].d_w2.get(), b.t[1].d_w2.get()};
+  step(a, sep_a13, sep_a2, false);
+  if (::testing::Test::HasFatalFailure()) return;
+  step(b, sep_b13, sep_b2, false);
+  if (::testing::Test::HasFatalFailure()) return;
+  // Accumulated: both into zeroed buffers.
+  std::vector<DeviceBuffer<float>> acc13, acc2;
+  for (int r = 0; r < 2; ++r) {
+    acc13.emplace_back(a.t[r].d_w13.size());
+    acc2.emplace_back(a.t[r].d_w2.size());
+    MEGAMOE_ASSERT_CUDA(cudaMemset(acc13[r].get(), 0, acc13[r].size() * sizeof(float)));
+    MEGAMOE_ASSERT_CUDA(cudaMemset(acc2[r].get(), 0, acc2[r].size() * sizeof(float)));
+  }
+  float* acc13_p[2] = {acc13[0].get(), acc13[1].get()};
+  float* acc2_p[2] = {acc2[0].get(), acc2[1].get()};
+  step(a, acc13_p, acc2_p, true);
+  if (::testing::Test::HasFatalFailure()) return;
+  step(b, acc13_p, acc2_p, true);
+  if (::testing::Test::HasFatalFailure()) return;
+  for (int r = 0; r < 2; ++r) {
+    const std::vector<float> ga13 = a.t[r].d_w13.download(), gb13 = b.t[r].d_w13.download();
+    const std::vector<float> ga2 = a.t[r].d_w2.download(), gb2 = b.t[r].d_w2.download();
+    const std::vector<float> got13 = acc13[r].download(), got2 = acc2[r].download();
+    int64_t differ = 0, nonzero = 0;
+    for (size_t i = 0; i < got13.size(); ++i) {
+      const float want = ga13[i] + gb13[i];
+      differ += std::memcmp(&want, &got13[i], 4) != 0;
+      nonzero += got13[i] != 0.0f;
+    }
+    for (size_t i = 0; i < got2.size(); ++i) {
+      const float want = ga2[i] + gb2[i];
+      differ += std::memcmp(&want, &got2[i], 4) != 0;
+    }
+    EXPECT_EQ(differ, 0) << "rank " << r << ": accumulated weight gradients differ from the sum";
+    EXPECT_GT(nonzero, 0) << "rank " << r << ": no gradient reached the buffers";
+  }
+}
+
+TEST(EpLayerAccumulateTest, TwoMicroBatchesGiveTheSumOfTheirBackwards) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  accumulated_micro_batches(ForwardPath::kModular);
+}
+TEST(FusedForwardAccumulateTest, TwoMicroBatchesGiveTheSumOfTheirBackwards) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  accumulated_micro_batches(ForwardPath::kFused);
+}
+
 // A misaligned tensor is refused before anything is enqueued (it would fault in the 16-byte row copies),
 // and the group stays usable: the next calls of every rank succeed.
 TEST(EpLayerErrorsTest, MisalignedTensorsAreRefusedBeforeAnythingIsEnqueued) {
