@@ -3,7 +3,6 @@ argument of rank 1 must not leave rank 0 waiting at a barrier for it (which woul
 group for good). After the refused call the same group runs a valid call, correct against the fp32
 reference, with no error recorded."""
 
-import ctypes
 
 import pytest
 import torch
