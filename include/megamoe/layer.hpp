@@ -50,6 +50,11 @@ struct LayerOptions {
   double wait_timeout_seconds = 20.0;
   // kFused runs at most 256 local experts per rank and 64 ranks (create() says so otherwise).
   ForwardPath forward_path = ForwardPath::kModular;
+  // What the forward keeps for the backward. false: h (2I values per routed row), so the backward needs no
+  // GEMM1. true: no h; the backward runs GEMM1 once more (a third of the forward's FLOPs) and h shares its
+  // buffer with dh, so the layer's workspace is 4I bytes per routed row smaller and the forward writes 4I
+  // bytes per row less. The gradients are bitwise the same either way (docs/LAYER.md).
+  bool recompute_h = false;
 };
 
 // Checks the options' own rules (the capacity's sign, the timeout's range); the message names the field.

@@ -72,7 +72,7 @@ typedef struct megamoe_options {
   int64_t expert_row_capacity; /* 0 = worst case */
   double wait_timeout_seconds;
   int32_t forward_path;        /* MEGAMOE_FORWARD_MODULAR or MEGAMOE_FORWARD_FUSED */
-  int32_t reserved;            /* 0 */
+  int32_t recompute_h;         /* 0: the forward keeps h for the backward; 1: the backward recomputes it */
 } megamoe_options;
 
 #define MEGAMOE_FORWARD_MODULAR 0

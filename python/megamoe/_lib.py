@@ -55,7 +55,7 @@ class Options(ctypes.Structure):
         ("expert_row_capacity", ctypes.c_int64),
         ("wait_timeout_seconds", ctypes.c_double),
         ("forward_path", ctypes.c_int32),  # 0: modular, 1: fused
-        ("reserved", ctypes.c_int32),
+        ("recompute_h", ctypes.c_int32),   # 0: the forward keeps h, 1: the backward recomputes it
     ]
 
 

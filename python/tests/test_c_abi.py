@@ -103,7 +103,7 @@ def test_default_options():
     _library()
     options = _lib.default_options()
     assert options.expert_row_capacity == 0 and options.wait_timeout_seconds > 0
-    assert options.forward_path == 0  # modular
+    assert options.forward_path == 0 and options.recompute_h == 0  # modular, h kept
 
 
 def test_group_lifetime():

@@ -32,7 +32,7 @@ struct Shape {
   int32_t max_tokens;
   int64_t row_capacity;
   int32_t dot_parts;  // partial sums of the routing-weight gradient per (token, slot): n-tiles of da
-  int32_t pad;
+  int32_t recompute_h;  // 1: the forward keeps no h, the backward recomputes it into the dh buffer (h == dh)
 };
 
 inline constexpr int64_t kAlign = 256;
@@ -67,9 +67,11 @@ struct WorkspaceLayout {
   int64_t row_weight = 0;      // f32 [C]: its routing weight
   int64_t row_dest = 0;        // pointer [C]: its combine row on the source rank
   int64_t row_dot_dest = 0;    // pointer [C]: its dot_parts partials on the source rank
-  int64_t h = 0;               // bf16 [C, 2I]  saved for the backward (SwiGLU backward)
+  int64_t h = 0;               // bf16 [C, 2I]  saved for the backward (SwiGLU backward); with recompute_h the
+                               //               backward recomputes it here and the SwiGLU backward overwrites
+                               //               it with dh in place
   int64_t a = 0;               // bf16 [C, I]   forward: a; backward: w * a (recomputed from h) for d_w2
-  int64_t dh = 0;              // bf16 [C, 2I]
+  int64_t dh = 0;              // bf16 [C, 2I]  (== h with recompute_h)
   // fused forward (kernels/fused_forward_kernel.cuh): counters that are 0 between calls
   int64_t grid_arrivals = 0;   // uint32: grid barrier of the rank's persistent kernel (device/comm/grid_barrier.cuh)
   int64_t grid_exits = 0;      // uint32
@@ -119,7 +121,7 @@ struct WorkspaceLayout {
     l.row_dot_dest = take(8 * C);
     l.h = take(2 * C * 2 * I);
     l.a = take(2 * C * I);
-    l.dh = take(2 * C * 2 * I);
+    l.dh = s.recompute_h ? l.h : take(2 * C * 2 * I);
     const int64_t blocks = row_blocks(s);
     l.grid_arrivals = take(4);
     l.grid_exits = take(4);

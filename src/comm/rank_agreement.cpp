@@ -75,6 +75,7 @@ Status agree_on_layout(const std::vector<RankFingerprint>& ranks) {
       {"expert_row_capacity", &RankFingerprint::expert_row_capacity},
       {"workspace_bytes", &RankFingerprint::workspace_bytes},
       {"forward_path", &RankFingerprint::forward_path},
+      {"recompute_h", &RankFingerprint::recompute_h},
   };
   for (const Field& field : kFields)
     for (size_t r = 1; r < ranks.size(); ++r)

@@ -33,6 +33,7 @@ struct RankFingerprint {
   int64_t expert_row_capacity = 0;  // after defaults
   int64_t workspace_bytes = 0;
   int64_t forward_path = 0;         // LayerOptions::forward_path: the ranks' kernels meet at different counters
+  int64_t recompute_h = 0;          // LayerOptions::recompute_h: h and dh share a buffer or not
   char setup_message[kMessageBytes] = {};  // why setup failed, truncated
 
   static RankFingerprint ready(const LayerConfig& config, int rank, int64_t expert_row_capacity,

@@ -112,6 +112,7 @@ megamoe::LayerOptions to_options(const megamoe_options* in) {
     options.expert_row_capacity = in->expert_row_capacity;
     options.wait_timeout_seconds = in->wait_timeout_seconds;
     options.forward_path = static_cast<megamoe::ForwardPath>(in->forward_path);
+    options.recompute_h = in->recompute_h != 0;
   }
   return options;
 }
@@ -353,7 +354,7 @@ int32_t megamoe_default_options(megamoe_options* options) {
     options->expert_row_capacity = 0;
     options->wait_timeout_seconds = 20.0;
     options->forward_path = MEGAMOE_FORWARD_MODULAR;
-    options->reserved = 0;
+    options->recompute_h = 0;
     return Status::ok();
   });
 }

@@ -92,6 +92,7 @@ ep::Shape make_shape(const LayerConfig& c, int rank, int64_t capacity) {
   s.max_tokens = static_cast<int32_t>(c.max_tokens_per_rank);
   s.row_capacity = capacity;
   s.dot_parts = kernels::grouped_gemm_n_tiles(static_cast<int>(c.intermediate), dgrad_tuning());
+  s.recompute_h = 0;
   return s;
 }
 
@@ -192,24 +193,33 @@ struct ExpertParallelLayer::Impl {
 
   // GEMM1 with SwiGLU -> GEMM2, y rows delivered to the sources' combine slots.
   Status expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2) const;
+  // h = x W13^T over the received rows, a = silu(g) * u in its epilogue; with keep_h h itself is stored too.
+  Status gemm1_swiglu(const ep::Params& p, const __nv_bfloat16* w13, bool keep_h) const;
   // dgrad GEMMs with the SwiGLU backward and d_topk_weights, d_x rows home, weight-gradient GEMMs.
   Status expert_mlp_backward(const ep::Params& p, const BackwardArgs& args) const;
 };
 
+Status ExpertParallelLayer::Impl::gemm1_swiglu(const ep::Params& p, const __nv_bfloat16* w13, bool keep_h) const {
+  const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
+  const int EL = static_cast<int>(config.experts_per_rank());
+  kernels::GemmEpilogue swiglu;
+  swiglu.activation = kernels::GemmActivation::kSwiGLU;
+  swiglu.aux_out = keep_h ? buffer<__nv_bfloat16>(p.layout.h) : nullptr;
+  return kernels::grouped_gemm_nt(buffer<__nv_bfloat16>(p.layout.recv_x), w13, buffer<__nv_bfloat16>(p.layout.a),
+                                  expert_offsets(), EL, C, static_cast<int>(2 * I), static_cast<int>(H), swiglu,
+                                  placement.stream, gemm_tuning(), received_rows());
+}
+
 // h = x W13^T over the received rows (gathered by index, no expand copy), a = silu(g) * u in its epilogue
-// (h kept for the backward); y = a W2^T, each row stored straight into its combine slot on the source rank.
+// (h kept for the backward unless recompute_h); y = a W2^T, each row stored straight into its combine slot
+// on the source rank.
 Status ExpertParallelLayer::Impl::expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13,
                                                      const __nv_bfloat16* w2) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
   cudaStream_t stream = placement.stream;
   auto* a = buffer<__nv_bfloat16>(p.layout.a);
-  kernels::GemmEpilogue swiglu;
-  swiglu.activation = kernels::GemmActivation::kSwiGLU;
-  swiglu.aux_out = buffer<__nv_bfloat16>(p.layout.h);
-  MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nt(buffer<__nv_bfloat16>(p.layout.recv_x), w13, a, expert_offsets(), EL,
-                                                   C, static_cast<int>(2 * I), static_cast<int>(H), swiglu, stream,
-                                                   gemm_tuning(), received_rows()));
+  MEGAMOE_RETURN_IF_ERROR(gemm1_swiglu(p, w13, p.shape.recompute_h == 0));
   kernels::GemmEpilogue home;
   home.row_pointers = buffer<void*>(p.layout.row_dest);
   return kernels::grouped_gemm_nt(a, w2, buffer<__nv_bfloat16>(p.layout.combine), expert_offsets(), EL, C,
@@ -227,6 +237,10 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward(const ep::Params& p, const
   auto* recv_dout = buffer<__nv_bfloat16>(p.layout.recv_dout);
   auto* a = buffer<__nv_bfloat16>(p.layout.a);
   auto* dh = buffer<__nv_bfloat16>(p.layout.dh);
+  // h was not kept: GEMM1 once more, on the forward's rows and weights (bitwise the forward's h). The SwiGLU
+  // backward then overwrites it with dh in place: each tile reads the h boxes of its own rows and columns
+  // (streamed through its pipeline) before it stores dh there, and no other tile reads them.
+  if (p.shape.recompute_h != 0) MEGAMOE_RETURN_IF_ERROR(gemm1_swiglu(p, forward_w13, true));
   kernels::GemmEpilogue grad;
   grad.activation = kernels::GemmActivation::kSwiGLUBackward;
   grad.row_scale = buffer<float>(p.layout.row_weight);
@@ -264,7 +278,9 @@ int64_t ExpertParallelLayer::expert_row_capacity() const { return impl_->params.
 Status ExpertParallelLayer::workspace_bytes(const LayerConfig& config, const LayerOptions& options, int64_t* bytes) {
   int64_t capacity = 0;
   MEGAMOE_RETURN_IF_ERROR(resolve_capacity(config, options, &capacity));
-  *bytes = ep::WorkspaceLayout::make(make_shape(config, 0, capacity)).total;
+  ep::Shape shape = make_shape(config, 0, capacity);
+  shape.recompute_h = options.recompute_h ? 1 : 0;
+  *bytes = ep::WorkspaceLayout::make(shape).total;
   return Status::ok();
 }
 
@@ -303,6 +319,7 @@ Status ExpertParallelLayer::create(const LayerConfig& config, const LayerOptions
   impl->options = options;
   impl->placement = placement;
   impl->params.shape = make_shape(config, placement.rank, capacity);
+  impl->params.shape.recompute_h = options.recompute_h ? 1 : 0;
   impl->params.layout = ep::WorkspaceLayout::make(impl->params.shape);
   impl->params.local = placement.workspace;
   impl->params.peers = placement.peer_workspaces_device;

@@ -90,7 +90,8 @@ Status launch_fused_forward(const Params& p, const FusedForwardArgs& a, int max_
   k.gemm1_src.b_row_step = kBN / 2;
   k.gemm1_src.b_half_offset = static_cast<int>(I);
   k.gemm1_epi.c = device::OutputRows{act, I, nullptr, nullptr};
-  k.gemm1_epi.aux = device::OutputRows{h, 2 * I, nullptr, nullptr};
+  // h only when the backward is to read it (LayerOptions::recompute_h off).
+  k.gemm1_epi.aux = device::OutputRows{s.recompute_h != 0 ? nullptr : h, 2 * I, nullptr, nullptr};
   k.gemm1_epi.c_cols = static_cast<int>(I);
   k.gemm1_epi.aux_cols = static_cast<int>(2 * I);
   k.gemm1_epi.up_offset = static_cast<int>(I);

@@ -89,10 +89,12 @@ TEST(CApiTest, DefaultOptionsMatchTheLibrary) {
   megamoe_options o{};
   o.expert_row_capacity = 5;
   o.forward_path = MEGAMOE_FORWARD_FUSED;
+  o.recompute_h = 1;
   ASSERT_EQ(megamoe_default_options(&o), MEGAMOE_OK);
   EXPECT_EQ(o.expert_row_capacity, 0);
   EXPECT_EQ(o.wait_timeout_seconds, 20.0);
   EXPECT_EQ(o.forward_path, MEGAMOE_FORWARD_MODULAR);
+  EXPECT_EQ(o.recompute_h, 0);
   EXPECT_EQ(offsetof(megamoe_options, forward_path), 16u);
   EXPECT_EQ(sizeof(megamoe_options), 24u);
 }

@@ -652,6 +652,52 @@ TEST(EpLayerOptionsTest, WaitTimeoutMustBeFiniteAndBounded) {
   EXPECT_TRUE(ExpertParallelLayer::workspace_bytes(c, ok, &bytes).is_ok());
 }
 
+// Recomputing h in the backward gives bitwise the gradients of keeping it (the same GEMM1 on the same rows
+// and weights, and the SwiGLU backward then overwrites h with dh in place), on both forward paths; the
+// forward's output is unchanged.
+TEST(EpLayerRecomputeTest, RecomputedHGivesTheSameBits) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  Scenario sc{"recompute", narrow(), 2, {300, 257}, Routing::kMaskedAndRagged, 16};
+  const Problem p = make_problem(sc, std::random_device{}());
+  std::vector<RankTensors> t = upload(p);
+  Outputs kept;
+  {
+    std::unique_ptr<VirtualRankGroup> group;
+    ASSERT_TRUE(VirtualRankGroup::create(p.config, LayerOptions{}, &group).is_ok());
+    run_gpu(p, *group, t, &kept);
+    if (HasFatalFailure()) return;
+  }
+  const Expected e = run_reference(p);
+  int64_t nans = 0;
+  EXPECT_LE(relative_error(kept.out[1], e.out[1], &nans), 1e-2);
+  EXPECT_EQ(nans, 0);
+  for (ForwardPath path : {ForwardPath::kModular, ForwardPath::kFused}) {
+    LayerOptions o = with_forward(path);
+    o.recompute_h = true;
+    std::unique_ptr<VirtualRankGroup> group;
+    ASSERT_TRUE(VirtualRankGroup::create(p.config, o, &group).is_ok());
+    Outputs recomputed;
+    run_gpu(p, *group, t, &recomputed, 2);
+    if (HasFatalFailure()) return;
+    expect_same_bits(kept, recomputed, p,
+                     path == ForwardPath::kFused ? "fused forward, h recomputed" : "modular forward, h recomputed");
+  }
+}
+
+// Without h kept, h and dh share a buffer: the workspace is 4I bytes per routed row smaller. Host-only.
+TEST(EpLayerOptionsTest, RecomputeHSavesTheDhBuffer) {
+  const LayerConfig c = LayerConfig::qwen3_30b_a3b();
+  LayerOptions recompute;
+  recompute.recompute_h = true;
+  int64_t keep_bytes = 0, recompute_bytes = 0, rows = 0;
+  ASSERT_TRUE(ExpertParallelLayer::workspace_bytes(c, LayerOptions{}, &keep_bytes).is_ok());
+  ASSERT_TRUE(ExpertParallelLayer::workspace_bytes(c, recompute, &recompute_bytes).is_ok());
+  ASSERT_TRUE(ExpertParallelLayer::row_capacity(c, recompute, &rows).is_ok());
+  const int64_t dh_bytes = rows * 4 * c.intermediate;
+  EXPECT_GE(keep_bytes - recompute_bytes, dh_bytes);
+  EXPECT_LT(keep_bytes - recompute_bytes, dh_bytes + 256);  // the buffer's alignment at most
+}
+
 // The forward path is one of the two the library has; anything else is refused with the field's name.
 // Host-only: no GPU needed.
 TEST(EpLayerOptionsTest, ForwardPathMustBeKnown) {
