@@ -50,6 +50,10 @@ class Config(ctypes.Structure):
     ]
 
 
+FORWARD_MODULAR = 0  # megamoe_options.forward_path (MEGAMOE_FORWARD_*)
+FORWARD_FUSED = 1
+
+
 class Options(ctypes.Structure):
     _fields_ = [
         ("expert_row_capacity", ctypes.c_int64),

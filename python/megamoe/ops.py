@@ -57,6 +57,10 @@ MegaMoEError = _lib.MegaMoEError
 
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
+    """The layer's shape (the C config) and how it runs (the C options: fused_forward, the fused persistent
+    forward kernel instead of the modular sequence of kernels; recompute_h, the backward recomputes h instead
+    of the forward keeping it). Both paths and both choices compute bitwise the same results."""
+
     hidden: int
     intermediate: int
     num_experts: int
@@ -64,6 +68,8 @@ class LayerConfig:
     max_tokens_per_rank: int
     num_ranks: int = 1
     precision: int = _lib.PRECISION_BF16
+    fused_forward: bool = False
+    recompute_h: bool = False
 
     @property
     def experts_per_rank(self) -> int:
@@ -71,11 +77,19 @@ class LayerConfig:
 
     def as_list(self) -> list[int]:
         return [self.hidden, self.intermediate, self.num_experts, self.top_k, self.max_tokens_per_rank,
-                self.num_ranks, self.precision]
+                self.num_ranks, self.precision, int(self.fused_forward), int(self.recompute_h)]
 
     @classmethod
     def from_list(cls, values) -> "LayerConfig":
-        return cls(*(int(v) for v in values))
+        v = [int(x) for x in values]
+        return cls(*v[:7], *(bool(x) for x in v[7:]))
+
+    def options_c(self) -> _lib.Options:
+        """The library's options for this layer: its defaults with this config's choices."""
+        options = _lib.default_options()
+        options.forward_path = _lib.FORWARD_FUSED if self.fused_forward else _lib.FORWARD_MODULAR
+        options.recompute_h = int(self.recompute_h)
+        return options
 
     def to_c(self) -> _lib.Config:
         return _lib.Config(hidden=self.hidden, intermediate=self.intermediate, num_experts=self.num_experts,
@@ -202,7 +216,7 @@ class _LibraryBackend:
         group = state.groups.get(index)
         if group is None:
             with torch.cuda.device(index):
-                group = _lib.VirtualRankGroup(state.config.to_c())
+                group = _lib.VirtualRankGroup(state.config.to_c(), state.config.options_c())
             state.groups[index] = group
         return group
 
@@ -240,7 +254,8 @@ class _LibraryBackend:
             torch_group = _resolve_group(name)
             _check_group_size(state.config, torch_group)
             with torch.cuda.device(index):  # the NCCL broadcast and the library's create use this device
-                group = _lib.ProcessRankGroup(state.config.to_c(), torch_group.rank(), bootstrap_id(torch_group))
+                group = _lib.ProcessRankGroup(state.config.to_c(), torch_group.rank(), bootstrap_id(torch_group),
+                                              state.config.options_c())
             state.process_groups[(name, index)] = group
         return group
 

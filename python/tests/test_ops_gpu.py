@@ -155,6 +155,26 @@ def test_main_grads_accumulate_micro_batches(ranks):
     assert rel_err(model.w13.main_grad, want13) <= TOL and rel_err(model.w2.main_grad, want2) <= TOL
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fused_forward_and_recomputed_h_give_the_same_bits(ranks):
+    """The module's forward and every gradient, bitwise the same with the fused forward kernel and with h
+    recomputed in the backward as with the modular forward keeping h."""
+    results = []
+    for fused, recompute in ((False, False), (True, False), (False, True), (True, True)):
+        torch.manual_seed(4)
+        model = megamoe.MegaMoE(H, I, E, K, MAX_TOKENS, virtual_ranks=ranks, device="cuda", fused_forward=fused,
+                                recompute_h=recompute)
+        x, idx, w, _, _, d_out = make(1, [150 * ranks], "masked", seed=6)
+        x0, w0 = x[0].requires_grad_(), w[0].requires_grad_()
+        out = model(x0, idx[0], w0)
+        grads = torch.autograd.grad(out, [x0, w0, model.w13, model.w2], d_out[0])
+        megamoe.synchronize_and_check(model)
+        results.append((out, *grads))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
 def test_torch_compile_without_graph_breaks():
     model = megamoe.MegaMoE(H, I, E, K, MAX_TOKENS, device="cuda")
     x, idx, w, _, _, d_out = make(1, [256], "random")

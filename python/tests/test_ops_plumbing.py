@@ -231,6 +231,28 @@ def test_bad_main_grads_are_refused(backend, change, error, match):
         ops.moe_ranks_all_experts(x, idx, w, w13_all, w2_all, config=cfg, main_grads=(g13, g2))
 
 
+def test_the_config_carries_how_the_layer_runs():
+    cfg = ops.LayerConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16,
+                          num_ranks=2, fused_forward=True, recompute_h=True)
+    assert ops.LayerConfig.from_list(cfg.as_list()) == cfg
+    plain = ops.LayerConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
+    assert ops.LayerConfig.from_list(plain.as_list()) == plain and plain != cfg
+    try:
+        options = cfg.options_c()
+    except ImportError as e:  # the library is needed for its defaults
+        pytest.skip(str(e))
+    assert options.forward_path == 1 and options.recompute_h == 1 and options.wait_timeout_seconds > 0
+    assert plain.options_c().forward_path == 0 and plain.options_c().recompute_h == 0
+
+
+def test_module_options_reach_its_config():
+    from megamoe import MegaMoE
+
+    module = MegaMoE(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16,
+                     virtual_ranks=2, device="cpu", fused_forward=True, recompute_h=True)
+    assert module.config.fused_forward and module.config.recompute_h
+
+
 def test_opcheck_all_experts(backend):
     cfg, x, idx, w, w13, w2 = inputs()
     w13_all = torch.cat([t.detach() for t in w13]).requires_grad_()
