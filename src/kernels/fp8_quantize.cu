@@ -10,9 +10,19 @@ constexpr int kGroup = 128;
 constexpr int kWarpsPerBlock = 8;
 constexpr float kE4M3Max = 448.0f;
 
-// One warp per 1x128 group: each lane holds 4 consecutive values (one 8-byte load).
+// fp8::scale_from_amax: an all-zero (or all-NaN: the amax ignores NaN) group has scale 1.
+__device__ __forceinline__ float scale_from_amax(float amax) { return !(amax <= 0.0f) ? amax / kE4M3Max : 1.0f; }
+
+// fp8::float_to_e4m3 of v / scale (IEEE division, round to nearest even, saturating to +-448, NaN -> 0x7F).
+__device__ __forceinline__ uint32_t e4m3_of(float v, float scale) {
+  return __nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, __NV_E4M3);
+}
+
+// One warp per 1x128 group: each lane holds 4 consecutive values (one 8-byte load). pitch 0: scales
+// row-major [rows, groups_per_row]; else K-block-major (group kb of row r at kb * pitch + r).
 __global__ void quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ x, int64_t num_groups,
-                                           uint8_t* __restrict__ q, float* __restrict__ scales) {
+                                           int64_t groups_per_row, int64_t pitch, uint8_t* __restrict__ q,
+                                           float* __restrict__ scales) {
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -22,29 +32,88 @@ __global__ void quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ x, 
     const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&packed.x);
     const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&packed.y);
     const float v[4] = {__low2float(lo), __high2float(lo), __low2float(hi), __high2float(hi)};
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    // From 0, NaN-ignoring (fp8::amax_step): an all-NaN group has amax 0 and scale 1, as on the CPU.
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    // Same rule as fp8::scale_from_amax: a NaN amax (all-NaN group) gives a NaN scale, not 1.
-    const float scale = !(amax <= 0.0f) ? amax / kE4M3Max : 1.0f;
+    const float scale = scale_from_amax(amax);
     uint32_t bytes = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t b = __nv_cvt_float_to_fp8(v[i] / scale, __NV_SATFINITE, __NV_E4M3);
-      bytes |= b << (8 * i);
-    }
+    for (int i = 0; i < 4; ++i) bytes |= e4m3_of(v[i], scale) << (8 * i);
     *reinterpret_cast<uint32_t*>(q + base) = bytes;
-    if (lane == 0) scales[group] = scale;
+    if (lane == 0) {
+      const int64_t row = group / groups_per_row, kb = group % groups_per_row;
+      scales[pitch == 0 ? group : kb * pitch + row] = scale;
+    }
   }
+}
+
+// One block of 256 threads per 128 x 128 weight block: thread t reads 8 values (16 bytes) of rows t / 16 +
+// 16 i, i = 0..7, at columns 8 (t % 16) .. + 7; the block's amax is reduced over warps in shared memory.
+constexpr int kBlockThreads = 256;
+__global__ void __launch_bounds__(kBlockThreads) quantize_blocks_128x128_kernel(const __nv_bfloat16* __restrict__ w,
+                                                                               int64_t rows, int64_t cols,
+                                                                               uint8_t* __restrict__ q,
+                                                                               float* __restrict__ scales) {
+  __shared__ float warp_amax[kBlockThreads / 32];
+  const int64_t block_cols = cols / kGroup;
+  const int64_t br = blockIdx.x / block_cols, bc = blockIdx.x % block_cols;
+  const int t = threadIdx.x;
+  const int64_t col = bc * kGroup + 8 * (t % 16);
+  float v[8][8];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int64_t row = br * kGroup + t / 16 + 16 * i;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[i][k] = 0.0f;
+    if (row < rows) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(w + row * cols + col);
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[i][2 * k] = __low2float(h[k]);
+        v[i][2 * k + 1] = __high2float(h[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[i][k]));
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  if (t % 32 == 0) warp_amax[t / 32] = amax;
+  __syncthreads();
+  amax = warp_amax[0];
+#pragma unroll
+  for (int i = 1; i < kBlockThreads / 32; ++i) amax = fmaxf(amax, warp_amax[i]);
+  const float scale = scale_from_amax(amax);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int64_t row = br * kGroup + t / 16 + 16 * i;
+    if (row >= rows) continue;
+    uint2 bytes{0, 0};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      bytes.x |= e4m3_of(v[i][k], scale) << (8 * k);
+      bytes.y |= e4m3_of(v[i][4 + k], scale) << (8 * k);
+    }
+    *reinterpret_cast<uint2*>(q + row * cols + col) = bytes;
+  }
+  if (t == 0) scales[blockIdx.x] = scale;
 }
 
 }  // namespace
 
 Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t cols, uint8_t* q, float* scales,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, int64_t scales_pitch) {
   if (rows < 0 || cols <= 0 || cols % kGroup != 0)
     return Status::invalid("quantize_rows_1x128: cols must be a positive multiple of 128 and rows >= 0, got rows=" +
                            std::to_string(rows) + " cols=" + std::to_string(cols));
+  if (scales_pitch != 0 && scales_pitch < rows)
+    return Status::invalid("quantize_rows_1x128: scales_pitch must be 0 (row-major scales) or at least rows=" +
+                           std::to_string(rows) + ", got " + std::to_string(scales_pitch));
   if (rows == 0) return Status::ok();
   if (x == nullptr || q == nullptr || scales == nullptr)
     return Status::invalid("quantize_rows_1x128: null pointer");
@@ -55,8 +124,27 @@ Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t co
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t blocks_needed = (num_groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int blocks = static_cast<int>(blocks_needed < num_sms * 16 ? blocks_needed : num_sms * 16);
-  quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(x, num_groups, q, scales);
+  quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(x, num_groups, cols / kGroup, scales_pitch,
+                                                                          q, scales);
   MEGAMOE_CHECK_LAUNCH(stream, "quantize_rows_1x128_kernel");
+  return Status::ok();
+}
+
+Status quantize_blocks_128x128_bf16(const __nv_bfloat16* w, int64_t rows, int64_t cols, uint8_t* q, float* scales,
+                                    cudaStream_t stream) {
+  if (rows < 0 || cols <= 0 || cols % kGroup != 0)
+    return Status::invalid("quantize_blocks_128x128: cols must be a positive multiple of 128 and rows >= 0, got "
+                           "rows=" + std::to_string(rows) + " cols=" + std::to_string(cols));
+  if (rows == 0) return Status::ok();
+  if (w == nullptr || q == nullptr || scales == nullptr)
+    return Status::invalid("quantize_blocks_128x128: null pointer");
+  if ((reinterpret_cast<uintptr_t>(w) & 15u) != 0 || (reinterpret_cast<uintptr_t>(q) & 7u) != 0)
+    return Status::invalid("quantize_blocks_128x128: w must be 16-byte and q 8-byte aligned");
+  const int64_t blocks = (rows + kGroup - 1) / kGroup * (cols / kGroup);
+  if (blocks >= (int64_t{1} << 31)) return Status::invalid("quantize_blocks_128x128: too many blocks");
+  quantize_blocks_128x128_kernel<<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(w, rows, cols, q,
+                                                                                             scales);
+  MEGAMOE_CHECK_LAUNCH(stream, "quantize_blocks_128x128_kernel");
   return Status::ok();
 }
 

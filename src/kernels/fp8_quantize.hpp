@@ -1,5 +1,5 @@
-// Per-token 1x128 FP8 (E4M3) quantisation of bf16 activations on the GPU, bit-exact with the CPU
-// emulation in include/megamoe/fp8.hpp (same scale rule, same IEEE division, same rounding).
+// FP8 (E4M3) quantisation on the GPU, bit-exact with the CPU emulation in include/megamoe/fp8.hpp (same scale
+// rule, same IEEE division, same rounding): per-token 1x128 groups of activations, 128x128 blocks of weights.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,9 +11,19 @@
 
 namespace megamoe::kernels {
 
-// x [rows, cols] bf16 row-major, cols a multiple of 128 -> q [rows, cols] E4M3 bytes,
-// scales [rows, cols / 128] fp32 row-major. Asynchronous on `stream`.
+// x [rows, cols] bf16 row-major, cols a multiple of 128 -> q [rows, cols] E4M3 bytes and one fp32 scale per
+// 1x128 group: scales [rows, cols / 128] row-major when scales_pitch is 0, else K-block-major, the group
+// (row, kb) at scales[kb * scales_pitch + row] (scales_pitch >= rows: fp8_scale_pitch(rows) gives the layout the
+// FP8 GEMM reads, kernels/fp8_gemm.hpp). Asynchronous on `stream`.
 Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t cols, uint8_t* q, float* scales,
-                                cudaStream_t stream);
+                                cudaStream_t stream, int64_t scales_pitch = 0);
+
+// w [rows, cols] bf16 row-major (cols a multiple of 128, rows any) -> q [rows, cols] E4M3 bytes and one fp32
+// scale per 128 x 128 block, scales [ceil(rows / 128), cols / 128] row-major (the last block row may be
+// partial: its scale covers the rows that exist). Expert weights [E, N, K] quantize as one matrix of E * N
+// rows when N is a multiple of 128 (every block then lies inside one expert, and the scales are
+// [E, N / 128, K / 128]). Bit for bit fp8::quantize_blocks_128x128. Asynchronous on `stream`.
+Status quantize_blocks_128x128_bf16(const __nv_bfloat16* w, int64_t rows, int64_t cols, uint8_t* q, float* scales,
+                                    cudaStream_t stream);
 
 }  // namespace megamoe::kernels

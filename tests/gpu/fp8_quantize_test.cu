@@ -3,6 +3,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -56,6 +58,109 @@ TEST(Fp8QuantizeGpuTest, MatchesCpuEmulationBitExactly) {
   EXPECT_EQ(q_mismatches, 0);
   EXPECT_EQ(scale_mismatches, 0);
   EXPECT_EQ(scales_gpu[7 * (cols / 128)], 1.0f);
+}
+
+// Bits of a float, so that NaN scales compare equal to NaN scales.
+uint32_t bits_of(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  return b;
+}
+
+// A [rows, cols] bf16 matrix whose 1x128 groups (row r, group g) and 128x128 blocks hold the special cases
+// the quantisation rules name (include/megamoe/fp8.hpp), the rest random over many binades.
+std::vector<__nv_bfloat16> special_values(int64_t rows, int64_t cols, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> log_magnitude(-20.0f, 10.0f);
+  std::vector<__nv_bfloat16> x(rows * cols);
+  for (auto& v : x) v = __float2bfloat16(normal(rng) * std::exp2(log_magnitude(rng)));
+  auto group = [&](int64_t r, int64_t g, auto value) {
+    for (int64_t c = 0; c < 128; ++c) x[r * cols + g * 128 + c] = __float2bfloat16(value(c));
+  };
+  const float nan = std::nanf(""), inf = std::numeric_limits<float>::infinity();
+  group(0, 0, [](int64_t) { return 0.0f; });                                      // all zero: scale 1
+  group(1, 0, [&](int64_t) { return nan; });                                      // all NaN: amax 0, scale 1
+  group(2, 0, [&](int64_t c) { return c == 5 ? nan : 1.0f + c; });                // one NaN among finite values
+  group(3, 0, [&](int64_t c) { return c == 9 ? -inf : 1.0f; });                   // infinity: scale inf
+  group(4, 0, [](int64_t c) { return c % 2 ? 448.0f : -448.0f * (c / 127.0f); }); // amax exactly 448: scale 1
+  group(5, 0, [](int64_t c) { return std::ldexp(1.0f, -static_cast<int>(c % 24)); });  // 2^0 .. 2^-23: e4m3
+                                                                                         // subnormals, zeros
+  group(6, 0, [](int64_t c) { return c % 3 ? -0.0f : 0.0f; });                   // signed zeros
+  group(7, 1, [](int64_t c) { return 1e30f * (c - 64); });                         // huge magnitudes
+  return x;
+}
+
+TEST(Fp8QuantizeGpuTest, SpecialValuesFollowTheCpuRules) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const int64_t rows = 200, cols = 384;  // a partial 128-row block at the bottom
+  const std::vector<__nv_bfloat16> x_bf16 = special_values(rows, cols, std::random_device{}());
+  std::vector<float> x_float(x_bf16.size());
+  for (size_t i = 0; i < x_bf16.size(); ++i) x_float[i] = __bfloat162float(x_bf16[i]);
+  DeviceBuffer<__nv_bfloat16> x(rows * cols);
+  x.upload(x_bf16);
+  auto compare = [](const std::vector<uint8_t>& q, const std::vector<uint8_t>& q_ref, const std::vector<float>& s,
+                    const std::vector<float>& s_ref, const char* what) {
+    int64_t q_bad = 0, s_bad = 0;
+    for (size_t i = 0; i < q.size(); ++i) q_bad += q[i] != q_ref[i];
+    for (size_t i = 0; i < s.size(); ++i) s_bad += bits_of(s[i]) != bits_of(s_ref[i]);
+    EXPECT_EQ(q_bad, 0) << what << ": e4m3 bytes";
+    EXPECT_EQ(s_bad, 0) << what << ": scales";
+  };
+  {  // activations, 1x128 groups, row-major scales
+    DeviceBuffer<uint8_t> q(rows * cols);
+    DeviceBuffer<float> scales(rows * cols / 128);
+    ASSERT_TRUE(kernels::quantize_rows_1x128_bf16(x.get(), rows, cols, q.get(), scales.get(), nullptr).is_ok());
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<uint8_t> q_ref(rows * cols);
+    std::vector<float> s_ref(rows * cols / 128);
+    fp8::quantize_rows_1x128(x_float.data(), rows, cols, q_ref.data(), s_ref.data());
+    compare(q.download(), q_ref, scales.download(), s_ref, "1x128");
+    EXPECT_EQ(s_ref[0], 1.0f);
+    EXPECT_EQ(s_ref[1 * 3], 1.0f);
+    EXPECT_TRUE(std::isinf(s_ref[3 * 3]));
+    EXPECT_EQ(s_ref[4 * 3], 1.0f);
+  }
+  {  // weights, 128x128 blocks
+    DeviceBuffer<uint8_t> q(rows * cols);
+    DeviceBuffer<float> scales(2 * cols / 128);
+    ASSERT_TRUE(kernels::quantize_blocks_128x128_bf16(x.get(), rows, cols, q.get(), scales.get(), nullptr).is_ok());
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<uint8_t> q_ref(rows * cols);
+    std::vector<float> s_ref(2 * cols / 128);
+    fp8::quantize_blocks_128x128(x_float.data(), rows, cols, q_ref.data(), s_ref.data());
+    compare(q.download(), q_ref, scales.download(), s_ref, "128x128");
+  }
+}
+
+// The K-block-major layout the FP8 GEMM reads: group (r, kb) at kb * pitch + r; the padding is untouched.
+TEST(Fp8QuantizeGpuTest, KBlockMajorScales) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const int64_t rows = 77, cols = 512, pitch = 80;
+  const std::vector<__nv_bfloat16> x_bf16 = special_values(rows, cols, std::random_device{}());
+  std::vector<float> x_float(x_bf16.size());
+  for (size_t i = 0; i < x_bf16.size(); ++i) x_float[i] = __bfloat162float(x_bf16[i]);
+  DeviceBuffer<__nv_bfloat16> x(rows * cols);
+  DeviceBuffer<uint8_t> q(rows * cols);
+  DeviceBuffer<float> scales(pitch * cols / 128);  // NaN-poisoned
+  x.upload(x_bf16);
+  ASSERT_TRUE(kernels::quantize_rows_1x128_bf16(x.get(), rows, cols, q.get(), scales.get(), nullptr, pitch).is_ok());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  std::vector<uint8_t> q_ref(rows * cols);
+  std::vector<float> s_ref(rows * cols / 128);
+  fp8::quantize_rows_1x128(x_float.data(), rows, cols, q_ref.data(), s_ref.data());
+  const std::vector<float> got = scales.download();
+  const std::vector<uint8_t> q_got = q.download();
+  int64_t bad = 0, written_padding = 0;
+  for (int64_t kb = 0; kb < cols / 128; ++kb) {
+    for (int64_t r = 0; r < rows; ++r) bad += bits_of(got[kb * pitch + r]) != bits_of(s_ref[r * (cols / 128) + kb]);
+    for (int64_t r = rows; r < pitch; ++r) written_padding += !std::isnan(got[kb * pitch + r]);
+  }
+  EXPECT_EQ(bad, 0);
+  EXPECT_EQ(written_padding, 0);
+  EXPECT_EQ(0, std::memcmp(q_got.data(), q_ref.data(), q_ref.size()));
+  EXPECT_EQ(kernels::quantize_rows_1x128_bf16(x.get(), rows, cols, q.get(), scales.get(), nullptr, rows - 1).code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(Fp8QuantizeGpuTest, RejectsColumnsNotMultipleOf128) {
