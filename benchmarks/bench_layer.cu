@@ -108,6 +108,42 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
 }
 #endif
 
+// Where one fused forward's time goes, from the kernel's own per-CTA stamps (set_fused_timeline): when each
+// phase ended (median and last CTA, from the first CTA's entry), and the GEMM window (the first CTA to start
+// its GEMM items to the last to finish them) with the forward's GEMM FLOPs over it.
+void print_fused_timeline(megamoe::ExpertParallelLayer& layer, const std::function<void()>& forward,
+                          cudaStream_t stream, double gemm_flops) {
+  constexpr int kStamps = megamoe::ExpertParallelLayer::kFusedTimelineStamps;
+  const int ctas = layer.fused_forward_ctas();
+  uint64_t* stamps = device_alloc<uint64_t>(int64_t{kStamps} * ctas);
+  BENCH_CHECK_OK(layer.set_fused_timeline(stamps));
+  forward();
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+  BENCH_CHECK_OK(layer.set_fused_timeline(nullptr));
+  std::vector<uint64_t> t(static_cast<size_t>(kStamps) * ctas);
+  BENCH_CHECK_CUDA(cudaMemcpy(t.data(), stamps, t.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+  cudaFree(stamps);
+  uint64_t t0 = UINT64_MAX;
+  for (int c = 0; c < ctas; ++c) t0 = std::min(t0, t[c * kStamps]);
+  const char* names[kStamps] = {"entry", "layout numbered", "dispatch done", "counts in, work numbered",
+                                "routing done", "GEMM items done", "tokens combined", "end"};
+  std::printf("  fused forward timeline (%d CTAs; us from the first entry): phase, median CTA, last CTA\n", ctas);
+  for (int k = 0; k < kStamps; ++k) {
+    std::vector<float> at(ctas);
+    for (int c = 0; c < ctas; ++c) at[c] = static_cast<float>(t[c * kStamps + k] - t0) * 1e-3f;
+    const float last = *std::max_element(at.begin(), at.end());
+    std::printf("  %-28s %9.1f %9.1f\n", names[k], median(at), last);
+  }
+  uint64_t gemm_begin = UINT64_MAX, gemm_end = 0;
+  for (int c = 0; c < ctas; ++c) {
+    gemm_begin = std::min(gemm_begin, std::max(t[c * kStamps + 3], t[c * kStamps + 4]));
+    gemm_end = std::max(gemm_end, t[c * kStamps + 5]);
+  }
+  const double window_s = static_cast<double>(gemm_end - gemm_begin) * 1e-9;
+  std::printf("  GEMM window %.1f us: %.1f TFLOP/s of GEMM1 + GEMM2 inside the fused kernel\n", window_s * 1e6,
+              window_s > 0 ? gemm_flops / window_s / 1e12 : 0.0);
+}
+
 Result run(int64_t H, int64_t I, int iters) {
   megamoe::LayerConfig c;
   c.hidden = H;
@@ -221,6 +257,8 @@ Result run(int64_t H, int64_t I, int iters) {
   }
   BENCH_CHECK_OK(group->synchronize_and_check());
   BENCH_CHECK_OK(fused_group->synchronize_and_check());
+  print_fused_timeline(fused_group->layer(0), [&] { forward_on(*fused_group, 0); }, fused_group->stream(0),
+                       c.forward_flops(T * K));
   Result r{H, I, median(fwd), median(total), 0, 0};
   r.fused_forward_ms = median(fused_fwd);
   r.fused_total_ms = median(fused_total);

@@ -123,6 +123,14 @@ class ExpertParallelLayer {
   // check (and clears it).
   Status synchronize_and_check();
 
+  // Diagnostics of the fused forward: while set, every fused forward writes, per CTA of the rank's kernel,
+  // kFusedTimelineStamps global-timer readings (ns) into `stamps` (device memory, kFusedTimelineStamps *
+  // fused_forward_ctas() entries): entry, layout numbered, dispatch done, counts in, routing done, GEMMs
+  // done, tokens combined, end. nullptr turns it off (the default; it costs a few stores per CTA).
+  static constexpr int kFusedTimelineStamps = 8;
+  Status set_fused_timeline(uint64_t* stamps);
+  int fused_forward_ctas() const;
+
   const LayerConfig& config() const;
   int64_t expert_row_capacity() const;
 

@@ -163,6 +163,7 @@ struct ExpertParallelLayer::Impl {
   int64_t forward_tokens = 0;
   const __nv_bfloat16* forward_w13 = nullptr;
   const __nv_bfloat16* forward_w2 = nullptr;
+  uint64_t* fused_timeline = nullptr;
 
   template <typename T>
   T* buffer(int64_t offset) const {
@@ -273,6 +274,14 @@ ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std
 ExpertParallelLayer::~ExpertParallelLayer() = default;
 
 const LayerConfig& ExpertParallelLayer::config() const { return impl_->config; }
+
+Status ExpertParallelLayer::set_fused_timeline(uint64_t* stamps) {
+  static_assert(kFusedTimelineStamps == ep::kFusedTimelineStamps, "one count of timeline stamps");
+  impl_->fused_timeline = stamps;
+  return Status::ok();
+}
+
+int ExpertParallelLayer::fused_forward_ctas() const { return std::max(1, impl_->max_blocks); }
 int64_t ExpertParallelLayer::expert_row_capacity() const { return impl_->params.shape.row_capacity; }
 
 Status ExpertParallelLayer::workspace_bytes(const LayerConfig& config, const LayerOptions& options, int64_t* bytes) {
@@ -371,6 +380,7 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
     fused.w13 = args.w13;
     fused.w2 = args.w2;
     fused.out = args.out;
+    fused.timeline = m.fused_timeline;
     MEGAMOE_RETURN_IF_ERROR(ep::launch_fused_forward(p, fused, m.max_blocks, stream));
   } else {
     MEGAMOE_RETURN_IF_ERROR(ep::launch_layout(p, args.topk_idx, idx64, stream, m.max_blocks));

@@ -76,6 +76,7 @@ Status launch_fused_forward(const Params& p, const FusedForwardArgs& a, int max_
   k.topk_idx = a.topk_idx;
   k.topk_weights = a.topk_weights;
   k.out = a.out;
+  k.timeline = a.timeline;
   const int ctas = std::max(1, max_blocks);
   k.comm_ctas = comm_ctas_for(ctas);
   k.layout_blocks = layout_blocks(p.num_tokens, ctas);

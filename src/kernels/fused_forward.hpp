@@ -11,6 +11,19 @@
 
 namespace megamoe::ep {
 
+// The moments a CTA of the fused forward stamps into FusedForwardArgs::timeline (global timer, ns), when set.
+enum FusedStamp : int {
+  kStampStart = 0,     // kernel entry
+  kStampLayout = 1,    // the layout numbered (second grid barrier passed)
+  kStampDispatch = 2,  // this CTA's dispatch done (comm CTAs; the others: right after kStampLayout)
+  kStampCounts = 3,    // every source's counts in, the GEMM work numbered
+  kStampRouted = 4,    // this CTA's routing done (comm CTAs; the others: right after kStampCounts)
+  kStampGemms = 5,     // the CTA's last GEMM item done
+  kStampCombined = 6,  // its tokens combined
+  kStampEnd = 7,       // the rank barrier passed, outputs final
+};
+inline constexpr int kFusedTimelineStamps = 8;
+
 struct FusedForwardArgs {
   const __nv_bfloat16* x = nullptr;
   const void* topk_idx = nullptr;
@@ -19,6 +32,7 @@ struct FusedForwardArgs {
   const __nv_bfloat16* w13 = nullptr;
   const __nv_bfloat16* w2 = nullptr;
   __nv_bfloat16* out = nullptr;
+  uint64_t* timeline = nullptr;  // diagnostics (ExpertParallelLayer::set_fused_timeline)
 };
 
 // Whether the fused forward runs this shape (local experts, ranks, the layout's and routing's shared-memory

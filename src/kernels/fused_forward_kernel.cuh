@@ -48,8 +48,12 @@
 #include "kernels/ep_dispatch.cuh"
 #include "kernels/ep_layout.cuh"
 #include "kernels/ep_route_rows.cuh"
+#include "kernels/fused_forward.hpp"
 
 namespace megamoe::kernels {
+
+using ep::FusedStamp;
+using ep::kFusedTimelineStamps;
 
 inline constexpr int kFusedThreads = 384;
 inline constexpr int kFusedWarps = kFusedThreads / 32;
@@ -72,7 +76,9 @@ struct FusedForwardParams {
   device::OperandSources gemm2_src;  // B: W2 panels (A, a, through TMA)
   device::EpilogueArgs gemm1_epi;    // C = a, aux = h
   device::EpilogueArgs gemm2_epi;    // C = y rows through row_dest
+  uint64_t* timeline;                // optional, diagnostics: kFusedTimelineStamps per CTA (ep::FusedStamp)
 };
+
 
 struct FusedForwardConfig {
   static constexpr int kBN = 256;
@@ -382,6 +388,11 @@ __device__ __forceinline__ void fill_nan(__nv_bfloat16* out, int64_t count) {
     out[i] = nan;
 }
 
+__device__ __forceinline__ void stamp(const FusedForwardParams& p, FusedStamp which) {
+  if (p.timeline != nullptr && threadIdx.x == 0)
+    p.timeline[static_cast<int64_t>(blockIdx.x) * kFusedTimelineStamps + which] = device::global_timer_ns();
+}
+
 // ---------------------------------------------------------------- the kernel
 
 template <typename Index>
@@ -424,6 +435,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
     fill_nan(p.out, L.num_tokens * s.hidden);
     return;
   }
+  stamp(p, ep::kStampStart);
   const typename Cfg::Schedule schedule{&smem.schedule, ep::at<int>(L.local, L.layout.fused_work)};
   if (tid == 0) {
     const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
@@ -437,9 +449,11 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   grid_sync();
   if (cta < p.layout_blocks) ep::layout_assign<kFusedWarps>(L, idx, cta, p.layout_blocks, smem.scratch, true);
   grid_sync();
+  stamp(p, ep::kStampLayout);
 
   // 2. dispatch
   if (cta < p.comm_ctas) dispatch_role(p, idx, smem.sent, cta);
+  stamp(p, ep::kStampDispatch);
 
   // 3. every source's counts -> offsets, row blocks, the GEMM work
   (void)cta_wait(L, ep::at<uint32_t>(L.local, L.layout.counts_arrived), static_cast<uint32_t>(s.num_ranks),
@@ -449,9 +463,11 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   const typename Cfg::Waves waves{&smem.waves, s.experts_per_rank, {p.n_tiles[0], p.n_tiles[1]},
                                   {p.k_tiles[0], p.k_tiles[1]}, p.wave_lag};
   waves.build(tables.offsets, tid, kFusedThreads);
+  stamp(p, ep::kStampCounts);
 
   // 4. route
   if (cta < p.comm_ctas) route_role(p, tables, !tables.overflow(s), cta, smem.flags);
+  stamp(p, ep::kStampRouted);
   // The tables' bytes become pipeline stages, which TMA (the async proxy) writes next.
   device::fence_proxy_async_smem();
   __syncthreads();
@@ -467,9 +483,11 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
     device::setmaxnreg_dec<Cfg::kRegsAtLaunch>();
   }
   __syncthreads();
+  stamp(p, ep::kStampGemms);
 
   // 6. combine
   combine_role(p);
+  stamp(p, ep::kStampCombined);
 
   // 7. clean up, meet the peers, NaN on failure
   grid_sync();
@@ -483,6 +501,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   // Every token of the workspace, not only this call's: a row of a failed call may have counted any.
   for (int64_t i = static_cast<int64_t>(cta) * kFusedThreads + tid; i < s.max_tokens; i += stride) token_done[i] = 0;
   if (failed) fill_nan(p.out, L.num_tokens * s.hidden);
+  stamp(p, ep::kStampEnd);
   grid.leave();
 #endif
 }
