@@ -6,8 +6,8 @@
 // rank (E = 128, T = 16384), both paths.
 // The PyTorch baseline of the same configs (benchmarks/bench_layer_torch.py) runs just before in the same
 // gpu-check call; its CSV, given with --baseline, is printed next to ours with the ratios.
-//   bench_layer [--out PATH.json] [--baseline PATH.csv] [--iters N] [--ep]
-// --ep adds the expert-parallel comparison.
+//   bench_layer [--out PATH.json] [--baseline PATH.csv] [--iters N] [--no-ep]
+// --no-ep leaves out the expert-parallel comparison.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -441,12 +441,12 @@ int main(int argc, char** argv) {
   const char* json_path = nullptr;
   const char* baseline_path = nullptr;
   int iters = 20;
-  bool with_ep = false;
+  bool with_ep = true;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--out") && i + 1 < argc) json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--baseline") && i + 1 < argc) baseline_path = argv[++i];
     else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--ep")) with_ep = true;
+    else if (!std::strcmp(argv[i], "--no-ep")) with_ep = false;
   }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
