@@ -389,15 +389,18 @@ def _(key, config, x, topk_idx, topk_weights, w13, w2):
     return [torch.empty_like(xi) for xi in x]
 
 
-def _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2,
-                  accumulate=False) -> tuple[list, list]:
+def _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2, accumulate=False,
+                  d_x=None, d_topk_weights=None) -> tuple[list, list]:
     """The backward of the forward on these inputs into the fp32 weight-gradient buffers d_w13 / d_w2 (one per
-    rank, the shapes of w13 / w2; added to them with accumulate); returns d_x and d_topk_weights."""
+    rank, the shapes of w13 / w2; added to them with accumulate); returns d_x and d_topk_weights (written into
+    the given lists of tensors, or new ones)."""
     state = _state(key, cfg)
     if state.latest_forward.get(x[0].device.index) != _forward_key(x, topk_idx, topk_weights, w13, w2):
         _run_forward(key, cfg, x, topk_idx, topk_weights, w13, w2)  # restores this forward's routing
-    d_x = [torch.empty_like(xi) for xi in x]
-    d_topk_weights = [torch.empty_like(wi) for wi in topk_weights]
+    if d_x is None:
+        d_x = [torch.empty_like(xi) for xi in x]
+    if d_topk_weights is None:
+        d_topk_weights = [torch.empty_like(wi) for wi in topk_weights]
     _backend.backward(state, d_out, d_x, d_topk_weights, d_w13, d_w2, accumulate)
     if _host_may_wait():
         _backend.synchronize_and_check(state, x[0].device)
@@ -523,33 +526,42 @@ def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2):
             torch.empty_like(w13, dtype=torch.float32), torch.empty_like(w2, dtype=torch.float32))
 
 
-@torch.library.custom_op("megamoe::moe_backward_into_main_grads", mutates_args=("main_grad13", "main_grad2"))
+@torch.library.custom_op("megamoe::moe_backward_into_main_grads",
+                         mutates_args=("d_x", "d_topk_weights", "main_grad13", "main_grad2"))
 def _moe_backward_into_main_grads(key: int, config: list[int], d_out: list[Tensor], x: list[Tensor],
                                   topk_idx: list[Tensor], topk_weights: list[Tensor], w13: Tensor, w2: Tensor,
-                                  main_grad13: Tensor, main_grad2: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+                                  main_grad13: Tensor, main_grad2: Tensor, d_x: list[Tensor],
+                                  d_topk_weights: list[Tensor]) -> None:
     """The backward with the weight gradients added by the GEMMs to the fp32 main gradients (no gradient
-    tensor, no conversion, no separate add)."""
+    tensor, no conversion, no separate add); d_x and d_topk_weights are written into the caller's tensors
+    (a mutating op that returned lists of tensors would not pass torch.compile's functionalization)."""
     cfg = LayerConfig.from_list(config)
     w13s, w2s = _rank_views(cfg, w13, w2)
     _check_inputs(cfg, x, topk_idx, topk_weights, w13s, w2s, d_out)
     _check_main_grads(w13, w2, main_grad13, main_grad2)
+    for name, outs, like in (("d_x", d_x, x), ("d_topk_weights", d_topk_weights, topk_weights)):
+        if len(outs) != len(like) or any(o.shape != t.shape or o.dtype != t.dtype or not o.is_contiguous()
+                                         for o, t in zip(outs, like)):
+            raise ValueError(f"megamoe: {name} must hold one contiguous tensor per rank shaped like its input")
     m13s, m2s = _rank_views(cfg, main_grad13, main_grad2)
-    return _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13s, w2s, m13s, m2s, accumulate=True)
+    _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13s, w2s, m13s, m2s, accumulate=True, d_x=d_x,
+                  d_topk_weights=d_topk_weights)
 
 
 @_moe_backward_into_main_grads.register_fake
-def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2, main_grad13, main_grad2):
+def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2, main_grad13, main_grad2, d_x, d_topk_weights):
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, x, topk_idx, topk_weights, *_rank_views(cfg, w13, w2), d_out)
     _check_main_grads(w13, w2, main_grad13, main_grad2)
-    return [torch.empty_like(xi) for xi in x], [torch.empty_like(wi) for wi in topk_weights]
 
 
 def _setup_all_experts_context(ctx, inputs, output):
     key, config, x, topk_idx, topk_weights, w13, w2, *main_grads = inputs
     ctx.key, ctx.config, ctx.ranks = key, config, len(x)
-    ctx.main_grads = len(main_grads) == 2 and main_grads[0] is not None
-    ctx.save_for_backward(*x, *topk_idx, *topk_weights, w13, w2, *(main_grads if ctx.main_grads else ()))
+    # The main gradients are kept as they are, not saved: every backward adds to them (bumping their version),
+    # and a saved tensor would then fail autograd's version check for the next forward's backward.
+    ctx.main_grads = tuple(main_grads) if len(main_grads) == 2 and main_grads[0] is not None else None
+    ctx.save_for_backward(*x, *topk_idx, *topk_weights, w13, w2)
 
 
 def _backward_all_experts(ctx, grads):
@@ -558,11 +570,12 @@ def _backward_all_experts(ctx, grads):
     x, topk_idx, topk_weights = (list(saved[j * r:(j + 1) * r]) for j in range(3))
     w13, w2 = saved[3 * r], saved[3 * r + 1]
     d_out = [torch.zeros_like(xi) if g is None else g.to(xi.dtype).contiguous() for g, xi in zip(grads, x)]
-    if ctx.main_grads:
+    if ctx.main_grads is not None:
         # The weight gradients went into the main gradients: the weights' .grad gets nothing.
-        d_x, d_w = torch.ops.megamoe.moe_backward_into_main_grads(ctx.key, ctx.config, d_out, x, topk_idx,
-                                                                  topk_weights, w13, w2, saved[3 * r + 2],
-                                                                  saved[3 * r + 3])
+        d_x = [torch.empty_like(xi) for xi in x]
+        d_w = [torch.empty_like(wi) for wi in topk_weights]
+        torch.ops.megamoe.moe_backward_into_main_grads(ctx.key, ctx.config, d_out, x, topk_idx, topk_weights, w13,
+                                                       w2, *ctx.main_grads, d_x, d_w)
         return None, None, d_x, [None] * r, d_w, None, None, None, None
     d_x, d_w, d_w13, d_w2 = torch.ops.megamoe.moe_backward_all_experts(ctx.key, ctx.config, d_out, x, topk_idx,
                                                                        topk_weights, w13, w2)
@@ -669,18 +682,19 @@ def _(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2):
 def _setup_process_context(ctx, inputs, output):
     key, config, name, x, topk_idx, topk_weights, w13, w2, *main_grads = inputs
     ctx.key, ctx.config, ctx.group_name = key, config, name
-    ctx.main_grads = len(main_grads) == 2 and main_grads[0] is not None
-    ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2, *(main_grads if ctx.main_grads else ()))
+    # Not saved, as in _setup_all_experts_context: every backward adds to them.
+    ctx.main_grads = tuple(main_grads) if len(main_grads) == 2 and main_grads[0] is not None else None
+    ctx.save_for_backward(x, topk_idx, topk_weights, w13, w2)
 
 
 def _process_backward(ctx, grad):
-    x, topk_idx, topk_weights, w13, w2, *main_grads = ctx.saved_tensors
+    x, topk_idx, topk_weights, w13, w2 = ctx.saved_tensors
     # Zeros rather than skipping: the backward is collective, so this rank must take part regardless.
     d_out = torch.zeros_like(x) if grad is None else grad.to(x.dtype).contiguous()
-    if ctx.main_grads:
+    if ctx.main_grads is not None:
         d_x, d_w = torch.ops.megamoe.moe_process_backward_into_main_grads(ctx.key, ctx.config, ctx.group_name, d_out,
                                                                           x, topk_idx, topk_weights, w13, w2,
-                                                                          *main_grads)
+                                                                          *ctx.main_grads)
         return None, None, None, d_x, None, d_w, None, None, None, None
     d_x, d_w, d_w13, d_w2 = torch.ops.megamoe.moe_process_backward(ctx.key, ctx.config, ctx.group_name, d_out, x,
                                                                    topk_idx, topk_weights, w13, w2)

@@ -202,6 +202,16 @@ def _check_ops(rank, group):
             accumulating.w13.detach(), accumulating.w2.detach())[2:])
     assert torch.equal(accumulating.w13.main_grad, separate[0][0] + separate[1][0])
     assert torch.equal(accumulating.w2.main_grad, separate[0][1] + separate[1][1])
+    # Both forwards first, then both backwards: the main gradients are added to, not saved for the backward.
+    accumulating.w13.main_grad.zero_()
+    accumulating.w2.main_grad.zero_()
+    outs = []
+    for seed in (5, 6):
+        xs, ids, ws, _, _, ds = global_data([5, 3], seed=seed)
+        outs.append((accumulating(xs[rank], ids[rank], ws[rank]), ds[rank]))
+    torch.autograd.backward([o for o, _ in outs], [d for _, d in outs])
+    torch.testing.assert_close(accumulating.w13.main_grad, separate[0][0] + separate[1][0])
+    torch.testing.assert_close(accumulating.w2.main_grad, separate[0][1] + separate[1][1])
 
     ops._backend = ops._LibraryBackend()
 
