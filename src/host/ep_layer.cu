@@ -442,6 +442,12 @@ Status ExpertParallelLayer::synchronize_and_check() {
   ep::DeviceError error{};
   ep::DeviceError* record = m.buffer<ep::DeviceError>(m.params.layout.error);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(&error, record, sizeof(error), cudaMemcpyDeviceToHost));
+  // A group broken on the device (a timeout, a peer that wrote garbage) refuses calls from now on, whatever
+  // error the record kept (the first one wins).
+  int32_t broken_on_device = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(&broken_on_device, m.buffer<int32_t>(m.params.layout.broken),
+                                          sizeof(broken_on_device), cudaMemcpyDeviceToHost));
+  if (broken_on_device != 0) m.broken = true;
   if (error.code == 0) return Status::ok();
   // Cleared in the rank's stream order (not on the legacy default stream, which would order against
   // every other stream of the device).

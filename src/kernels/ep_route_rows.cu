@@ -13,7 +13,7 @@ __global__ void route_rows_kernel(Params p) {
   extern __shared__ int32_t smem[];
   const Shape& s = p.shape;
   const RouteTables t = RouteTables::in(smem, s);
-  route_offsets(p, t, blockIdx.x == 0, blockIdx.x == 0);
+  (void)route_offsets(p, t, blockIdx.x == 0, blockIdx.x == 0);
   if (t.overflow(s)) return;
   const int64_t items = static_cast<int64_t>(s.num_ranks) * s.max_tokens;
   for (int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; item < items;

@@ -40,23 +40,29 @@ __device__ __forceinline__ bool peer_value_ok(const Params& p, bool ok, int src,
 
 // Every thread of a CTA, once every source's counts are in recv_counts: fills `t` (on overflow every expert
 // is left empty: nothing is written past the buffers, the GEMMs do nothing, and the error recorded by the
-// CTA with `report` set turns the outputs into NaN). publish: this CTA also writes expert_offsets.
-__device__ inline void route_offsets(const Params& p, const RouteTables& t, bool report, bool publish) {
+// CTA with `report` set turns the outputs into NaN). publish: this CTA also writes expert_offsets. Returns
+// false when a peer wrote a count out of range (recorded; that count was taken as 0).
+__device__ inline bool route_offsets(const Params& p, const RouteTables& t, bool report, bool publish) {
   const Shape& s = p.shape;
   const int EL = s.experts_per_rank, R = s.num_ranks, K = s.top_k;
   const int32_t* counts = at<int32_t>(p.local, p.layout.recv_counts);
   const int64_t max_rows_per_source = static_cast<int64_t>(s.max_tokens) * K;
+  bool counts_ok = true;
   for (int e = threadIdx.x; e < EL; e += blockDim.x) {
     int64_t running = 0;
     for (int src = 0; src < R; ++src) {
       t.base[src * EL + e] = static_cast<int32_t>(running);
       const int32_t n = counts[src * (EL + 1) + e];
-      if (peer_value_ok(p, n >= 0 && n <= max_rows_per_source, src, n, kPeerCount)) running += n;
+      if (peer_value_ok(p, n >= 0 && n <= max_rows_per_source, src, n, kPeerCount)) {
+        running += n;
+      } else {
+        counts_ok = false;
+      }
     }
     // Rows of expert e (scanned below); past the capacity the scan reports the overflow.
     t.offsets[e] = static_cast<int32_t>(running <= s.row_capacity ? running : s.row_capacity + 1);
   }
-  __syncthreads();
+  counts_ok = __syncthreads_and(counts_ok);
   if (threadIdx.x == 0) {
     int64_t total = 0;
     for (int e = 0; e < EL; ++e) {
@@ -91,9 +97,10 @@ __device__ inline void route_offsets(const Params& p, const RouteTables& t, bool
     int32_t* out = at<int32_t>(p.local, p.layout.expert_offsets);
     for (int e = threadIdx.x; e <= EL; e += blockDim.x) out[e] = overflow ? 0 : t.offsets[e];
   }
-  if (overflow) return;
+  if (overflow) return counts_ok;
   for (int k = threadIdx.x; k < R * EL; k += blockDim.x) t.base[k] += t.offsets[k % EL];
   __syncthreads();
+  return counts_ok;
 }
 
 // One received token (item = src * T + slot of the receive slab) whose rows have landed: the tables of each
@@ -121,12 +128,16 @@ __device__ __forceinline__ bool route_item(const Params& p, const RouteTables& t
       ok = false;
       continue;
     }
-    const int32_t rows_of_source = counts[src * (EL + 1) + route.local_expert];
-    if (!peer_value_ok(p, route.index >= 0 && route.index < rows_of_source, src, route.index, kPeerRowIndex)) {
+    // The count as route_offsets took it (a count out of range counted as 0 there), and the row inside the
+    // expert's rows: whatever a peer wrote, no table entry outside them is written.
+    const int32_t count = counts[src * (EL + 1) + route.local_expert];
+    const int64_t rows_of_source = count >= 0 && count <= static_cast<int64_t>(s.max_tokens) * K ? count : 0;
+    const int64_t row = t.base[src * EL + route.local_expert] + route.index;
+    if (!peer_value_ok(p, route.index >= 0 && route.index < rows_of_source && row < t.offsets[route.local_expert + 1],
+                       src, route.index, kPeerRowIndex)) {
       ok = false;
       continue;
     }
-    const int64_t row = t.base[src * EL + route.local_expert] + route.index;
     const int64_t pair = token * K + j;
     at<int32_t>(p.local, p.layout.row_src)[row] = static_cast<int32_t>(item);
     at<float>(p.local, p.layout.row_weight)[row] = recv_weights[item * K + j];

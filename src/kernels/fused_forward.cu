@@ -104,16 +104,27 @@ Status launch_fused_forward(const Params& p, const FusedForwardArgs& a, int max_
   k.gemm2_epi.c_cols = static_cast<int>(H);
   k.gemm2_epi.aux_cols = static_cast<int>(H);
 
+  // A cooperative launch: the CTAs wait on each other (grid barriers, readiness counters), so either all of
+  // them are resident at once or the launch fails with an error, instead of spinning until the timeout.
   const int smem = FusedForwardConfig::kSmemBytes;
-  if (a.idx_is_int64) {
-    auto kernel = kernels::fused_forward_kernel<int64_t>;
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.gridDim = dim3(ctas, 1, 1);
+  cfg.blockDim = dim3(kernels::kFusedThreads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  auto launch_typed = [&](auto kernel) -> Status {
     MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<ctas, kernels::kFusedThreads, smem, stream>>>(tm_w13, tm_a_load, tm_w2, tm_a_store, tm_h_store, k);
-  } else {
-    auto kernel = kernels::fused_forward_kernel<int32_t>;
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<ctas, kernels::kFusedThreads, smem, stream>>>(tm_w13, tm_a_load, tm_w2, tm_a_store, tm_h_store, k);
-  }
+    MEGAMOE_CUDA_RETURN_IF_ERROR(
+        cudaLaunchKernelEx(&cfg, kernel, tm_w13, tm_a_load, tm_w2, tm_a_store, tm_h_store, k));
+    return Status::ok();
+  };
+  MEGAMOE_RETURN_IF_ERROR(a.idx_is_int64 ? launch_typed(kernels::fused_forward_kernel<int64_t>)
+                                         : launch_typed(kernels::fused_forward_kernel<int32_t>));
   MEGAMOE_CHECK_LAUNCH(stream, "fused_forward_kernel");
   return Status::ok();
 }

@@ -459,7 +459,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   (void)cta_wait(L, ep::at<uint32_t>(L.local, L.layout.counts_arrived), static_cast<uint32_t>(s.num_ranks),
                  ep::fused_wait_id(ep::kWaitCounts, s.rank), GiveUp::kWhenBroken, smem.flags);
   const ep::RouteTables tables = ep::RouteTables::in(smem.scratch, s);
-  ep::route_offsets(L, tables, cta == 0, cta == 0);
+  // A count out of range that a peer wrote breaks the group (its rows can never be counted as ready).
+  if (!ep::route_offsets(L, tables, cta == 0, cta == 0) && cta == 0 && tid == 0)
+    ep::break_group(L, ep::kErrorPeerIndex, -1, 0, ep::kPeerCount);
   const typename Cfg::Waves waves{&smem.waves, s.experts_per_rank, {p.n_tiles[0], p.n_tiles[1]},
                                   {p.k_tiles[0], p.k_tiles[1]}, p.wave_lag};
   waves.build(tables.offsets, tid, kFusedThreads);
