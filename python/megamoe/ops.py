@@ -27,7 +27,10 @@ rank whose own setup fails tells the others, and a rank that never joins is a ti
 The library keeps the forward's routing for the backward, per group ("the latest forward"). A backward
 whose forward is no longer the latest one of its group (two layers sharing a key, a module called twice,
 activation checkpointing) re-runs that forward first, so results stay right; give each layer its own key
-(MegaMoE does) to avoid the extra work.
+(MegaMoE does) to avoid the extra work. That decision is made on the host when the backward is called, so a
+CUDA graph replays whatever was decided at capture: in a captured step (torch.compile's "reduce-overhead",
+torch.cuda.graphs) every backward must have the same latest forward at replay as at capture, which holds
+when each forward's backward runs before the next forward of the same key.
 
 Checks: dtype, device, shape and contiguity are checked before any pointer goes to the library (also at
 trace time, on fake tensors). Expert ids and the errors the device records (capacity, timeouts) need the
