@@ -49,16 +49,9 @@
 #include "kernels/ep_layout.cuh"
 #include "kernels/ep_route_rows.cuh"
 #include "kernels/fused_forward.hpp"
+#include "kernels/fused_roles.cuh"
 
 namespace megamoe::kernels {
-
-using ep::FusedStamp;
-using ep::kFusedTimelineStamps;
-
-inline constexpr int kFusedThreads = 384;
-inline constexpr int kFusedWarps = kFusedThreads / 32;
-inline constexpr int kFusedMaxExperts = 256;  // local experts
-inline constexpr int kFusedMaxRanks = 64;
 
 // Everything the kernel reads, by value.
 struct FusedForwardParams {
@@ -119,99 +112,22 @@ struct FusedForwardConfig {
   static constexpr int64_t kScratchBytes = kStages * Shape::kStageBytes;
 };
 
-// ---------------------------------------------------------------- waits
-
-// When a wait of the fused forward gives up before its target without a timeout.
-enum class GiveUp {
-  kWhenBroken,  // only when the group is broken: the counter's producers always finish otherwise
-  kOnError,     // also when any error is recorded (the waiting result is then NaN anyway)
-};
-
-// Waits until *counter >= target (acquire, system scope: peers write some of these counters). A timeout
-// breaks the group on every rank (break_group): a late arrival could still come and would leave the
-// counter wrong for the next call, so no later call may trust it.
-template <class T>
-__device__ bool fused_wait(const ep::Params& L, const T* counter, T target, int64_t id, GiveUp give_up,
-                           uint64_t timeout_ns) {
-  device::WaitReport r{ep::error_record(L.local, L.layout), L.shape.rank, timeout_ns};
-  r.stop_on_error = give_up == GiveUp::kOnError;
-  r.stop_flag = ep::at<int32_t>(L.local, L.layout.broken);
-  bool timed_out = false;
-  if (device::wait_at_least<device::Scope::kSystem>(counter, target, r, id, &timed_out)) return true;
-  if (timed_out) {
-    const T seen = device::load_acquire<device::Scope::kSystem>(counter);
-    ep::break_group(L, ep::kErrorWaitTimeout, id, static_cast<int64_t>(seen), static_cast<int64_t>(target));
-  }
-  return false;
-}
-
-// One thread waits, then the CTA goes on together; flag: shared memory.
-template <class T>
-__device__ __forceinline__ bool cta_wait(const ep::Params& L, const T* counter, T target, int64_t id, GiveUp give_up,
-                                         int* flag) {
-  __syncthreads();
-  if (threadIdx.x == 0) *flag = fused_wait(L, counter, target, id, give_up, L.timeout_ns) ? 1 : 0;
-  __syncthreads();
-  return *flag != 0;
-}
-
 // ---------------------------------------------------------------- roles
 
-// Phase 2: this rank's tokens to their destination ranks, one warp per token, then one release per
-// destination of the token rows sent there. sent: shared memory, R counters.
-template <typename Index>
-__device__ void dispatch_role(const FusedForwardParams& p, const Index* idx, uint32_t* sent, int cta) {
-  const ep::Params& L = p.layer;
-  const int R = L.shape.num_ranks;
-  for (int d = threadIdx.x; d < R; d += kFusedThreads) sent[d] = 0;
-  __syncthreads();
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(p.comm_ctas) * kFusedWarps;
-  for (int64_t t = static_cast<int64_t>(cta) * kFusedWarps + threadIdx.x / 32; t < L.num_tokens; t += warps)
-    ep::dispatch_token(L, p.x, L.layout.recv_x, idx, p.topk_weights, t, lane, sent);
-  __syncthreads();
-  for (int d = threadIdx.x; d < R; d += kFusedThreads) {
-    if (sent[d] == 0) continue;
-    __threadfence_system();  // this CTA's row copies (ordered before by __syncthreads) reach the peer first
-    device::signal_add<device::Scope::kSystem>(ep::at<uint32_t>(L.peers[d], L.layout.rows_arrived) + L.shape.rank,
-                                               sent[d]);
-  }
-}
-
 // Phase 4: the rows of every source, source by source (this rank's own first: they land first), each as
-// soon as all its token rows have landed. Every source's arrivals are waited for, also when this rank routes
-// nothing (its capacity overflowed: `route` false), so that rows_arrived has seen them all before it is
-// reset. A value out of range that a peer wrote (a token count: its arrivals cannot be counted; a route:
-// its row would never be ready) breaks the group.
+// soon as all its token rows have landed (source_rows_landed: every source's arrivals are waited for, also
+// when this rank routes nothing because its capacity overflowed, `route` false). A route out of range that a
+// peer wrote (its row would never be ready) breaks the group.
 __device__ inline void route_role(const FusedForwardParams& p, const ep::RouteTables& t, bool route, int cta,
                                   int* shared) {
   const ep::Params& L = p.layer;
   const ep::Shape& s = L.shape;
-  const int R = s.num_ranks, EL = s.experts_per_rank;
-  const int32_t* counts = ep::at<int32_t>(L.local, L.layout.recv_counts);
-  const uint32_t* rows_arrived = ep::at<uint32_t>(L.local, L.layout.rows_arrived);
   uint32_t* rows_ready = ep::at<uint32_t>(L.local, L.layout.rows_ready);
   uint32_t** row_signal = ep::at<uint32_t*>(L.local, L.layout.row_signal);
-  for (int i = 0; i < R; ++i) {
-    const int src = (s.rank + i) % R;
-    // One thread reads the peer-written count, so that the CTA agrees on it.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const int32_t tokens = counts[src * (EL + 1) + EL];
-      const bool ok = tokens >= 0 && tokens <= s.max_tokens;
-      if (!ok && cta == 0) {
-        (void)ep::peer_value_ok(L, false, src, tokens, ep::kPeerTokens);
-        ep::break_group(L, ep::kErrorPeerIndex, src, tokens, ep::kPeerTokens);
-      }
-      shared[1] = ok ? tokens : -1;
-    }
-    __syncthreads();
-    const int32_t tokens = shared[1];
-    if (tokens < 0) continue;
-    if (!cta_wait(L, rows_arrived + src, static_cast<uint32_t>(tokens), ep::fused_wait_id(ep::kWaitRows, src),
-                  GiveUp::kWhenBroken, shared))
-      continue;
-    if (!route) continue;
+  for (int i = 0; i < s.num_ranks; ++i) {
+    const int src = (s.rank + i) % s.num_ranks;
+    const int32_t tokens = source_rows_landed(L, src, cta, shared);
+    if (tokens < 0 || !route) continue;
     bool ok = true;
     for (int64_t slot = static_cast<int64_t>(cta) * kFusedThreads + threadIdx.x; slot < tokens;
          slot += static_cast<int64_t>(p.comm_ctas) * kFusedThreads) {
@@ -224,8 +140,6 @@ __device__ inline void route_role(const FusedForwardParams& p, const ep::RouteTa
                                  rows_ready + t.block_start[e] + (row - t.offsets[e]) / 128, 1u);
                            });
     }
-    // A row left out would keep its block's GEMM1 tiles waiting: a peer that wrote garbage breaks the group
-    // (the value is already recorded on every rank), so that every wait on it gives up at once.
     if (__syncthreads_or(!ok) && threadIdx.x == 0) ep::break_group(L, ep::kErrorPeerIndex, src, 0);
   }
 }
@@ -339,60 +253,6 @@ __device__ void gemm_consumer(const CUtensorMap* tm_a_store, const CUtensorMap* 
   store.finish();
 }
 
-// Phase 6: this rank's tokens, one warp each, as soon as every slot's rows are home.
-__device__ inline void combine_role(const FusedForwardParams& p) {
-  const ep::Params& L = p.layer;
-  const uint32_t* token_done = ep::at<uint32_t>(L.local, L.layout.token_done);
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kFusedWarps;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kFusedWarps + threadIdx.x / 32; t < L.num_tokens; t += warps) {
-    int ok = 1;
-    if (lane == 0) {
-      const uint32_t target = static_cast<uint32_t>(ep::routed_slots(L, t) * p.n_tiles[1]);
-      ok = fused_wait(L, token_done + t, target, ep::fused_wait_id(ep::kWaitToken, t), GiveUp::kOnError, L.timeout_ns)
-               ? 1
-               : 0;
-    }
-    ok = __shfl_sync(0xffffffffu, ok, 0);
-    __syncwarp();  // the lanes' reads of the slots after lane 0's acquire
-    ep::combine_token<true>(L, t, lane, ok == 0 || ep::has_error(L), p.topk_weights, p.out, nullptr);
-  }
-}
-
-// Phase 7, every thread of every CTA (between two grid barriers): this call's counters back to 0. The
-// counters peers signal (counts_arrived, rows_arrived) have seen every arrival of the call by now, and a
-// peer's next signal needs this rank's arrival at the rank barrier that follows.
-__device__ inline void reset_counters(const ep::Params& L) {
-  const int64_t blocks = ep::WorkspaceLayout::row_blocks(L.shape);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kFusedThreads;
-  uint32_t* rows_ready = ep::at<uint32_t>(L.local, L.layout.rows_ready);
-  uint32_t* act_ready = ep::at<uint32_t>(L.local, L.layout.act_ready);
-  uint32_t* rows_arrived = ep::at<uint32_t>(L.local, L.layout.rows_arrived);
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kFusedThreads + threadIdx.x;
-  for (int64_t i = first; i < blocks; i += stride) {
-    rows_ready[i] = 0;
-    act_ready[i] = 0;
-  }
-  for (int64_t i = first; i < L.shape.num_ranks; i += stride) rows_arrived[i] = 0;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    *ep::at<uint32_t>(L.local, L.layout.counts_arrived) = 0;
-    *ep::at<int>(L.local, L.layout.fused_work) = 0;
-  }
-}
-
-// Every thread of every CTA: out[0, count) = NaN.
-__device__ __forceinline__ void fill_nan(__nv_bfloat16* out, int64_t count) {
-  const __nv_bfloat16 nan = __float2bfloat16(__int_as_float(0x7fc00000));
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kFusedThreads + threadIdx.x; i < count;
-       i += static_cast<int64_t>(gridDim.x) * kFusedThreads)
-    out[i] = nan;
-}
-
-__device__ __forceinline__ void stamp(const FusedForwardParams& p, FusedStamp which) {
-  if (p.timeline != nullptr && threadIdx.x == 0)
-    p.timeline[static_cast<int64_t>(blockIdx.x) * kFusedTimelineStamps + which] = device::global_timer_ns();
-}
-
 // ---------------------------------------------------------------- the kernel
 
 template <typename Index>
@@ -411,31 +271,10 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   const int tid = threadIdx.x;
   const int cta = blockIdx.x;
   const Index* idx = static_cast<const Index*>(p.topk_idx);
-  const device::GridBarrier grid{ep::at<uint32_t>(L.local, L.layout.grid_arrivals),
-                                 ep::at<uint32_t>(L.local, L.layout.grid_exits), static_cast<int>(gridDim.x)};
-  // A CTA can reach a grid barrier up to one wait timeout after the others (its last wait gave up there,
-  // or CTA 0 waited at the rank barrier), so the grid barriers wait three timeouts before they give up.
-  device::WaitReport grid_report{ep::error_record(L.local, L.layout), s.rank, 3 * L.timeout_ns};
-  grid_report.stop_flag = ep::at<int32_t>(L.local, L.layout.broken);
-  int barriers = 0;
-  auto grid_sync = [&] {
-    ++barriers;
-    const int64_t id = ep::fused_wait_id(ep::kWaitGridBarrier, barriers);
-    bool timed_out = false;
-    if (!grid.sync(barriers, grid_report, id, &timed_out) && tid == 0 && timed_out)
-      ep::break_group(L, ep::kErrorWaitTimeout, id, 0, static_cast<int64_t>(barriers) * gridDim.x);
-  };
-  // A group broken by an earlier timeout: its counters cannot be trusted, so nothing is sent or awaited.
-  // (Each CTA reads the flag: should a peer set it during these first instructions, the CTAs that missed it
-  // give up at their first grid barrier, through its stop flag.)
-  if (ep::is_broken(L)) {
-    if (cta == 0 && tid == 0)
-      ep::record_error(ep::error_record(L.local, L.layout), StatusCode::kTimeout, ep::kErrorBroken, s.rank,
-                       ep::kBarrierCombined, 0);
-    fill_nan(p.out, L.num_tokens * s.hidden);
-    return;
-  }
-  stamp(p, ep::kStampStart);
+  const auto nan_out = [&] { fill_nan(p.out, L.num_tokens * s.hidden); };
+  if (fused_kernel_refused(L, ep::kBarrierCombined, nan_out)) return;
+  FusedGrid grid = FusedGrid::of(L);
+  stamp(p.timeline, ep::kStampStart);
   const typename Cfg::Schedule schedule{&smem.schedule, ep::at<int>(L.local, L.layout.fused_work)};
   if (tid == 0) {
     const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
@@ -446,14 +285,15 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
 
   // 1. layout
   if (cta < p.layout_blocks) ep::layout_count<kFusedWarps>(L, idx, cta, p.layout_blocks, smem.scratch);
-  grid_sync();
+  grid.sync(L);
   if (cta < p.layout_blocks) ep::layout_assign<kFusedWarps>(L, idx, cta, p.layout_blocks, smem.scratch, true);
-  grid_sync();
-  stamp(p, ep::kStampLayout);
+  grid.sync(L);
+  stamp(p.timeline, ep::kStampLayout);
 
   // 2. dispatch
-  if (cta < p.comm_ctas) dispatch_role(p, idx, smem.sent, cta);
-  stamp(p, ep::kStampDispatch);
+  if (cta < p.comm_ctas)
+    dispatch_role(L, p.x, L.layout.recv_x, idx, p.topk_weights, smem.sent, cta, p.comm_ctas);
+  stamp(p.timeline, ep::kStampDispatch);
 
   // 3. every source's counts -> offsets, row blocks, the GEMM work
   (void)cta_wait(L, ep::at<uint32_t>(L.local, L.layout.counts_arrived), static_cast<uint32_t>(s.num_ranks),
@@ -465,11 +305,11 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   const typename Cfg::Waves waves{&smem.waves, s.experts_per_rank, {p.n_tiles[0], p.n_tiles[1]},
                                   {p.k_tiles[0], p.k_tiles[1]}, p.wave_lag};
   waves.build(tables.offsets, tid, kFusedThreads);
-  stamp(p, ep::kStampCounts);
+  stamp(p.timeline, ep::kStampCounts);
 
   // 4. route
   if (cta < p.comm_ctas) route_role(p, tables, !tables.overflow(s), cta, smem.flags);
-  stamp(p, ep::kStampRouted);
+  stamp(p.timeline, ep::kStampRouted);
   // The tables' bytes become pipeline stages, which TMA (the async proxy) writes next.
   device::fence_proxy_async_smem();
   __syncthreads();
@@ -485,26 +325,14 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
     device::setmaxnreg_dec<Cfg::kRegsAtLaunch>();
   }
   __syncthreads();
-  stamp(p, ep::kStampGemms);
+  stamp(p.timeline, ep::kStampGemms);
 
   // 6. combine
-  combine_role(p);
-  stamp(p, ep::kStampCombined);
+  combine_role<true>(L, p.n_tiles[1], p.topk_weights, p.out, nullptr);
+  stamp(p.timeline, ep::kStampCombined);
 
   // 7. clean up, meet the peers, NaN on failure
-  grid_sync();
-  reset_counters(L);
-  grid_sync();
-  if (cta == 0 && tid == 0) ep::rank_barrier(L, ep::kBarrierCombined);
-  grid_sync();
-  const bool failed = ep::has_error(L);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kFusedThreads;
-  uint32_t* token_done = ep::at<uint32_t>(L.local, L.layout.token_done);
-  // Every token of the workspace, not only this call's: a row of a failed call may have counted any.
-  for (int64_t i = static_cast<int64_t>(cta) * kFusedThreads + tid; i < s.max_tokens; i += stride) token_done[i] = 0;
-  if (failed) fill_nan(p.out, L.num_tokens * s.hidden);
-  stamp(p, ep::kStampEnd);
-  grid.leave();
+  fused_kernel_end(L, grid, ep::kBarrierCombined, p.timeline, nan_out);
 #endif
 }
 
