@@ -1,7 +1,8 @@
 // Times the expert-parallel layer (R = 1, T = 16384, 16 local experts, top-8, the benchmark configuration of
 // docs/MODEL.md):
 // forward and forward+backward, median of many runs with CUDA events, two input sets alternating; the
-// modular and the fused forward (LayerOptions::forward_path) timed interleaved, run for run; and the cost
+// modular path, the fused forward with the modular backward and both fused (LayerOptions::forward_path,
+// backward_path) timed interleaved, run for run; and the cost
 // of expert parallelism: E = 128 on 8 virtual ranks of 2048 tokens each against the same problem on one
 // rank (E = 128, T = 16384), both paths.
 // The PyTorch baseline of the same configs (benchmarks/bench_layer_torch.py) runs just before in the same
@@ -47,7 +48,8 @@ struct Result {
   int64_t hidden, intermediate;
   float forward_ms, total_ms;
   double forward_tflops, total_tflops;
-  float fused_forward_ms = 0, fused_total_ms = 0;  // the fused forward, timed interleaved with the above
+  float fused_forward_ms = 0, fused_total_ms = 0;  // fused forward and backward, timed interleaved with the above
+  float fused_forward_modular_backward_ms = 0;      // the fused forward, the modular backward
   double gemm_ms = 0, other_ms = 0;  // kernel time per forward + backward, from the profile
   int kernels = 0;                   // kernels per forward + backward
 };
@@ -111,13 +113,14 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
 // Where one fused forward's time goes, from the kernel's own per-CTA stamps (set_fused_timeline): when each
 // phase ended (median and last CTA, from the first CTA's entry), and the GEMM window (the first CTA to start
 // its GEMM items to the last to finish them) with the forward's GEMM FLOPs over it.
-void print_fused_timeline(megamoe::ExpertParallelLayer& layer, const std::function<void()>& forward,
-                          cudaStream_t stream, double gemm_flops) {
+// `call` runs the kernel to look at last (the forward, or a forward then the backward); `names` are its phases.
+void print_fused_timeline(megamoe::ExpertParallelLayer& layer, const std::function<void()>& call, cudaStream_t stream,
+                          double gemm_flops, const char* what, const char* const* names) {
   constexpr int kStamps = megamoe::ExpertParallelLayer::kFusedTimelineStamps;
   const int ctas = layer.fused_forward_ctas();
   uint64_t* stamps = device_alloc<uint64_t>(int64_t{kStamps} * ctas);
   BENCH_CHECK_OK(layer.set_fused_timeline(stamps));
-  forward();
+  call();
   BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
   BENCH_CHECK_OK(layer.set_fused_timeline(nullptr));
   std::vector<uint64_t> t(static_cast<size_t>(kStamps) * ctas);
@@ -125,9 +128,7 @@ void print_fused_timeline(megamoe::ExpertParallelLayer& layer, const std::functi
   cudaFree(stamps);
   uint64_t t0 = UINT64_MAX;
   for (int c = 0; c < ctas; ++c) t0 = std::min(t0, t[c * kStamps]);
-  const char* names[kStamps] = {"entry", "layout numbered", "dispatch done", "counts in, work numbered",
-                                "routing done", "GEMM items done", "tokens combined", "end"};
-  std::printf("  fused forward timeline (%d CTAs; us from the first entry): phase, median CTA, last CTA\n", ctas);
+  std::printf("  fused %s timeline (%d CTAs; us from the first entry): phase, median CTA, last CTA\n", what, ctas);
   for (int k = 0; k < kStamps; ++k) {
     std::vector<float> at(ctas);
     for (int c = 0; c < ctas; ++c) at[c] = static_cast<float>(t[c * kStamps + k] - t0) * 1e-3f;
@@ -140,9 +141,15 @@ void print_fused_timeline(megamoe::ExpertParallelLayer& layer, const std::functi
     gemm_end = std::max(gemm_end, t[c * kStamps + 5]);
   }
   const double window_s = static_cast<double>(gemm_end - gemm_begin) * 1e-9;
-  std::printf("  GEMM window %.1f us: %.1f TFLOP/s of GEMM1 + GEMM2 inside the fused kernel\n", window_s * 1e6,
-              window_s > 0 ? gemm_flops / window_s / 1e12 : 0.0);
+  std::printf("  GEMM window %.1f us: %.1f TFLOP/s of the fused %s's two GEMMs inside the kernel\n", window_s * 1e6,
+              window_s > 0 ? gemm_flops / window_s / 1e12 : 0.0, what);
 }
+constexpr const char* kForwardPhases[megamoe::ExpertParallelLayer::kFusedTimelineStamps] = {
+    "entry", "layout numbered", "dispatch done", "counts in, work numbered",
+    "routing done", "GEMM items done", "tokens combined", "end"};
+constexpr const char* kBackwardPhases[megamoe::ExpertParallelLayer::kFusedTimelineStamps] = {
+    "entry", "(the forward's layout)", "d_out dispatched", "offsets, work numbered",
+    "arrivals counted", "dgrad items done", "d_x combined", "end"};
 
 Result run(int64_t H, int64_t I, int iters) {
   megamoe::LayerConfig c;
@@ -153,10 +160,12 @@ Result run(int64_t H, int64_t I, int iters) {
   c.num_ranks = 1;
   c.max_tokens_per_rank = 16384;
   const int64_t T = c.max_tokens_per_rank, K = c.top_k, E = c.num_experts;
-  std::unique_ptr<megamoe::VirtualRankGroup> group, fused_group;
+  std::unique_ptr<megamoe::VirtualRankGroup> group, fused_group, half_group;
   BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, megamoe::LayerOptions{}, &group));
   megamoe::LayerOptions fused_options;
   fused_options.forward_path = megamoe::ForwardPath::kFused;
+  BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &half_group));
+  fused_options.backward_path = megamoe::BackwardPath::kFused;
   BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &fused_group));
   cudaStream_t stream = group->stream(0);
 
@@ -236,7 +245,7 @@ Result run(int64_t H, int64_t I, int iters) {
     return ms;
   };
   // Modular and fused interleaved run for run, so that clock drift falls on both alike.
-  std::vector<float> fwd, total, fused_fwd, fused_total;
+  std::vector<float> fwd, total, fused_fwd, fused_total, half_total;
   for (int it = -3; it < iters; ++it) {
     const int s = (it + 3) % kSets;
     const float f_mod = timed(*group, [&] { forward_on(*group, s); });
@@ -249,7 +258,12 @@ Result run(int64_t H, int64_t I, int iters) {
       forward_on(*fused_group, s);
       backward_on(*fused_group, s);
     });
+    const float t_half = timed(*half_group, [&] {
+      forward_on(*half_group, s);
+      backward_on(*half_group, s);
+    });
     if (it < 0) continue;
+    half_total.push_back(t_half);
     fwd.push_back(f_mod);
     fused_fwd.push_back(f_fus);
     total.push_back(t_mod);
@@ -257,11 +271,23 @@ Result run(int64_t H, int64_t I, int iters) {
   }
   BENCH_CHECK_OK(group->synchronize_and_check());
   BENCH_CHECK_OK(fused_group->synchronize_and_check());
+  BENCH_CHECK_OK(half_group->synchronize_and_check());
   print_fused_timeline(fused_group->layer(0), [&] { forward_on(*fused_group, 0); }, fused_group->stream(0),
-                       c.forward_flops(T * K));
+                       c.forward_flops(T * K), "forward", kForwardPhases);
+  // dgrad1 (H I per row) and dgrad2 (2 H I per row): 6 H I flops per routed row.
+  print_fused_timeline(
+      fused_group->layer(0),
+      [&] {
+        forward_on(*fused_group, 0);
+        backward_on(*fused_group, 0);
+      },
+      fused_group->stream(0), 6.0 * static_cast<double>(T * K) * static_cast<double>(H * I), "backward",
+      kBackwardPhases);
+  BENCH_CHECK_OK(fused_group->synchronize_and_check());
   Result r{H, I, median(fwd), median(total), 0, 0};
   r.fused_forward_ms = median(fused_fwd);
   r.fused_total_ms = median(fused_total);
+  r.fused_forward_modular_backward_ms = median(half_total);
 #if MEGAMOE_BENCH_CUPTI
   print_breakdown(
       [&](int it) {
@@ -274,10 +300,18 @@ Result run(int64_t H, int64_t I, int iters) {
   Result fused_breakdown = r;
   print_breakdown(
       [&](int it) {
+        forward_on(*half_group, it % kSets);
+        backward_on(*half_group, it % kSets);
+      },
+      half_group->stream(0), 10, static_cast<double>(T * K), H, I, &fused_breakdown, 2);
+  BENCH_CHECK_OK(half_group->synchronize_and_check());
+  std::printf("  fused forward + fused backward:\n");
+  print_breakdown(
+      [&](int it) {
         forward_on(*fused_group, it % kSets);
         backward_on(*fused_group, it % kSets);
       },
-      fused_group->stream(0), 10, static_cast<double>(T * K), H, I, &fused_breakdown, 2);
+      fused_group->stream(0), 10, static_cast<double>(T * K), H, I, &fused_breakdown, 4);
   BENCH_CHECK_OK(fused_group->synchronize_and_check());
 #endif
   const double pairs = static_cast<double>(T * K);
@@ -319,6 +353,7 @@ struct RankedLayer {
     c.max_tokens_per_rank = tokens;
     megamoe::LayerOptions o;
     o.forward_path = path;
+    if (path == megamoe::ForwardPath::kFused) o.backward_path = megamoe::BackwardPath::kFused;
     BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, o, &group));
     const int64_t H = c.hidden, I = c.intermediate, K = c.top_k, EL = experts / ranks;
     std::mt19937_64 rng(4321);
@@ -471,19 +506,20 @@ int main(int argc, char** argv) {
   }
   std::printf("fused forward vs modular (interleaved, median of %d):\n", iters);
   std::printf("| layer H, I (bf16) | modular fwd ms | fused fwd ms | TFLOP/s | fused / modular | modular fwd+bwd ms | "
-              "fused fwd+bwd ms | TFLOP/s |\n");
+              "fused fwd + modular bwd ms | fused fwd+bwd ms | TFLOP/s | fused / modular |\n");
   for (const Result& r : results) {
     const double fused_tflops = r.forward_tflops * r.forward_ms / r.fused_forward_ms;
     const double fused_total_tflops = r.total_tflops * r.total_ms / r.fused_total_ms;
-    std::printf("| %lld, %lld | %.3f | %.3f | %.1f | %.3fx | %.3f | %.3f | %.1f |\n",
+    std::printf("| %lld, %lld | %.3f | %.3f | %.1f | %.3fx | %.3f | %.3f | %.3f | %.1f | %.3fx |\n",
                 static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate), r.forward_ms,
-                r.fused_forward_ms, fused_tflops, r.fused_forward_ms / r.forward_ms, r.total_ms, r.fused_total_ms,
-                fused_total_tflops);
+                r.fused_forward_ms, fused_tflops, r.fused_forward_ms / r.forward_ms, r.total_ms,
+                r.fused_forward_modular_backward_ms, r.fused_total_ms, fused_total_tflops,
+                r.fused_total_ms / r.total_ms);
   }
   if (with_ep) {
     std::printf("cost of expert parallelism: Qwen3-30B shape, E=128, top-8; 8 virtual ranks x 2048 tokens vs "
                 "1 rank x 16384 (interleaved, median of %d)\n", iters);
-    std::printf("| forward path | R=1 fwd ms | R=8 fwd ms | ratio | R=1 fwd+bwd ms | R=8 fwd+bwd ms | ratio |\n");
+    std::printf("| paths (fwd and bwd) | R=1 fwd ms | R=8 fwd ms | ratio | R=1 fwd+bwd ms | R=8 fwd+bwd ms | ratio |\n");
     for (auto path : {megamoe::ForwardPath::kModular, megamoe::ForwardPath::kFused}) {
       const EpResult e = run_ep(path, iters);
       std::printf("| %s | %.3f | %.3f | %.2fx | %.3f | %.3f | %.2fx |\n",
@@ -513,10 +549,10 @@ int main(int argc, char** argv) {
                    "%s{\"hidden\": %lld, \"intermediate\": %lld, \"forward_ms\": %.4f, \"total_ms\": %.4f, "
                    "\"forward_tflops\": %.2f, \"total_tflops\": %.2f, \"gemm_kernel_ms\": %.4f, "
                    "\"other_kernel_ms\": %.4f, \"kernels\": %d, \"fused_forward_ms\": %.4f, "
-                   "\"fused_total_ms\": %.4f}",
+                   "\"fused_total_ms\": %.4f, \"fused_forward_modular_backward_ms\": %.4f}",
                    i ? ", " : "", static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate),
                    r.forward_ms, r.total_ms, r.forward_tflops, r.total_tflops, r.gemm_ms, r.other_ms, r.kernels,
-                   r.fused_forward_ms, r.fused_total_ms);
+                   r.fused_forward_ms, r.fused_total_ms, r.fused_forward_modular_backward_ms);
     }
     std::fprintf(f, "]\n");
     std::fclose(f);

@@ -61,7 +61,41 @@ run_suite() {  # name binary
     grep -E '^\[  FAILED|Failure|error' "$out/$name.log" | head -30
   fi
 }
+# A sticky CUDA error (an illegal address, a trap) fails every later test of its process: each failed test
+# runs again alone, so the report separates the test that broke from those that only inherited the error;
+# the first that still fails with a device fault runs once more under compute-sanitizer memcheck.
+isolate_failures() {  # name binary
+  local name=$1 binary=$2 failed t log sanitized=0
+  [ -f "$out/$name.json" ] || return 0
+  failed=$(python3 - "$out/$name.json" <<'PY'
+import json, sys
+for s in json.load(open(sys.argv[1])).get("testsuites", []):
+    for t in s.get("testsuite", []):
+        if t.get("failures"): print(s["name"] + "." + t["name"])
+PY
+)
+  [ -n "$failed" ] || return 0
+  mkdir -p "$out/isolated"
+  note "re-running $(echo "$failed" | wc -l) failed test(s) of $name one per process"
+  for t in $(echo "$failed" | head -"${MEGAMOE_ISOLATE_MAX:-40}"); do
+    log="$out/isolated/$(echo "$t" | tr '/' '_').log"
+    if timeout "${MEGAMOE_ISOLATE_TIMEOUT:-120}" "$binary" --gtest_filter="$t" >"$log" 2>&1; then
+      echo "alone: PASS $t" | tee -a "$out/isolated.txt"
+    else
+      echo "alone: FAIL $t" | tee -a "$out/isolated.txt"
+      grep -E 'Failure|error|Expected|Which is' "$log" | head -8
+      if [ $sanitized -eq 0 ] && grep -qE 'illegal|misaligned|unspecified launch|out of bounds|trap' "$log"; then
+        sanitized=1
+        note "memcheck: $t -> $out/isolated/memcheck.log"
+        timeout 240 compute-sanitizer --tool memcheck --print-limit 20 "$binary" --gtest_filter="$t" \
+          >"$out/isolated/memcheck.log" 2>&1
+        grep -E '=========' "$out/isolated/memcheck.log" | head -30
+      fi
+    fi
+  done
+}
 run_suite gpu_tests "$build_dir/megamoe_gpu_tests"
+isolate_failures gpu_tests "$build_dir/megamoe_gpu_tests"
 run_suite cpu_tests "$build_dir/megamoe_cpu_tests"
 
 if [ $skip_bench -eq 0 ]; then

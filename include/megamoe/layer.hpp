@@ -38,6 +38,12 @@ namespace megamoe {
 // must use the same one.
 enum class ForwardPath : int32_t { kModular = 0, kFused = 1 };
 
+// Which backward a layer runs. kModular: dispatch of d_out, a rank barrier, the two dgrad GEMMs, the weight
+// gradients, a rank barrier, combine. kFused: one persistent kernel per rank for the data path (dispatch of
+// d_out, both dgrad GEMMs gated on the rows as they land, d_x rows home, combine) with the communication
+// overlapped, then the weight-gradient GEMMs. Bitwise the same gradients; every rank must use the same one.
+enum class BackwardPath : int32_t { kModular = 0, kFused = 1 };
+
 struct LayerOptions {
   // Expert-major rows a rank can receive in one call. 0 = num_ranks * max_tokens_per_rank *
   // min(top_k, experts_per_rank): the worst case for tokens whose top-k experts are distinct (every token of
@@ -48,8 +54,10 @@ struct LayerOptions {
   // the wait, and the layer is unusable from then on (every rank's later calls give NaN and report it;
   // once reported, calls are refused): recreate it.
   double wait_timeout_seconds = 20.0;
-  // kFused runs at most 256 local experts per rank and 64 ranks (create() says so otherwise).
+  // kFused (either direction) runs at most 256 local experts per rank and 64 ranks (create() says so
+  // otherwise).
   ForwardPath forward_path = ForwardPath::kModular;
+  BackwardPath backward_path = BackwardPath::kModular;
   // What the forward keeps for the backward. false: h (2I values per routed row), so the backward needs no
   // GEMM1. true: no h; the backward runs GEMM1 once more (a third of the forward's FLOPs) and h shares its
   // buffer with dh, so the layer's workspace is 4I bytes per routed row smaller and the forward writes 4I

@@ -73,10 +73,14 @@ typedef struct megamoe_options {
   double wait_timeout_seconds;
   int32_t forward_path;        /* MEGAMOE_FORWARD_MODULAR or MEGAMOE_FORWARD_FUSED */
   int32_t recompute_h;         /* 0: the forward keeps h for the backward; 1: the backward recomputes it */
+  int32_t backward_path;       /* MEGAMOE_BACKWARD_MODULAR or MEGAMOE_BACKWARD_FUSED */
+  int32_t reserved;            /* 0 */
 } megamoe_options;
 
 #define MEGAMOE_FORWARD_MODULAR 0
 #define MEGAMOE_FORWARD_FUSED 1
+#define MEGAMOE_BACKWARD_MODULAR 0
+#define MEGAMOE_BACKWARD_FUSED 1
 
 /* One rank's forward (shapes in docs/MODEL.md): device pointers, bf16 unless stated. */
 typedef struct megamoe_forward_args {

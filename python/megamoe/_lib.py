@@ -50,7 +50,7 @@ class Config(ctypes.Structure):
     ]
 
 
-FORWARD_MODULAR = 0  # megamoe_options.forward_path (MEGAMOE_FORWARD_*)
+FORWARD_MODULAR = 0  # megamoe_options.forward_path (MEGAMOE_FORWARD_*) and backward_path (MEGAMOE_BACKWARD_*)
 FORWARD_FUSED = 1
 
 
@@ -60,6 +60,8 @@ class Options(ctypes.Structure):
         ("wait_timeout_seconds", ctypes.c_double),
         ("forward_path", ctypes.c_int32),  # 0: modular, 1: fused
         ("recompute_h", ctypes.c_int32),   # 0: the forward keeps h, 1: the backward recomputes it
+        ("backward_path", ctypes.c_int32),  # 0: modular, 1: fused
+        ("reserved", ctypes.c_int32),
     ]
 
 

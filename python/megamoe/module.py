@@ -52,7 +52,8 @@ class MegaMoE(nn.Module):
     (forward and backward) in the same order: see megamoe.ops on collective use.
 
     fused_forward=True runs the forward as one persistent kernel per rank (dispatch, both expert GEMMs and the
-    combine, with the communication overlapped); recompute_h=True keeps no h between forward and backward
+    combine, with the communication overlapped), fused_backward=True the backward's data path likewise (the
+    weight gradients follow as their own GEMMs); recompute_h=True keeps no h between forward and backward
     (the backward runs GEMM1 again). Results are bitwise the same either way (docs/LAYER.md).
 
     main_grad=True: the weight gradients are added to fp32 buffers `w13.main_grad` and `w2.main_grad` (made
@@ -65,14 +66,15 @@ class MegaMoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, max_tokens_per_rank: int,
                  *, virtual_ranks: int = 1, group=None, init_std: float = 0.02, device=None,
                  dtype=torch.bfloat16, main_grad: bool = False, fused_forward: bool = False,
-                 recompute_h: bool = False):
+                 fused_backward: bool = False, recompute_h: bool = False):
         super().__init__()
         if group is not None and virtual_ranks != 1:
             raise ValueError("megamoe: virtual_ranks and group exclude each other (group= runs one rank per process)")
         ranks = virtual_ranks if group is None else group.size()
         self.config = ops.LayerConfig(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
                                       top_k=top_k, num_ranks=ranks, max_tokens_per_rank=max_tokens_per_rank,
-                                      fused_forward=fused_forward, recompute_h=recompute_h)
+                                      fused_forward=fused_forward, recompute_h=recompute_h,
+                                      fused_backward=fused_backward)
         self.config.validate()
         self.group = group
         # The name, taken once: forward then hands the op a string constant (torch.compile never has to

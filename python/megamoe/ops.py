@@ -60,9 +60,9 @@ MegaMoEError = _lib.MegaMoEError
 
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
-    """The layer's shape (the C config) and how it runs (the C options: fused_forward, the fused persistent
-    forward kernel instead of the modular sequence of kernels; recompute_h, the backward recomputes h instead
-    of the forward keeping it). Both paths and both choices compute bitwise the same results."""
+    """The layer's shape (the C config) and how it runs (the C options: fused_forward / fused_backward, the
+    fused persistent kernels instead of the modular sequences of kernels; recompute_h, the backward recomputes
+    h instead of the forward keeping it). Every choice computes bitwise the same results."""
 
     hidden: int
     intermediate: int
@@ -73,6 +73,7 @@ class LayerConfig:
     precision: int = _lib.PRECISION_BF16
     fused_forward: bool = False
     recompute_h: bool = False
+    fused_backward: bool = False
 
     @property
     def experts_per_rank(self) -> int:
@@ -80,7 +81,8 @@ class LayerConfig:
 
     def as_list(self) -> list[int]:
         return [self.hidden, self.intermediate, self.num_experts, self.top_k, self.max_tokens_per_rank,
-                self.num_ranks, self.precision, int(self.fused_forward), int(self.recompute_h)]
+                self.num_ranks, self.precision, int(self.fused_forward), int(self.recompute_h),
+                int(self.fused_backward)]
 
     @classmethod
     def from_list(cls, values) -> "LayerConfig":
@@ -92,6 +94,7 @@ class LayerConfig:
         options = _lib.default_options()
         options.forward_path = _lib.FORWARD_FUSED if self.fused_forward else _lib.FORWARD_MODULAR
         options.recompute_h = int(self.recompute_h)
+        options.backward_path = _lib.FORWARD_FUSED if self.fused_backward else _lib.FORWARD_MODULAR
         return options
 
     def to_c(self) -> _lib.Config:

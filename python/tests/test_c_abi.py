@@ -35,8 +35,8 @@ def test_every_exported_function_has_a_signature():
 def test_struct_sizes_match_the_header():
     # include/megamoe/megamoe.h on LP64 (x86-64, aarch64): checked against the C compiler's offsetof.
     assert ctypes.sizeof(_lib.Config) == 56 and _lib.Config.precision.offset == 48
-    assert ctypes.sizeof(_lib.Options) == 24 and _lib.Options.wait_timeout_seconds.offset == 8
-    assert _lib.Options.forward_path.offset == 16
+    assert ctypes.sizeof(_lib.Options) == 32 and _lib.Options.wait_timeout_seconds.offset == 8
+    assert _lib.Options.forward_path.offset == 16 and _lib.Options.backward_path.offset == 24
     assert ctypes.sizeof(_lib.ForwardArgs) == 64 and _lib.ForwardArgs.topk_weights.offset == 32
     assert ctypes.sizeof(_lib.BackwardArgs) == 48 and _lib.BackwardArgs.accumulate_weight_grads.offset == 40
     assert ctypes.sizeof(_lib.BootstrapId) == _lib.BOOTSTRAP_ID_BYTES == 128
@@ -103,7 +103,7 @@ def test_default_options():
     _library()
     options = _lib.default_options()
     assert options.expert_row_capacity == 0 and options.wait_timeout_seconds > 0
-    assert options.forward_path == 0 and options.recompute_h == 0  # modular, h kept
+    assert options.forward_path == 0 and options.recompute_h == 0 and options.backward_path == 0
 
 
 def test_group_lifetime():

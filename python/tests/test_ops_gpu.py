@@ -156,14 +156,15 @@ def test_main_grads_accumulate_micro_batches(ranks):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_fused_forward_and_recomputed_h_give_the_same_bits(ranks):
-    """The module's forward and every gradient, bitwise the same with the fused forward kernel and with h
-    recomputed in the backward as with the modular forward keeping h."""
+def test_fused_kernels_and_recomputed_h_give_the_same_bits(ranks):
+    """The module's forward and every gradient, bitwise the same with the fused forward kernel, the fused
+    backward, and h recomputed in the backward as with the modular path keeping h."""
     results = []
-    for fused, recompute in ((False, False), (True, False), (False, True), (True, True)):
+    for fused, fused_bwd, recompute in ((False, False, False), (True, False, False), (False, True, False),
+                                        (False, False, True), (True, True, True)):
         torch.manual_seed(4)
         model = megamoe.MegaMoE(H, I, E, K, MAX_TOKENS, virtual_ranks=ranks, device="cuda", fused_forward=fused,
-                                recompute_h=recompute)
+                                fused_backward=fused_bwd, recompute_h=recompute)
         x, idx, w, _, _, d_out = make(1, [150 * ranks], "masked", seed=6)
         x0, w0 = x[0].requires_grad_(), w[0].requires_grad_()
         out = model(x0, idx[0], w0)

@@ -286,7 +286,7 @@ def test_bad_main_grads_are_refused(backend, change, error, match):
 
 def test_the_config_carries_how_the_layer_runs():
     cfg = ops.LayerConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16,
-                          num_ranks=2, fused_forward=True, recompute_h=True)
+                          num_ranks=2, fused_forward=True, recompute_h=True, fused_backward=True)
     assert ops.LayerConfig.from_list(cfg.as_list()) == cfg
     plain = ops.LayerConfig(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
     assert ops.LayerConfig.from_list(plain.as_list()) == plain and plain != cfg
@@ -294,16 +294,18 @@ def test_the_config_carries_how_the_layer_runs():
         options = cfg.options_c()
     except ImportError as e:  # the library is needed for its defaults
         pytest.skip(str(e))
-    assert options.forward_path == 1 and options.recompute_h == 1 and options.wait_timeout_seconds > 0
+    assert options.forward_path == 1 and options.recompute_h == 1 and options.backward_path == 1
+    assert options.wait_timeout_seconds > 0
     assert plain.options_c().forward_path == 0 and plain.options_c().recompute_h == 0
+    assert plain.options_c().backward_path == 0
 
 
 def test_module_options_reach_its_config():
     from megamoe import MegaMoE
 
     module = MegaMoE(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16,
-                     virtual_ranks=2, device="cpu", fused_forward=True, recompute_h=True)
-    assert module.config.fused_forward and module.config.recompute_h
+                     virtual_ranks=2, device="cpu", fused_forward=True, recompute_h=True, fused_backward=True)
+    assert module.config.fused_forward and module.config.recompute_h and module.config.fused_backward
 
 
 def test_opcheck_all_experts(backend):

@@ -72,7 +72,7 @@ struct WorkspaceLayout {
                                //               it with dh in place
   int64_t a = 0;               // bf16 [C, I]   forward: a; backward: w * a (recomputed from h) for d_w2
   int64_t dh = 0;              // bf16 [C, 2I]  (== h with recompute_h)
-  // fused forward (kernels/fused_forward_kernel.cuh): counters that are 0 between calls
+  // fused kernels (kernels/fused_roles.cuh): counters that are 0 between calls
   int64_t grid_arrivals = 0;   // uint32: grid barrier of the rank's persistent kernel (device/comm/grid_barrier.cuh)
   int64_t grid_exits = 0;      // uint32
   int64_t counts_arrived = 0;  // uint32: sources whose counts have reached this rank's recv_counts
@@ -80,7 +80,7 @@ struct WorkspaceLayout {
   int64_t rows_ready = 0;      // uint32 [row blocks]: rows routed per 128-row block of the expert-major rows
   int64_t act_ready = 0;       // uint32 [row blocks]: GEMM1 warpgroup slices whose a is stored, per block
   int64_t token_done = 0;      // uint32 [T]: y rows stored home per token (one per slot and GEMM2 n-tile)
-  int64_t row_signal = 0;      // pointer [C]: the row's token_done counter on its source rank
+  int64_t row_signal = 0;      // pointer [C]: the row's token_done counter on its source rank (route_rows)
   int64_t fused_work = 0;      // int32: work-item counter of the fused forward's GEMMs (dynamic schedule)
   int64_t total = 0;
 

@@ -217,6 +217,7 @@ Status ProcessRankGroup::create(const LayerConfig& config, const LayerOptions& o
                                    : comm::RankFingerprint::failed(config, rank, local);
   mine.fingerprint.forward_path = static_cast<int64_t>(options.forward_path);
   mine.fingerprint.recompute_h = options.recompute_h ? 1 : 0;
+  mine.fingerprint.backward_path = static_cast<int64_t>(options.backward_path);
   std::vector<Introduction> all;
   MEGAMOE_RETURN_IF_ERROR(exchange(*m.comm, mine, R, m.stream, "exchanging configurations", &all));
   std::vector<comm::RankFingerprint> fingerprints;

@@ -76,6 +76,7 @@ Status agree_on_layout(const std::vector<RankFingerprint>& ranks) {
       {"workspace_bytes", &RankFingerprint::workspace_bytes},
       {"forward_path", &RankFingerprint::forward_path},
       {"recompute_h", &RankFingerprint::recompute_h},
+      {"backward_path", &RankFingerprint::backward_path},
   };
   for (const Field& field : kFields)
     for (size_t r = 1; r < ranks.size(); ++r)

@@ -34,6 +34,7 @@ struct RankFingerprint {
   int64_t workspace_bytes = 0;
   int64_t forward_path = 0;         // LayerOptions::forward_path: the ranks' kernels meet at different counters
   int64_t recompute_h = 0;          // LayerOptions::recompute_h: h and dh share a buffer or not
+  int64_t backward_path = 0;        // LayerOptions::backward_path: the ranks' kernels meet at different counters
   char setup_message[kMessageBytes] = {};  // why setup failed, truncated
 
   static RankFingerprint ready(const LayerConfig& config, int rank, int64_t expert_row_capacity,

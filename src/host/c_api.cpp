@@ -113,6 +113,7 @@ megamoe::LayerOptions to_options(const megamoe_options* in) {
     options.wait_timeout_seconds = in->wait_timeout_seconds;
     options.forward_path = static_cast<megamoe::ForwardPath>(in->forward_path);
     options.recompute_h = in->recompute_h != 0;
+    options.backward_path = static_cast<megamoe::BackwardPath>(in->backward_path);
   }
   return options;
 }
@@ -355,6 +356,8 @@ int32_t megamoe_default_options(megamoe_options* options) {
     options->wait_timeout_seconds = 20.0;
     options->forward_path = MEGAMOE_FORWARD_MODULAR;
     options->recompute_h = 0;
+    options->backward_path = MEGAMOE_BACKWARD_MODULAR;
+    options->reserved = 0;
     return Status::ok();
   });
 }

@@ -67,6 +67,9 @@ Status validate(const LayerOptions& options) {
   if (options.forward_path != ForwardPath::kModular && options.forward_path != ForwardPath::kFused)
     return Status::invalid("forward_path must be kModular (0) or kFused (1), got " +
                            std::to_string(static_cast<int>(options.forward_path)));
+  if (options.backward_path != BackwardPath::kModular && options.backward_path != BackwardPath::kFused)
+    return Status::invalid("backward_path must be kModular (0) or kFused (1), got " +
+                           std::to_string(static_cast<int>(options.backward_path)));
   // A finite, bounded range: inf or huge values would overflow the nanosecond count into an instant timeout.
   if (!(options.wait_timeout_seconds >= kMinWaitTimeoutSeconds && options.wait_timeout_seconds <= kMaxWaitTimeoutSeconds))
     return Status::invalid("wait_timeout_seconds must be in [" + std::to_string(kMinWaitTimeoutSeconds) + ", " +
@@ -198,6 +201,7 @@ struct ExpertParallelLayer::Impl {
   Status gemm1_swiglu(const ep::Params& p, const __nv_bfloat16* w13, bool keep_h) const;
   // dgrad GEMMs with the SwiGLU backward and d_topk_weights, d_x rows home, weight-gradient GEMMs.
   Status expert_mlp_backward(const ep::Params& p, const BackwardArgs& args) const;
+  Status weight_gradients(const ep::Params& p, const BackwardArgs& args) const;
 };
 
 Status ExpertParallelLayer::Impl::gemm1_swiglu(const ep::Params& p, const __nv_bfloat16* w13, bool keep_h) const {
@@ -238,10 +242,6 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward(const ep::Params& p, const
   auto* recv_dout = buffer<__nv_bfloat16>(p.layout.recv_dout);
   auto* a = buffer<__nv_bfloat16>(p.layout.a);
   auto* dh = buffer<__nv_bfloat16>(p.layout.dh);
-  // h was not kept: GEMM1 once more, on the forward's rows and weights (bitwise the forward's h). The SwiGLU
-  // backward then overwrites it with dh in place: each tile reads the h boxes of its own rows and columns
-  // (streamed through its pipeline) before it stores dh there, and no other tile reads them.
-  if (p.shape.recompute_h != 0) MEGAMOE_RETURN_IF_ERROR(gemm1_swiglu(p, forward_w13, true));
   kernels::GemmEpilogue grad;
   grad.activation = kernels::GemmActivation::kSwiGLUBackward;
   grad.row_scale = buffer<float>(p.layout.row_weight);
@@ -258,6 +258,18 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward(const ep::Params& p, const
   MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_nn(dh, forward_w13, buffer<__nv_bfloat16>(p.layout.combine),
                                                    expert_offsets(), EL, C, static_cast<int>(H), static_cast<int>(2 * I),
                                                    home, stream, gemm_tuning()));
+  return weight_gradients(p, args);
+}
+
+// dW2 = d_out^T (w * a) and dW13 = dh^T x (fp32, rows gathered where they come from a receive buffer), after
+// the dgrad GEMMs wrote w * a and dh.
+Status ExpertParallelLayer::Impl::weight_gradients(const ep::Params& p, const BackwardArgs& args) const {
+  const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
+  const int EL = static_cast<int>(config.experts_per_rank());
+  cudaStream_t stream = placement.stream;
+  auto* recv_dout = buffer<__nv_bfloat16>(p.layout.recv_dout);
+  auto* a = buffer<__nv_bfloat16>(p.layout.a);
+  auto* dh = buffer<__nv_bfloat16>(p.layout.dh);
   MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_tn(recv_dout, a, args.d_w2, expert_offsets(), EL, C,
                                                    static_cast<int>(H), static_cast<int>(I),
                                                    args.accumulate_weight_grads, stream, weight_grad_tuning(),
@@ -320,7 +332,7 @@ Status ExpertParallelLayer::create(const LayerConfig& config, const LayerOptions
     return Status::invalid("rank must be in [0, num_ranks), got " + std::to_string(placement.rank));
   if (placement.workspace == nullptr || placement.peer_workspaces_device == nullptr)
     return Status::invalid("placement needs the rank's workspace and the device table of peer workspaces");
-  if (options.forward_path == ForwardPath::kFused)
+  if (options.forward_path == ForwardPath::kFused || options.backward_path == BackwardPath::kFused)
     MEGAMOE_RETURN_IF_ERROR(ep::check_fused_forward_shape(make_shape(config, placement.rank, capacity)));
   MEGAMOE_RETURN_IF_ERROR(ep::preload_kernels());
   auto impl = std::make_unique<Impl>();
@@ -421,7 +433,27 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
   p.num_tokens = m.forward_tokens;
   // The forward's error was reported and cleared already: this backward's outputs must still be NaN.
   if (m.forward_failed) MEGAMOE_RETURN_IF_ERROR(ep::launch_record_forward_failed(p, stream));
+  // h was not kept: GEMM1 once more, on the forward's rows and weights (bitwise the forward's h). The SwiGLU
+  // backward then overwrites it with dh in place: each tile reads the h boxes of its own rows and columns
+  // (streamed through its pipeline) before it stores dh there; a partial tile's boxes also read the next
+  // expert's first rows, which may already be dh there, but those rows are never stored from it.
+  if (p.shape.recompute_h != 0) MEGAMOE_RETURN_IF_ERROR(m.gemm1_swiglu(p, m.forward_w13, true));
+  const int64_t EL = m.config.experts_per_rank(), H = m.config.hidden, I = m.config.intermediate;
 
+  if (m.options.backward_path == BackwardPath::kFused) {
+    ep::FusedBackwardArgs fused;
+    fused.d_out = args.d_out;
+    fused.w13 = m.forward_w13;
+    fused.w2 = m.forward_w2;
+    fused.d_x = args.d_x;
+    fused.d_topk_weights = args.d_topk_weights;
+    fused.timeline = m.fused_timeline;
+    MEGAMOE_RETURN_IF_ERROR(ep::launch_fused_backward(p, fused, m.max_blocks, stream));
+    MEGAMOE_RETURN_IF_ERROR(m.weight_gradients(p, args));
+    // The weight gradients were written by the GEMMs: a failed call turns them into NaN too (every rank's
+    // error of the call is in this rank's record since the fused kernel's last rank barrier).
+    return ep::launch_nan_if_failed(p, args.d_w13, EL * 2 * I * H, args.d_w2, EL * H * I, stream, m.max_blocks);
+  }
   MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch(p, args.d_out, nullptr, false, nullptr, stream, m.max_blocks));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradDispatched, stream));
 
@@ -429,7 +461,6 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradCombined, stream));
   // The weight gradients were written by the GEMMs: a failed call turns them into NaN too.
-  const int64_t EL = m.config.experts_per_rank(), H = m.config.hidden, I = m.config.intermediate;
   MEGAMOE_RETURN_IF_ERROR(
       ep::launch_nan_if_failed(p, args.d_w13, EL * 2 * I * H, args.d_w2, EL * H * I, stream, m.max_blocks));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_backward(p, args.d_x, args.d_topk_weights, stream, m.max_blocks));

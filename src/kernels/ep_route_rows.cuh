@@ -3,7 +3,8 @@
 // so the order, and the weight-gradient summation order that follows it, never depends on timing. For each
 // row it records where its input lies in the receive buffer (row_src, read by the GEMMs' gathering loads),
 // its routing weight, and where its results go on the source rank (its combine row and its d_topk_weights
-// partials, written straight there by the GEMM epilogues). Used by the modular route_rows kernel
+// partials, written straight there by the GEMM epilogues, and the token's counter that the fused kernels
+// count the row's arrival on). Used by the modular route_rows kernel
 // (ep_route_rows.cu) and by the fused forward's route role, which routes each source's rows as they land.
 #pragma once
 
@@ -143,6 +144,7 @@ __device__ __forceinline__ bool route_item(const Params& p, const RouteTables& t
     at<float>(p.local, p.layout.row_weight)[row] = recv_weights[item * K + j];
     at<void*>(p.local, p.layout.row_dest)[row] = at<__nv_bfloat16>(p.peers[src], p.layout.combine) + pair * s.hidden;
     at<float*>(p.local, p.layout.row_dot_dest)[row] = at<float>(p.peers[src], p.layout.slot_dots) + pair * s.dot_parts;
+    at<uint32_t*>(p.local, p.layout.row_signal)[row] = at<uint32_t>(p.peers[src], p.layout.token_done) + token;
     on_row(row, route.local_expert, token, j);
   }
   return ok;

@@ -1,5 +1,6 @@
-// Host side of the fused forward: shape checks, tensor maps of the two GEMMs, the kernel's parameters and
-// its launch (one CTA per SM of the rank's share; the first comm_ctas of them dispatch and route first).
+// Host side of the fused kernels: shape checks, tensor maps of their two GEMMs, the kernels' parameters and
+// their cooperative launches (one CTA per SM of the rank's share; the first comm_ctas of them dispatch and
+// route, or count arrivals, first).
 #include <algorithm>
 #include <string>
 
@@ -7,6 +8,7 @@
 #include "kernels/cuda_check.hpp"
 #include "kernels/ep_layout.cuh"
 #include "kernels/ep_route_rows.cuh"
+#include "kernels/fused_backward_kernel.cuh"
 #include "kernels/fused_forward.hpp"
 #include "kernels/fused_forward_kernel.cuh"
 
@@ -28,11 +30,31 @@ Status map_rows(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, 
   return make_bf16_tensor_map(map, base, 2, dims, box);
 }
 
-// Expert weights [E_local, rows, cols] in panels of BN / 2 rows x 64 columns.
-Status map_panels(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, int64_t experts) {
+// Expert weights [E_local, rows, cols] in boxes of box_rows rows x 64 columns: K-major panels of BN / 2 rows
+// (the forward's B), or 64 x 64 boxes of an N-major B (the backward's, whose rows are the reduction).
+Status map_experts(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, int64_t experts, uint32_t box_rows) {
   const uint64_t dims[3] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows), static_cast<uint64_t>(experts)};
-  const uint32_t box[3] = {64, static_cast<uint32_t>(kBN / 2), 1};
+  const uint32_t box[3] = {64, box_rows, 1};
   return make_bf16_tensor_map(map, base, 3, dims, box);
+}
+
+// A cooperative launch: the CTAs wait on each other (grid barriers, readiness counters), so either all of them
+// are resident at once or the launch fails with an error, instead of spinning until the timeout.
+template <class Kernel, class... Args>
+Status launch_cooperative(Kernel kernel, int ctas, int smem, cudaStream_t stream, const Args&... args) {
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.gridDim = dim3(ctas, 1, 1);
+  cfg.blockDim = dim3(kernels::kFusedThreads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, args...));
+  return Status::ok();
 }
 
 }  // namespace
@@ -64,8 +86,8 @@ Status launch_fused_forward(const Params& p, const FusedForwardArgs& a, int max_
   auto* h = reinterpret_cast<__nv_bfloat16*>(w + p.layout.h);
 
   CUtensorMap tm_w13{}, tm_a_load{}, tm_w2{}, tm_a_store{}, tm_h_store{};
-  MEGAMOE_RETURN_IF_ERROR(map_panels(&tm_w13, a.w13, H, 2 * I, EL));
-  MEGAMOE_RETURN_IF_ERROR(map_panels(&tm_w2, a.w2, I, H, EL));
+  MEGAMOE_RETURN_IF_ERROR(map_experts(&tm_w13, a.w13, H, 2 * I, EL, kBN / 2));
+  MEGAMOE_RETURN_IF_ERROR(map_experts(&tm_w2, a.w2, I, H, EL, kBN / 2));
   MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_a_load, act, I, C, kBM));
   MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_a_store, act, I, C, 64));
   MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_h_store, h, 2 * I, C, 64));
@@ -104,28 +126,76 @@ Status launch_fused_forward(const Params& p, const FusedForwardArgs& a, int max_
   k.gemm2_epi.c_cols = static_cast<int>(H);
   k.gemm2_epi.aux_cols = static_cast<int>(H);
 
-  // A cooperative launch: the CTAs wait on each other (grid barriers, readiness counters), so either all of
-  // them are resident at once or the launch fails with an error, instead of spinning until the timeout.
   const int smem = FusedForwardConfig::kSmemBytes;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.gridDim = dim3(ctas, 1, 1);
-  cfg.blockDim = dim3(kernels::kFusedThreads, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  auto launch_typed = [&](auto kernel) -> Status {
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    MEGAMOE_CUDA_RETURN_IF_ERROR(
-        cudaLaunchKernelEx(&cfg, kernel, tm_w13, tm_a_load, tm_w2, tm_a_store, tm_h_store, k));
-    return Status::ok();
-  };
-  MEGAMOE_RETURN_IF_ERROR(a.idx_is_int64 ? launch_typed(kernels::fused_forward_kernel<int64_t>)
-                                         : launch_typed(kernels::fused_forward_kernel<int32_t>));
+  MEGAMOE_RETURN_IF_ERROR(a.idx_is_int64 ? launch_cooperative(kernels::fused_forward_kernel<int64_t>, ctas, smem,
+                                                              stream, tm_w13, tm_a_load, tm_w2, tm_a_store,
+                                                              tm_h_store, k)
+                                         : launch_cooperative(kernels::fused_forward_kernel<int32_t>, ctas, smem,
+                                                              stream, tm_w13, tm_a_load, tm_w2, tm_a_store,
+                                                              tm_h_store, k));
   MEGAMOE_CHECK_LAUNCH(stream, "fused_forward_kernel");
+  return Status::ok();
+}
+
+Status launch_fused_backward(const Params& p, const FusedBackwardArgs& a, int max_blocks, cudaStream_t stream) {
+  using kernels::FusedBackwardConfig;
+  using kernels::FusedBackwardParams;
+  const Shape& s = p.shape;
+  MEGAMOE_RETURN_IF_ERROR(check_fused_forward_shape(s));
+  const int64_t H = s.hidden, I = s.intermediate, EL = s.experts_per_rank, C = s.row_capacity;
+  const int64_t source_rows = static_cast<int64_t>(s.num_ranks) * s.max_tokens;
+  char* w = p.local;
+  auto* recv_dout = reinterpret_cast<__nv_bfloat16*>(w + p.layout.recv_dout);
+  auto* act = reinterpret_cast<__nv_bfloat16*>(w + p.layout.a);
+  auto* h = reinterpret_cast<__nv_bfloat16*>(w + p.layout.h);
+  auto* dh = reinterpret_cast<__nv_bfloat16*>(w + p.layout.dh);
+
+  // dgrad1: da = d_out W2 with W2 [E, H, I] read N-major (64 x 64 boxes); h [C, 2I] in boxes of 128 rows for
+  // the epilogue; dh [C, 2I] and w * a [C, I] stored in 64 x 64 boxes. dgrad2: dx = dh W13 with dh in boxes of
+  // 128 rows and W13 [E, 2I, H] N-major.
+  CUtensorMap tm_w2{}, tm_h{}, tm_dh_store{}, tm_wa_store{}, tm_dh_load{}, tm_w13{};
+  MEGAMOE_RETURN_IF_ERROR(map_experts(&tm_w2, a.w2, I, H, EL, 64));
+  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_h, h, 2 * I, C, kBM));
+  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_dh_store, dh, 2 * I, C, 64));
+  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_wa_store, act, I, C, 64));
+  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_dh_load, dh, 2 * I, C, kBM));
+  MEGAMOE_RETURN_IF_ERROR(map_experts(&tm_w13, a.w13, H, 2 * I, EL, 64));
+
+  FusedBackwardParams k{};
+  k.layer = p;
+  k.d_out = a.d_out;
+  k.d_x = a.d_x;
+  k.d_topk_weights = a.d_topk_weights;
+  k.timeline = a.timeline;
+  const int ctas = std::max(1, max_blocks);
+  k.comm_ctas = comm_ctas_for(ctas);
+  k.wave_lag = 1;
+  k.n_tiles[0] = static_cast<int>((I + kBN - 1) / kBN);
+  k.n_tiles[1] = static_cast<int>((H + kBN - 1) / kBN);
+  k.k_tiles[0] = static_cast<int>((H + kBK - 1) / kBK);
+  k.k_tiles[1] = static_cast<int>((2 * I + kBK - 1) / kBK);
+  // The partials of d_topk_weights per row are dgrad1's n-tiles (the layer sized slot_dots for them).
+  if (k.n_tiles[0] != s.dot_parts)
+    return Status(StatusCode::kInternal, "fused backward: dgrad1 has " + std::to_string(k.n_tiles[0]) +
+                                             " n-tiles but the workspace holds " + std::to_string(s.dot_parts) +
+                                             " routing-gradient partials per slot");
+  k.dgrad1_src.a = device::GatherOperand{recv_dout, H, reinterpret_cast<const int32_t*>(w + p.layout.row_src),
+                                         static_cast<int>(source_rows), static_cast<int>(H)};
+  k.dgrad1_epi.c = device::OutputRows{dh, 2 * I, nullptr, nullptr};
+  k.dgrad1_epi.aux = device::OutputRows{act, I, nullptr, nullptr};
+  k.dgrad1_epi.c_cols = static_cast<int>(2 * I);
+  k.dgrad1_epi.aux_cols = static_cast<int>(I);
+  k.dgrad1_epi.row_scale = reinterpret_cast<const float*>(w + p.layout.row_weight);
+  k.dgrad1_epi.up_offset = static_cast<int>(I);
+  k.dgrad1_epi.dot_rows = reinterpret_cast<float* const*>(w + p.layout.row_dot_dest);
+  k.dgrad2_epi.c = device::OutputRows{nullptr, H, nullptr, reinterpret_cast<void* const*>(w + p.layout.row_dest)};
+  k.dgrad2_epi.aux = device::OutputRows{nullptr, H, nullptr, nullptr};
+  k.dgrad2_epi.c_cols = static_cast<int>(H);
+  k.dgrad2_epi.aux_cols = static_cast<int>(H);
+
+  MEGAMOE_RETURN_IF_ERROR(launch_cooperative(kernels::fused_backward_kernel, ctas, FusedBackwardConfig::kSmemBytes,
+                                             stream, tm_w2, tm_h, tm_dh_store, tm_wa_store, tm_dh_load, tm_w13, k));
+  MEGAMOE_CHECK_LAUNCH(stream, "fused_backward_kernel");
   return Status::ok();
 }
 
@@ -133,6 +203,7 @@ Status load_fused_forward_kernels() {
   cudaFuncAttributes attributes{};
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernels::fused_forward_kernel<int64_t>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernels::fused_forward_kernel<int32_t>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernels::fused_backward_kernel));
   return Status::ok();
 }
 

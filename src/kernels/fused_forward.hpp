@@ -1,6 +1,8 @@
-// The fused forward's launcher (fused_forward_kernel.cuh): one persistent kernel per rank that does what the
-// modular forward's kernels do (layout, dispatch, route_rows, GEMM1 + SwiGLU, GEMM2, combine, its barrier)
-// and leaves the workspace as they do. Asynchronous on `stream`, no host synchronisation.
+// The fused kernels' launchers (fused_forward_kernel.cuh, fused_backward_kernel.cuh): one persistent kernel per
+// rank that does what the modular forward's kernels do (layout, dispatch, route_rows, GEMM1 + SwiGLU, GEMM2,
+// combine, its barrier) and leaves the workspace as they do; and one that does the modular backward's data
+// path (dispatch of d_out, both dgrad GEMMs, combine, its barrier). Asynchronous on `stream`, no host
+// synchronisation.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,12 +37,26 @@ struct FusedForwardArgs {
   uint64_t* timeline = nullptr;  // diagnostics (ExpertParallelLayer::set_fused_timeline)
 };
 
+struct FusedBackwardArgs {
+  const __nv_bfloat16* d_out = nullptr;
+  const __nv_bfloat16* w13 = nullptr;  // the forward's weights
+  const __nv_bfloat16* w2 = nullptr;
+  __nv_bfloat16* d_x = nullptr;
+  float* d_topk_weights = nullptr;
+  uint64_t* timeline = nullptr;  // diagnostics (ExpertParallelLayer::set_fused_timeline)
+};
+
 // Whether the fused forward runs this shape (local experts, ranks, the layout's and routing's shared-memory
 // tables); the message names the limit otherwise.
 Status check_fused_forward_shape(const Shape& s);
 
 // max_blocks: the rank's SMs (one CTA each, all resident: virtual ranks share a GPU).
 Status launch_fused_forward(const Params& p, const FusedForwardArgs& args, int max_blocks, cudaStream_t stream);
+
+// The fused backward's data path (fused_backward_kernel.cuh): d_out dispatched, both dgrad GEMMs, d_x and
+// d_topk_weights combined, the rank barrier; the forward's routing and h must be in the workspace. The same
+// shapes as the fused forward (check_fused_forward_shape).
+Status launch_fused_backward(const Params& p, const FusedBackwardArgs& args, int max_blocks, cudaStream_t stream);
 
 Status load_fused_forward_kernels();
 

@@ -123,7 +123,6 @@ __device__ inline void route_role(const FusedForwardParams& p, const ep::RouteTa
   const ep::Params& L = p.layer;
   const ep::Shape& s = L.shape;
   uint32_t* rows_ready = ep::at<uint32_t>(L.local, L.layout.rows_ready);
-  uint32_t** row_signal = ep::at<uint32_t*>(L.local, L.layout.row_signal);
   for (int i = 0; i < s.num_ranks; ++i) {
     const int src = (s.rank + i) % s.num_ranks;
     const int32_t tokens = source_rows_landed(L, src, cta, shared);
@@ -132,8 +131,7 @@ __device__ inline void route_role(const FusedForwardParams& p, const ep::RouteTa
     for (int64_t slot = static_cast<int64_t>(cta) * kFusedThreads + threadIdx.x; slot < tokens;
          slot += static_cast<int64_t>(p.comm_ctas) * kFusedThreads) {
       ok &= ep::route_item(L, t, static_cast<int64_t>(src) * s.max_tokens + slot,
-                           [&](int64_t row, int e, int64_t token, int) {
-                             row_signal[row] = ep::at<uint32_t>(L.peers[src], L.layout.token_done) + token;
+                           [&](int64_t row, int e, int64_t, int) {
                              // Release: the row's tables (and, through this CTA's acquire above, its landed x
                              // row) before the count.
                              device::signal_add<device::Scope::kGpu>(
@@ -302,9 +300,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   // A count out of range that a peer wrote breaks the group (its rows can never be counted as ready).
   if (!ep::route_offsets(L, tables, cta == 0, cta == 0) && cta == 0 && tid == 0)
     ep::break_group(L, ep::kErrorPeerIndex, -1, 0, ep::kPeerCount);
-  const typename Cfg::Waves waves{&smem.waves, s.experts_per_rank, {p.n_tiles[0], p.n_tiles[1]},
-                                  {p.k_tiles[0], p.k_tiles[1]}, p.wave_lag};
-  waves.build(tables.offsets, tid, kFusedThreads);
+  const typename Cfg::Waves waves{&smem.waves};
+  waves.build(tables.offsets, s.experts_per_rank, p.n_tiles[0], p.n_tiles[1], p.k_tiles[0], p.k_tiles[1], p.wave_lag,
+              tid, kFusedThreads);
   stamp(p.timeline, ep::kStampCounts);
 
   // 4. route

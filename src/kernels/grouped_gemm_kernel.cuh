@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "device/epilogue/box_store.cuh"
+#include "device/epilogue/epilogue_stages.cuh"
 #include "device/epilogue/epilogues.cuh"
 #include "device/gemm/mainloop.cuh"
 #include "device/gemm/operands.cuh"
@@ -109,26 +110,6 @@ __device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUte
   }
 }
 
-// The consumer side of the epilogue inputs the producer streams through the ring (epilogue_swiglu_grad).
-template <class Shape>
-struct EpilogueStages {
-  const device::StagePipeline<Shape::kStages>& pipe;
-  device::PipeState<Shape::kStages>& st;
-  uint8_t* stages;
-  int bar_id, lt;
-  uint32_t rank;
-
-  __device__ __forceinline__ const uint8_t* acquire() const {
-    pipe.consumer_wait(st);
-    return stages + st.index * Shape::kStageBytes;
-  }
-  __device__ __forceinline__ void release() const {
-    device::named_barrier_sync(bar_id, 128);  // every thread of the warpgroup has read the stage
-    pipe.template consumer_release<Shape::kCluster>(st, lt, rank);
-    st.advance();
-  }
-};
-
 template <class Cfg>
 __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUtensorMap* tm_aux,
                                              const GemmKernelParams& p, typename Cfg::SharedStorage& smem,
@@ -164,7 +145,7 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
       if constexpr (Cfg::kAct == GemmActivation::kSwiGLU) {
         device::epilogue_swiglu<kBN>(acc, p.epi, s, tm_c, tm_aux, store);
       } else if constexpr (Cfg::kAct == GemmActivation::kSwiGLUBackward) {
-        EpilogueStages<Shape> hstages{pipe, st, smem.stages[0], 2 + cwg, lt, static_cast<uint32_t>(rank)};
+        device::EpilogueStages<Shape> hstages{pipe, st, smem.stages[0], 2 + cwg, lt, static_cast<uint32_t>(rank)};
         device::epilogue_swiglu_grad<kBN>(acc, p.epi, s, cwg, tm_c, tm_aux, store, hstages);
       } else {
         device::epilogue_plain<kBN>(acc, p.epi, s, tm_c, store);

@@ -90,13 +90,16 @@ TEST(CApiTest, DefaultOptionsMatchTheLibrary) {
   o.expert_row_capacity = 5;
   o.forward_path = MEGAMOE_FORWARD_FUSED;
   o.recompute_h = 1;
+  o.backward_path = MEGAMOE_BACKWARD_FUSED;
   ASSERT_EQ(megamoe_default_options(&o), MEGAMOE_OK);
   EXPECT_EQ(o.expert_row_capacity, 0);
   EXPECT_EQ(o.wait_timeout_seconds, 20.0);
   EXPECT_EQ(o.forward_path, MEGAMOE_FORWARD_MODULAR);
   EXPECT_EQ(o.recompute_h, 0);
+  EXPECT_EQ(o.backward_path, MEGAMOE_BACKWARD_MODULAR);
   EXPECT_EQ(offsetof(megamoe_options, forward_path), 16u);
-  EXPECT_EQ(sizeof(megamoe_options), 24u);
+  EXPECT_EQ(offsetof(megamoe_options, backward_path), 24u);
+  EXPECT_EQ(sizeof(megamoe_options), 32u);
 }
 
 TEST(CApiTest, CreateWithInvalidConfigFailsBeforeTouchingTheGpu) {

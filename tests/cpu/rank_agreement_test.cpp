@@ -50,6 +50,7 @@ TEST(RankAgreementTest, EachFieldThatDiffersIsNamedWithBothValues) {
       {"num_ranks", [](RankFingerprint& f) { f.num_ranks = 8; }, "4", "8"},
       {"forward_path", [](RankFingerprint& f) { f.forward_path = 1; }, "0", "1"},
       {"recompute_h", [](RankFingerprint& f) { f.recompute_h = 1; }, "0", "1"},
+      {"backward_path", [](RankFingerprint& f) { f.backward_path = 1; }, "0", "1"},
   };
   for (const Case& c : cases) {
     std::vector<RankFingerprint> all = agreeing(4);

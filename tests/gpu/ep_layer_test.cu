@@ -207,6 +207,11 @@ LayerOptions with_forward(ForwardPath path) {
   o.forward_path = path;
   return o;
 }
+LayerOptions with_paths(ForwardPath forward, BackwardPath backward) {
+  LayerOptions o = with_forward(forward);
+  o.backward_path = backward;
+  return o;
+}
 
 TEST_P(EpLayerTest, MatchesReferenceAndIsDeterministic) {
   MEGAMOE_SKIP_WITHOUT_GPU();
@@ -262,17 +267,24 @@ TEST_P(EpLayerTest, MatchesReferenceAndIsDeterministic) {
   std::printf("[ scenario ] %s: worst relative error %.3e over out, d_x, d_topk_weights, d_w13, d_w2\n",
               sc.name.c_str(), worst);
 
-  // The fused forward on the same inputs: its output bitwise the modular forward's, and the (modular)
-  // backward after it bitwise the same, so it leaves the state the backward reads exactly as the modular
-  // forward does; a second call (repetitions = 2) checks that its counters are clean after a call.
+  // The fused kernels on the same inputs, each against the modular path: the fused forward's output bitwise
+  // the modular forward's, and the modular backward after it bitwise the same (so it leaves the state the
+  // backward reads exactly as the modular forward does); the fused backward after the modular forward
+  // bitwise the modular backward's gradients, and both fused kernels together the same. A second call
+  // (repetitions = 2) checks that the counters are clean after a call.
   group.reset();
-  std::unique_ptr<VirtualRankGroup> fused_group;
-  const Status made = VirtualRankGroup::create(p.config, with_forward(ForwardPath::kFused), &fused_group);
-  ASSERT_TRUE(made.is_ok()) << made.to_string();
-  Outputs fused;
-  run_gpu(p, *fused_group, tensors, &fused, 2);
-  if (HasFatalFailure()) return;
-  expect_same_bits(first, fused, p, "fused forward vs modular");
+  for (const auto& [forward, backward, what] :
+       {std::tuple{ForwardPath::kFused, BackwardPath::kModular, "fused forward vs modular"},
+        std::tuple{ForwardPath::kModular, BackwardPath::kFused, "fused backward vs modular"},
+        std::tuple{ForwardPath::kFused, BackwardPath::kFused, "fused forward and backward vs modular"}}) {
+    std::unique_ptr<VirtualRankGroup> fused_group;
+    const Status made = VirtualRankGroup::create(p.config, with_paths(forward, backward), &fused_group);
+    ASSERT_TRUE(made.is_ok()) << made.to_string();
+    Outputs fused;
+    run_gpu(p, *fused_group, tensors, &fused, 2);
+    if (HasFatalFailure()) return;
+    expect_same_bits(first, fused, p, what);
+  }
 }
 
 LayerConfig qwen() { return LayerConfig::qwen3_30b_a3b(); }
@@ -485,12 +497,12 @@ void timeout_breaks_the_layer(ForwardPath path) {
 
 // Every output of a failed call is NaN, on every rank, the weight gradients included; also when the
 // forward's error was already reported before the backward ran.
-void backward_after_failed_forward(ForwardPath path) {
+void backward_after_failed_forward(const LayerOptions& options) {
   SmallRun run = small_problem(2, Routing::kRandom);
   run.p.idx[1][3] = 99;  // a bad id on rank 1 only
   run.t[1].idx.upload(run.p.idx[1]);
   std::unique_ptr<VirtualRankGroup> group;
-  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, with_forward(path), &group).is_ok());
+  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, options, &group).is_ok());
   for (int checked_between = 0; checked_between < 2; ++checked_between) {
     for (int r = 0; r < 2; ++r) {
       run.t[r].d_x.poison();
@@ -527,17 +539,21 @@ TEST(FusedForwardErrorsTest, TimeoutBreaksTheLayerForGood) {
 }
 TEST(EpLayerErrorsTest, BackwardAfterFailedForwardIsNaNEverywhere) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  backward_after_failed_forward(ForwardPath::kModular);
+  backward_after_failed_forward(LayerOptions{});
 }
 TEST(FusedForwardErrorsTest, BackwardAfterFailedForwardIsNaNEverywhere) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  backward_after_failed_forward(ForwardPath::kFused);
+  backward_after_failed_forward(with_forward(ForwardPath::kFused));
+}
+TEST(FusedBackwardErrorsTest, BackwardAfterFailedForwardIsNaNEverywhere) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  backward_after_failed_forward(with_paths(ForwardPath::kFused, BackwardPath::kFused));
 }
 
 // Gradient accumulation over micro-batches: two backwards adding into the same fp32 weight-gradient buffers
 // (BackwardArgs::accumulate_weight_grads) give bitwise the sum of the two backwards run on their own (one fp32
 // add per element either way), on every rank, for both forward paths.
-void accumulated_micro_batches(ForwardPath path) {
+void accumulated_micro_batches(const LayerOptions& options) {
   SmallRun a = small_problem(2, Routing::kRandom);
   SmallRun b = small_problem(2, Routing::kMaskedAndRagged);
   for (int r = 0; r < 2; ++r) {  // the same weights for both micro-batches
@@ -545,7 +561,7 @@ void accumulated_micro_batches(ForwardPath path) {
     MEGAMOE_ASSERT_CUDA(cudaMemcpy(b.t[r].w2.get(), a.t[r].w2.get(), a.t[r].w2.size() * 2, cudaMemcpyDeviceToDevice));
   }
   std::unique_ptr<VirtualRankGroup> group;
-  ASSERT_TRUE(VirtualRankGroup::create(a.p.config, with_forward(path), &group).is_ok());
+  ASSERT_TRUE(VirtualRankGroup::create(a.p.config, options, &group).is_ok());
   auto step = [&](SmallRun& run, float* const* d_w13, float* const* d_w2, bool accumulate) {
     ASSERT_TRUE(forward_all(*group, run).is_ok());
     for (int r = 0; r < 2; ++r) {
@@ -605,11 +621,11 @@ void accumulated_micro_batches(ForwardPath path) {
 
 TEST(EpLayerAccumulateTest, TwoMicroBatchesGiveTheSumOfTheirBackwards) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  accumulated_micro_batches(ForwardPath::kModular);
+  accumulated_micro_batches(LayerOptions{});
 }
 TEST(FusedForwardAccumulateTest, TwoMicroBatchesGiveTheSumOfTheirBackwards) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  accumulated_micro_batches(ForwardPath::kFused);
+  accumulated_micro_batches(with_paths(ForwardPath::kFused, BackwardPath::kFused));
 }
 
 // A misaligned tensor is refused before anything is enqueued (it would fault in the 16-byte row copies),
@@ -671,16 +687,17 @@ TEST(EpLayerRecomputeTest, RecomputedHGivesTheSameBits) {
   int64_t nans = 0;
   EXPECT_LE(relative_error(kept.out[1], e.out[1], &nans), 1e-2);
   EXPECT_EQ(nans, 0);
-  for (ForwardPath path : {ForwardPath::kModular, ForwardPath::kFused}) {
-    LayerOptions o = with_forward(path);
+  for (const auto& [forward, backward, what] :
+       {std::tuple{ForwardPath::kModular, BackwardPath::kModular, "modular, h recomputed"},
+        std::tuple{ForwardPath::kFused, BackwardPath::kFused, "fused, h recomputed"}}) {
+    LayerOptions o = with_paths(forward, backward);
     o.recompute_h = true;
     std::unique_ptr<VirtualRankGroup> group;
     ASSERT_TRUE(VirtualRankGroup::create(p.config, o, &group).is_ok());
     Outputs recomputed;
     run_gpu(p, *group, t, &recomputed, 2);
     if (HasFatalFailure()) return;
-    expect_same_bits(kept, recomputed, p,
-                     path == ForwardPath::kFused ? "fused forward, h recomputed" : "modular forward, h recomputed");
+    expect_same_bits(kept, recomputed, p, what);
   }
 }
 
@@ -710,16 +727,21 @@ TEST(EpLayerOptionsTest, ForwardPathMustBeKnown) {
   EXPECT_NE(s.message().find("forward_path"), std::string::npos) << s.message();
   for (ForwardPath path : {ForwardPath::kModular, ForwardPath::kFused})
     EXPECT_TRUE(ExpertParallelLayer::workspace_bytes(c, with_forward(path), &bytes).is_ok());
+  o = LayerOptions{};
+  o.backward_path = static_cast<BackwardPath>(7);
+  const Status b = ExpertParallelLayer::workspace_bytes(c, o, &bytes);
+  EXPECT_EQ(b.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(b.message().find("backward_path"), std::string::npos) << b.message();
 }
 
 // The whole forward + backward of one rank captured in a CUDA graph: no host synchronisation inside,
 // and replays give the same bits as direct calls.
-void capture_and_replay(ForwardPath path) {
+void capture_and_replay(const LayerOptions& options) {
   Scenario sc{"graph", small_config(1), 1, {16}, Routing::kMaskedAndRagged, 8};
   sc.shape.hidden = 512;
   const Problem p = make_problem(sc, std::random_device{}());
   std::unique_ptr<VirtualRankGroup> group;
-  ASSERT_TRUE(VirtualRankGroup::create(p.config, with_forward(path), &group).is_ok());
+  ASSERT_TRUE(VirtualRankGroup::create(p.config, options, &group).is_ok());
   std::vector<RankTensors> t = upload(p);
   Outputs direct;
   run_gpu(p, *group, t, &direct);
@@ -766,11 +788,11 @@ void capture_and_replay(ForwardPath path) {
 
 TEST(EpLayerGraphTest, ForwardBackwardCaptureAndReplay) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  capture_and_replay(ForwardPath::kModular);
+  capture_and_replay(LayerOptions{});
 }
 TEST(FusedForwardGraphTest, ForwardBackwardCaptureAndReplay) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  capture_and_replay(ForwardPath::kFused);
+  capture_and_replay(with_paths(ForwardPath::kFused, BackwardPath::kFused));
 }
 
 // The multi-process path's bootstrap (NCCL unique id, IPC handle exchange, peer table) with one rank:

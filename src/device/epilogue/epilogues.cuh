@@ -115,12 +115,13 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
                                                      const CUtensorMap* map_aux, Store& store, HStages& hstages) {
   const int N = e.up_offset;  // activation width I (C = dh is 2N wide)
   const float sc[2] = {row_scale_of(e, s, 0), row_scale_of(e, s, 1)};
-  const int r[2] = {Fragment::row(s.warp, s.lane, 0), Fragment::row(s.warp, s.lane, 1)};
+  // A row of the fragment is formed where it is used (Fragment::row is a shift and an add): kept through the
+  // box loop, it costs a register the loop needs (it spilled in the fused backward).
   const bool has_aux = e.aux.base != nullptr || e.aux.pointers != nullptr;
   float dot[2] = {0.0f, 0.0f};
   // g and u of a fragment pair, from the box's stage: row cwg * 64 + r of the 128-row boxes, column group jj.
   auto load_gu = [&](const uint8_t* stage, int jj, int h, float (&g)[2], float (&u)[2]) {
-    const int row = cwg * 64 + r[h];
+    const int row = cwg * 64 + Fragment::row(s.warp, s.lane, h);
     const int offset = row * 128 + ((jj ^ (row & 7)) << 4) + 4 * (s.lane & 3);
     const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(stage + offset);
     const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(stage + 128 * 128 + offset);
@@ -203,8 +204,9 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
   for (int h = 0; h < 2; ++h) {
     dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 1);
     dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 2);
-    if ((s.lane & 3) == 0 && r[h] < s.valid) {
-      float* dst = e.dot_rows[s.slice0 + r[h]];
+    const int r = Fragment::row(s.warp, s.lane, h);
+    if ((s.lane & 3) == 0 && r < s.valid) {
+      float* dst = e.dot_rows[s.slice0 + r];
       if (dst != nullptr) dst[s.n_idx] = dot[h];
     }
   }

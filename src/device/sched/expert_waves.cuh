@@ -22,26 +22,35 @@ struct ExpertWaves {
   static constexpr int kBM = 128;
   static constexpr int kBandM = 16;
 
+  // The numbering's parameters live in shared memory with its tables, so that a role walking the items holds
+  // one pointer, not a register per parameter, through its main loops.
   struct Storage {
     int offsets[kMaxExperts + 1];       // expert-major row offsets
     int block_start[kMaxExperts + 1];   // first 128-row block of each expert
     int seg_start[2 * kMaxExperts + 1]; // first item of each segment
     int seg_owner[2 * kMaxExperts];     // segment -> 2 * expert + gemm
+    int experts;
+    int n_tiles[2];  // n-tiles of GEMM1 (SwiGLU: one tile covers BN/2 gate and BN/2 up columns) and GEMM2
+    int k_tiles[2];  // 64-deep K stages of each GEMM
   };
 
   Storage* s;
-  int experts;
-  int n_tiles[2];  // n-tiles of GEMM1 (SwiGLU: one tile covers BN/2 gate and BN/2 up columns) and GEMM2
-  int k_tiles[2];  // 64-deep K stages of each GEMM
-  // (Read through the selects below: a run-time index into a register array would put it in local memory.)
-  __device__ int n_tiles_of(int g) const { return g == 0 ? n_tiles[0] : n_tiles[1]; }
-  __device__ int k_tiles_of(int g) const { return g == 0 ? k_tiles[0] : k_tiles[1]; }
-  int lag;         // GEMM2 of expert e comes after GEMM1 of expert e + lag
 
-  // All threads of the block. offsets: E + 1 nondecreasing row offsets (shared or global memory). Contains
-  // __syncthreads().
-  __device__ void build(const int32_t* offsets, int tid, int threads) const {
+  __device__ int n_tiles_of(int g) const { return s->n_tiles[g]; }
+  __device__ int k_tiles_of(int g) const { return s->k_tiles[g]; }
+
+  // All threads of the block. offsets: E + 1 nondecreasing row offsets (shared or global memory); GEMM2 of
+  // expert e comes after GEMM1 of expert e + lag. Contains __syncthreads().
+  __device__ void build(const int32_t* offsets, int experts, int n_tiles0, int n_tiles1, int k_tiles0, int k_tiles1,
+                        int lag, int tid, int threads) const {
     for (int i = tid; i <= experts; i += threads) s->offsets[i] = offsets[i];
+    if (tid == 0) {
+      s->experts = experts;
+      s->n_tiles[0] = n_tiles0;
+      s->n_tiles[1] = n_tiles1;
+      s->k_tiles[0] = k_tiles0;
+      s->k_tiles[1] = k_tiles1;
+    }
     __syncthreads();
     if (tid == 0) {
       int blocks = 0;
@@ -67,13 +76,20 @@ struct ExpertWaves {
   }
 
   __device__ int m_tiles(int e) const { return (max(s->offsets[e + 1] - s->offsets[e], 0) + kBM - 1) / kBM; }
-  __device__ int total() const { return s->seg_start[2 * experts]; }
+  __device__ int total() const { return s->seg_start[2 * s->experts]; }
   // The same, read from shared memory at this point of the program (never kept in a register).
-  __device__ int total_now() const { return *reinterpret_cast<const volatile int*>(&s->seg_start[2 * experts]); }
+  __device__ int total_now() const {
+    const int experts = *reinterpret_cast<const volatile int*>(&s->experts);
+    return *reinterpret_cast<const volatile int*>(&s->seg_start[2 * experts]);
+  }
+
+  // The 128-row block of expert e's row `row`, read from shared memory at this point (a caller that needs a
+  // tile's block long after decoding it need not hold it in a register).
+  __device__ int block_of(int e, int row) const { return s->block_start[e] + (row - s->offsets[e]) / kBM; }
 
   // Item t -> which GEMM (0, 1) and its tile (rows, K stages, row block).
   __device__ TileCoord decode(int t, int* gemm) const {
-    int lo = 0, hi = 2 * experts;
+    int lo = 0, hi = 2 * s->experts;
     while (hi - lo > 1) {
       const int mid = (lo + hi) >> 1;
       if (s->seg_start[mid] <= t) {
