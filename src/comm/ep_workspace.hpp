@@ -9,9 +9,10 @@
 namespace megamoe::ep {
 
 // Barriers of one forward + backward; each has its own counter so that the counters can reset
-// themselves (see device_sync.cuh).
+// themselves (see device_sync.cuh). kBarrierGradDone: after the fused backward's weight gradients, which read
+// recv_x and recv_dout after the kernel's own last barrier, so that no peer's next call writes them sooner.
 enum BarrierId : int { kBarrierDispatched = 0, kBarrierCombined = 1, kBarrierGradDispatched = 2,
-                       kBarrierGradCombined = 3, kNumBarriers = 4 };
+                       kBarrierGradCombined = 3, kBarrierGradDone = 4, kNumBarriers = 5 };
 
 // Per-slot routing as the receiver sees it.
 struct SlotRoute {

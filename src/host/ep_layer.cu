@@ -139,7 +139,7 @@ std::string describe(const ep::DeviceError& e, const LayerConfig& c) {
     case ep::kErrorWaitTimeout:
       s << "rank " << e.rank << ": ";
       if (e.a >= (int64_t{1} << 32)) {
-        s << "the fused forward's wait for " << fused_wait_name(e.a >> 32) << " " << (e.a & 0xffffffff);
+        s << "the fused kernel's wait for " << fused_wait_name(e.a >> 32) << " " << (e.a & 0xffffffff);
       } else {
         s << "wait " << e.a;
       }
@@ -450,6 +450,9 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
     fused.timeline = m.fused_timeline;
     MEGAMOE_RETURN_IF_ERROR(ep::launch_fused_backward(p, fused, m.max_blocks, stream));
     MEGAMOE_RETURN_IF_ERROR(m.weight_gradients(p, args));
+    // The weight-gradient GEMMs read recv_x and recv_dout, which a peer's next call writes once it has passed
+    // its last barrier of this call: that barrier comes after them (the modular path's last barrier does too).
+    MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradDone, stream));
     // The weight gradients were written by the GEMMs: a failed call turns them into NaN too (every rank's
     // error of the call is in this rank's record since the fused kernel's last rank barrier).
     return ep::launch_nan_if_failed(p, args.d_w13, EL * 2 * I * H, args.d_w2, EL * H * I, stream, m.max_blocks);

@@ -23,30 +23,31 @@ __device__ __forceinline__ void combine_token(const Params& p, int64_t t, int la
   const int64_t H = s.hidden;
   const int32_t* dest_slot = at<int32_t>(p.local, p.layout.pair_dest_slot);
   const __nv_bfloat16* combine = at<__nv_bfloat16>(p.local, p.layout.combine);
-  // Slots are loaded four at a time before they are added (in slot order): several 16-byte loads in flight.
-  constexpr int kBatch = 4;
+  // The 16-byte pieces of up to eight slots are loaded raw before any is added (in slot order), so that a warp
+  // keeps eight loads in flight: the fused kernels combine with one CTA of 12 warps per SM.
+  constexpr int kBatch = 8;
   for (int64_t i = lane * 8; i < H; i += 32 * 8) {
     Bf16x8 acc;
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc.v[k] = failed ? NAN : 0.0f;
     for (int j0 = 0; j0 < K && !failed; j0 += kBatch) {
-      Bf16x8 y[kBatch];
-      float w[kBatch];
+      uint4 raw[kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int j = j0 + b;
-        w[b] = 0.0f;
-        if (j < K && dest_slot[t * K + j] >= 0) {
-          y[b].load(combine + (t * K + j) * H + i);
-          w[b] = kWeighted ? topk_weights[t * K + j] : 1.0f;
-        }
+        raw[b] = make_uint4(0, 0, 0, 0);
+        if (j < K && dest_slot[t * K + j] >= 0)
+          raw[b] = *reinterpret_cast<const uint4*>(combine + (t * K + j) * H + i);
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int j = j0 + b;
         if (j >= K || dest_slot[t * K + j] < 0) continue;
+        const float w = kWeighted ? topk_weights[t * K + j] : 1.0f;
+        Bf16x8 y;
+        y.unpack(raw[b]);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) acc.v[k] += w[b] * y[b].v[k];
+        for (int k = 0; k < 8; ++k) acc.v[k] += w * y.v[k];
       }
     }
     acc.store(out + t * H + i);

@@ -50,8 +50,8 @@ __device__ __forceinline__ void warp_copy_row(const __nv_bfloat16* __restrict__ 
 
 struct Bf16x8 {
   float v[8];
-  __device__ __forceinline__ void load(const __nv_bfloat16* p) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  __device__ __forceinline__ void load(const __nv_bfloat16* p) { unpack(*reinterpret_cast<const uint4*>(p)); }
+  __device__ __forceinline__ void unpack(const uint4& raw) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

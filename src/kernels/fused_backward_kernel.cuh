@@ -121,7 +121,7 @@ __device__ inline void arrival_role(const FusedBackwardParams& p, const ep::Rout
   for (int i = 0; i < R; ++i) {
     const int src = (s.rank + i) % R;
     if (src % p.comm_ctas != cta) continue;
-    if (source_rows_landed(L, src, cta, shared) < 0 || !count) continue;
+    if (source_rows_landed(L, src, true, shared) < 0 || !count) continue;
     for (int e = threadIdx.x; e < EL; e += kFusedThreads) {
       const int32_t n = counts[src * (EL + 1) + e];
       if (n <= 0 || n > max_rows_per_source) continue;  // out of range: route_offsets counted it as 0

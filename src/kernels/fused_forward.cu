@@ -21,8 +21,11 @@ constexpr int kBN = FusedForwardConfig::kBN;
 constexpr int kBM = FusedForwardConfig::Shape::kBM;
 constexpr int kBK = FusedForwardConfig::Shape::kBK;
 
-// One SM in 16 dispatches and routes before joining the GEMMs (at least one).
-int comm_ctas_for(int ctas) { return std::max(1, ctas / 16); }
+// Every CTA dispatches and routes before it joins the GEMMs. A GEMM1 tile needs rows from every source, and a
+// source's rows count once all of them have landed, so the GEMMs wait for the dispatch whoever runs it; one
+// CTA in 16 took 0.70 ms to dispatch 16384 tokens of 4 KB at R = 1 (docs/PERF.md, run 24), every CTA moves
+// them at the copy rate of the whole share.
+int comm_ctas_for(int ctas) { return ctas; }
 
 Status map_rows(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, uint32_t box_rows) {
   const uint64_t dims[2] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(std::max<int64_t>(rows, 1))};

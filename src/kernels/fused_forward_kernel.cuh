@@ -125,7 +125,7 @@ __device__ inline void route_role(const FusedForwardParams& p, const ep::RouteTa
   uint32_t* rows_ready = ep::at<uint32_t>(L.local, L.layout.rows_ready);
   for (int i = 0; i < s.num_ranks; ++i) {
     const int src = (s.rank + i) % s.num_ranks;
-    const int32_t tokens = source_rows_landed(L, src, cta, shared);
+    const int32_t tokens = source_rows_landed(L, src, cta == 0, shared);
     if (tokens < 0 || !route) continue;
     bool ok = true;
     for (int64_t slot = static_cast<int64_t>(cta) * kFusedThreads + threadIdx.x; slot < tokens;

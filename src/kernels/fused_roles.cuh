@@ -89,8 +89,9 @@ __device__ void dispatch_role(const ep::Params& L, const __nv_bfloat16* rows, in
 // their number, or -1 (the wait gave up; or the peer-written count is out of range, which breaks the group:
 // its arrivals cannot be counted). The wait does not give up on a recorded error: every source signals once
 // per call whatever happened, and rows_arrived must have seen every arrival before it is reset.
+// report: this CTA records and breaks the group on a bad count (one CTA of those that wait for `src`).
 // shared: two ints of shared memory.
-__device__ inline int32_t source_rows_landed(const ep::Params& L, int src, int cta, int* shared) {
+__device__ inline int32_t source_rows_landed(const ep::Params& L, int src, bool report, int* shared) {
   const ep::Shape& s = L.shape;
   const int EL = s.experts_per_rank;
   // One thread reads the peer-written count, so that the CTA agrees on it.
@@ -98,7 +99,7 @@ __device__ inline int32_t source_rows_landed(const ep::Params& L, int src, int c
   if (threadIdx.x == 0) {
     const int32_t tokens = ep::at<int32_t>(L.local, L.layout.recv_counts)[src * (EL + 1) + EL];
     const bool ok = tokens >= 0 && tokens <= s.max_tokens;
-    if (!ok && cta == 0) {
+    if (!ok && report) {
       (void)ep::peer_value_ok(L, false, src, tokens, ep::kPeerTokens);
       ep::break_group(L, ep::kErrorPeerIndex, src, tokens, ep::kPeerTokens);
     }

@@ -628,6 +628,89 @@ TEST(FusedForwardAccumulateTest, TwoMicroBatchesGiveTheSumOfTheirBackwards) {
   accumulated_micro_batches(with_paths(ForwardPath::kFused, BackwardPath::kFused));
 }
 
+// A rank's next forward must not write into a peer's receive buffers while the peer's backward still reads
+// them (its weight-gradient GEMMs gather recv_x and recv_dout). Every token goes to rank 1's experts, so rank
+// 0's backward has no rows and ends long before rank 1's weight gradients; rank 0's next forward, enqueued
+// at once, then dispatches new x rows into rank 1's recv_x. Rank 1's weight gradients must be bitwise those
+// of the same backward with nothing enqueued after it.
+void next_forward_waits_for_peer_backward(const LayerOptions& options) {
+  Scenario sc{"order", LayerConfig::qwen3_30b_a3b(), 2, {2048, 2048}, Routing::kRandom, 16};
+  sc.shape.num_experts = 16;
+  sc.shape.top_k = 4;
+  Problem p = make_problem(sc, std::random_device{}());
+  const int64_t K = p.config.top_k, EL = p.config.experts_per_rank();
+  std::mt19937_64 rng(p.seed);
+  for (int r = 0; r < 2; ++r) {
+    for (int64_t t = 0; t < 2048; ++t) {
+      std::vector<int64_t> local(EL);
+      for (int64_t l = 0; l < EL; ++l) local[l] = EL + l;  // rank 1's experts
+      std::shuffle(local.begin(), local.end(), rng);
+      for (int64_t j = 0; j < K; ++j) p.idx[r][t * K + j] = local[j];
+    }
+  }
+  std::vector<RankTensors> t = upload(p);
+  // The next forward's x: other values (rank 0's d_out), the same routing.
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(p.config, options, &group).is_ok());
+  auto forward = [&](int r, const __nv_bfloat16* x) {
+    ForwardArgs f;
+    f.num_tokens = 2048;
+    f.x = x;
+    f.topk_idx = t[r].idx.get();
+    f.topk_weights = t[r].weights.get();
+    f.w13 = t[r].w13.get();
+    f.w2 = t[r].w2.get();
+    f.out = t[r].out.get();
+    ASSERT_TRUE(group->layer(r).forward(f).is_ok());
+  };
+  auto backward = [&](int r) {
+    BackwardArgs b;
+    b.d_out = t[r].d_out.get();
+    b.d_x = t[r].d_x.get();
+    b.d_topk_weights = t[r].d_weights.get();
+    b.d_w13 = t[r].d_w13.get();
+    b.d_w2 = t[r].d_w2.get();
+    ASSERT_TRUE(group->layer(r).backward(b).is_ok());
+  };
+  std::vector<float> alone13, alone2;
+  for (bool next_forward : {false, true}) {
+    t[1].d_w13.poison();
+    t[1].d_w2.poison();
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    for (int r = 0; r < 2; ++r) forward(r, t[r].x.get());
+    for (int r = 0; r < 2; ++r) backward(r);
+    if (next_forward)
+      for (int r = 0; r < 2; ++r) forward(r, t[0].d_out.get());
+    if (::testing::Test::HasFatalFailure()) return;
+    const Status s = group->synchronize_and_check();
+    ASSERT_TRUE(s.is_ok()) << s.to_string();
+    if (!next_forward) {
+      alone13 = t[1].d_w13.download();
+      alone2 = t[1].d_w2.download();
+      continue;
+    }
+    const std::vector<float> got13 = t[1].d_w13.download(), got2 = t[1].d_w2.download();
+    int64_t nonzero = 0;
+    for (float v : alone13) nonzero += v != 0.0f && !std::isnan(v);
+    ASSERT_GT(nonzero, 0) << "rank 1 got no weight gradient";
+    EXPECT_EQ(0, std::memcmp(alone13.data(), got13.data(), got13.size() * 4)) << "d_w13 of rank 1";
+    EXPECT_EQ(0, std::memcmp(alone2.data(), got2.data(), got2.size() * 4)) << "d_w2 of rank 1";
+  }
+}
+
+TEST(EpLayerOrderTest, NextForwardWaitsForThePeersBackward) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  next_forward_waits_for_peer_backward(LayerOptions{});
+}
+TEST(FusedBackwardOrderTest, NextForwardWaitsForThePeersBackward) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  next_forward_waits_for_peer_backward(with_paths(ForwardPath::kFused, BackwardPath::kFused));
+}
+TEST(FusedBackwardOrderTest, NextModularForwardWaitsForThePeersFusedBackward) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  next_forward_waits_for_peer_backward(with_paths(ForwardPath::kModular, BackwardPath::kFused));
+}
+
 // A misaligned tensor is refused before anything is enqueued (it would fault in the 16-byte row copies),
 // and the group stays usable: the next calls of every rank succeed.
 TEST(EpLayerErrorsTest, MisalignedTensorsAreRefusedBeforeAnythingIsEnqueued) {
