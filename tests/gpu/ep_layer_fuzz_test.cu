@@ -34,7 +34,8 @@
 // with 16). Such entries are checked one by one: |got - want| <= 1e-2 * max(|want|, sum_i |da_i a_i|,
 // sum_h |d_out_h y_h|), the error bound of a dot product at 1e-2 of its conditioning scale (the bf16
 // emulation stays below 2.5e-3 of it).
-// Some valid cases run twice and must give the same bits.
+// Some valid cases run twice and must give the same bits. The forward and backward paths cycle with the
+// seed (seed % 4: modular, fused forward, fused backward, both fused).
 //
 // Every wait is bounded (LayerOptions::wait_timeout_seconds = 10 s): a hang fails, it does not stall.
 #include <cuda_bf16.h>
@@ -229,6 +230,8 @@ std::string describe(const Case& k) {
   s += std::string("} ") + routing_name(k.routing) + (k.index_type == IndexType::kInt32 ? " int32" : " int64");
   if (k.kind != Kind::kCapacity && k.options.expert_row_capacity > 0)
     s += " capacity=" + std::to_string(k.options.expert_row_capacity);
+  s += k.options.forward_path == ForwardPath::kFused ? " fwd=fused" : " fwd=modular";
+  s += k.options.backward_path == BackwardPath::kFused ? " bwd=fused" : " bwd=modular";
   return s;
 }
 
@@ -428,6 +431,10 @@ Case draw_case(uint64_t seed) {
     k.bad_id = ids[rng.range(0, static_cast<int64_t>(ids.size()) - 1)];
   }
   set_routed(p);
+  // The paths cycle with the seed (not drawn, so a seed's case is the same on either path): modular,
+  // fused forward, fused backward, both fused.
+  k.options.forward_path = (seed & 1) != 0 ? ForwardPath::kFused : ForwardPath::kModular;
+  k.options.backward_path = (seed & 2) != 0 ? BackwardPath::kFused : BackwardPath::kModular;
   k.label = describe(k);
   return k;
 }
