@@ -50,8 +50,10 @@ class Config(ctypes.Structure):
     ]
 
 
-FORWARD_MODULAR = 0  # megamoe_options.forward_path (MEGAMOE_FORWARD_*) and backward_path (MEGAMOE_BACKWARD_*)
+FORWARD_MODULAR = 0  # megamoe_options.forward_path (MEGAMOE_FORWARD_*)
 FORWARD_FUSED = 1
+BACKWARD_MODULAR = 0  # megamoe_options.backward_path (MEGAMOE_BACKWARD_*)
+BACKWARD_FUSED = 1
 
 
 class Options(ctypes.Structure):

@@ -94,7 +94,7 @@ class LayerConfig:
         options = _lib.default_options()
         options.forward_path = _lib.FORWARD_FUSED if self.fused_forward else _lib.FORWARD_MODULAR
         options.recompute_h = int(self.recompute_h)
-        options.backward_path = _lib.FORWARD_FUSED if self.fused_backward else _lib.FORWARD_MODULAR
+        options.backward_path = _lib.BACKWARD_FUSED if self.fused_backward else _lib.BACKWARD_MODULAR
         return options
 
     def to_c(self) -> _lib.Config:
