@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -202,8 +203,16 @@ void expect_same_bits(const Outputs& a, const Outputs& b, const Problem& p, cons
   }
 }
 
-LayerOptions with_forward(ForwardPath path) {
+// The scenarios' options: the defaults, with MEGAMOE_TEST_WAIT_TIMEOUT_S (seconds) as the wait timeout when
+// set, for runs under a sanitizer, whose instrumentation can make a fused kernel outlast the default.
+LayerOptions scenario_options() {
   LayerOptions o;
+  if (const char* text = std::getenv("MEGAMOE_TEST_WAIT_TIMEOUT_S")) o.wait_timeout_seconds = std::atof(text);
+  return o;
+}
+
+LayerOptions with_forward(ForwardPath path) {
+  LayerOptions o = scenario_options();
   o.forward_path = path;
   return o;
 }
@@ -220,7 +229,7 @@ TEST_P(EpLayerTest, MatchesReferenceAndIsDeterministic) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   const Problem p = make_problem(sc, seed);
   std::unique_ptr<VirtualRankGroup> group;
-  const Status created = VirtualRankGroup::create(p.config, LayerOptions{}, &group);
+  const Status created = VirtualRankGroup::create(p.config, scenario_options(), &group);
   ASSERT_TRUE(created.is_ok()) << created.to_string();
   std::vector<RankTensors> tensors = upload(p);
   Outputs first, second;
