@@ -40,6 +40,12 @@
 # plain stores by a whole warp and published by one lane's mbarrier arrival after __syncwarp (ordered by the
 # PTX memory model); racecheck does not model that hand-over and reported 200 RAW/WAR "potential hazards"
 # on it on the H200 (and ran past 80 s on its first depth), while the engine's TMA rings gave 0 hazards.
+# The layer scenarios also run the fused kernels (every forward / backward path combination); their waits
+# cover whole GEMM phases, which the tools slow past the default 20 s, so this script sets
+# MEGAMOE_TEST_WAIT_TIMEOUT_S=600 for them. Under racecheck (H200, Qwen30B_R1) the fused backward gave two
+# kinds of reports, both recorded in docs/PERF.md (run 26): cp.async gathers into a stage after generic reads
+# of the h boxes it held (the same mbarrier-ordered hand-over as above), and 4 per fused kernel on the grid
+# barrier's shared flag across a __syncthreads (not understood yet).
 # The process-group tests are left out altogether: on the H200 memcheck reported 4 API errors in them, all
 # cudaFuncGetAttributes calls made by libnccl itself (host backtraces entirely inside libnccl.so) probing
 # kernel images it was not built with; the API-error report cannot be limited to our calls.
@@ -55,10 +61,12 @@ note() { printf '[sanitize %4ss] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 
 read -r -a tools <<<"${MEGAMOE_SANITIZE_TOOLS:-memcheck racecheck synccheck}"
 limit=${MEGAMOE_SANITIZE_TIMEOUT:-240}
+export MEGAMOE_TEST_WAIT_TIMEOUT_S=${MEGAMOE_TEST_WAIT_TIMEOUT_S:-600}
 read -r -a extra_args <<<"${MEGAMOE_SANITIZE_ARGS:-}"
 
 layer='Layer/EpLayerTest.MatchesReferenceAndIsDeterministic'
 filter_memcheck="BuildingBlocks.*:EpLayerErrorsTest.*:EpLayerOptionsTest.*:EpLayerGraphTest.*:FusedForward*"
+filter_memcheck+=":FusedBackward*:EpLayerOrderTest.*"
 filter_memcheck+=":EpRouteRows.*:Fp8QuantizeGpuTest.*:GroupedGemm.*:SimpleGroupedGemmTest.*:Fp8Gemm.*:*Fp8GemmShapes*"
 filter_memcheck+=":$layer/Qwen30B_R1:$layer/Qwen30B_R4_AllToOneExpert:$layer/Narrow_R2_ManyTokens"
 single_rank="BuildingBlocks.SchedulersCoverEveryTileOnceInOneSequence:Fp8Gemm.*"
