@@ -110,6 +110,8 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
 }
 #endif
 
+constexpr int kPhases = 8;  // the timeline's moments; then the producer's gate wait (ns) and items
+
 // Where one fused forward's time goes, from the kernel's own per-CTA stamps (set_fused_timeline): when each
 // phase ended (median and last CTA, from the first CTA's entry), and the GEMM window (the first CTA to start
 // its GEMM items to the last to finish them) with the forward's GEMM FLOPs over it.
@@ -129,7 +131,7 @@ void print_fused_timeline(megamoe::ExpertParallelLayer& layer, const std::functi
   uint64_t t0 = UINT64_MAX;
   for (int c = 0; c < ctas; ++c) t0 = std::min(t0, t[c * kStamps]);
   std::printf("  fused %s timeline (%d CTAs; us from the first entry): phase, median CTA, last CTA\n", what, ctas);
-  for (int k = 0; k < kStamps; ++k) {
+  for (int k = 0; k < kPhases; ++k) {
     std::vector<float> at(ctas);
     for (int c = 0; c < ctas; ++c) at[c] = static_cast<float>(t[c * kStamps + k] - t0) * 1e-3f;
     const float last = *std::max_element(at.begin(), at.end());
@@ -141,13 +143,23 @@ void print_fused_timeline(megamoe::ExpertParallelLayer& layer, const std::functi
     gemm_end = std::max(gemm_end, t[c * kStamps + 5]);
   }
   const double window_s = static_cast<double>(gemm_end - gemm_begin) * 1e-9;
+  // How much of the GEMM phase the producers spent waiting at readiness gates, and how the items spread.
+  std::vector<float> waited(ctas), items(ctas);
+  for (int c = 0; c < ctas; ++c) {
+    waited[c] = static_cast<float>(t[c * kStamps + kPhases]) * 1e-3f;
+    items[c] = static_cast<float>(t[c * kStamps + kPhases + 1]);
+  }
+  std::printf("  producers at readiness gates: median %.1f us, most %.1f us per CTA; items per CTA: median %.0f, "
+              "%.0f .. %.0f\n",
+              median(waited), *std::max_element(waited.begin(), waited.end()), median(items),
+              *std::min_element(items.begin(), items.end()), *std::max_element(items.begin(), items.end()));
   std::printf("  GEMM window %.1f us: %.1f TFLOP/s of the fused %s's two GEMMs inside the kernel\n", window_s * 1e6,
               window_s > 0 ? gemm_flops / window_s / 1e12 : 0.0, what);
 }
-constexpr const char* kForwardPhases[megamoe::ExpertParallelLayer::kFusedTimelineStamps] = {
+constexpr const char* kForwardPhases[kPhases] = {
     "entry", "layout numbered", "dispatch done", "counts in, work numbered",
     "routing done", "GEMM items done", "tokens combined", "end"};
-constexpr const char* kBackwardPhases[megamoe::ExpertParallelLayer::kFusedTimelineStamps] = {
+constexpr const char* kBackwardPhases[kPhases] = {
     "entry", "(the forward's layout)", "d_out dispatched", "offsets, work numbered",
     "arrivals counted", "dgrad items done", "d_x combined", "end"};
 

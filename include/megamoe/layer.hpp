@@ -134,8 +134,11 @@ class ExpertParallelLayer {
   // Diagnostics of the fused forward: while set, every fused forward writes, per CTA of the rank's kernel,
   // kFusedTimelineStamps global-timer readings (ns) into `stamps` (device memory, kFusedTimelineStamps *
   // fused_forward_ctas() entries): entry, layout numbered, dispatch done, counts in, routing done, GEMMs
-  // done, tokens combined, end. nullptr turns it off (the default; it costs a few stores per CTA).
-  static constexpr int kFusedTimelineStamps = 8;
+  // done, tokens combined, end; then two counts of the GEMM phase: the ns the CTA's producer waited at
+  // readiness gates, and the GEMM items it loaded. The fused backward writes the same entries (its phases:
+  // entry, -, d_out dispatched, work numbered, arrivals counted, dgrad items done, d_x combined, end).
+  // nullptr turns it off (the default; it costs a few stores and timer reads per CTA).
+  static constexpr int kFusedTimelineStamps = 10;
   Status set_fused_timeline(uint64_t* stamps);
   int fused_forward_ctas() const;
 

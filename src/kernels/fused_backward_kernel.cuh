@@ -155,13 +155,16 @@ __device__ void backward_producer(const CUtensorMap* tm_w2, const CUtensorMap* t
   const uint32_t* act_ready = ep::at<uint32_t>(L.local, L.layout.act_ready);
   const uint32_t slices_per_block = 2u * static_cast<uint32_t>(p.n_tiles[0]);
   device::PipeState<Shape::kStages> st;
+  GateClock clock{p.timeline};
   const int total = waves.total();
   for (int j = 0;; ++j) {
     const int t = ptid == 0 ? schedule.draw(j) : schedule.read(j);
     if (t >= total) break;
     int gemm = 0;
     const device::TileCoord tile = waves.decode(t, &gemm);
+    ++clock.items;
     if (ptid == 0 && tile.rows > 0) {
+      const uint64_t since = clock.start();
       if (gemm == 0) {
         (void)fused_wait(L, rows_ready + tile.m_block, static_cast<uint32_t>(tile.rows),
                          ep::fused_wait_id(ep::kWaitRowBlock, tile.m_block), GiveUp::kWhenBroken, L.timeout_ns);
@@ -171,6 +174,7 @@ __device__ void backward_producer(const CUtensorMap* tm_w2, const CUtensorMap* t
       }
       // The TMA loads (dgrad1's W2 panels and h boxes; dgrad2's dh) read what the acquire made visible.
       cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+      clock.stop(since);
     }
     device::named_barrier_sync(Cfg::kProducerBarrier, 128);
     if (gemm == 0) {
@@ -197,6 +201,7 @@ __device__ void backward_producer(const CUtensorMap* tm_w2, const CUtensorMap* t
       }
     }
   }
+  if (ptid == 0) clock.write();
 }
 
 // Phase 4, consumer warpgroups (tid 128..383): main loop and epilogue of every item this CTA draws.

@@ -23,8 +23,11 @@ enum FusedStamp : int {
   kStampGemms = 5,     // the CTA's last GEMM item done
   kStampCombined = 6,  // its tokens combined
   kStampEnd = 7,       // the rank barrier passed, outputs final
+  // Not moments: what the CTA's producer did in the GEMM phase.
+  kStampGateWaitNs = 8,  // ns its first thread spent at readiness gates (rows_ready, act_ready)
+  kStampItems = 9,       // GEMM items it loaded
 };
-inline constexpr int kFusedTimelineStamps = 8;
+inline constexpr int kFusedTimelineStamps = 10;
 
 struct FusedForwardArgs {
   const __nv_bfloat16* x = nullptr;

@@ -159,15 +159,18 @@ __device__ void gemm_producer(const CUtensorMap* tm_w13, const CUtensorMap* tm_a
   const uint32_t* act_ready = ep::at<uint32_t>(L.local, L.layout.act_ready);
   const uint32_t slices_per_block = 2u * static_cast<uint32_t>(p.n_tiles[0]);
   device::PipeState<Shape::kStages> st;
+  GateClock clock{p.timeline};
   const int total = waves.total();
   for (int j = 0;; ++j) {
     const int t = ptid == 0 ? schedule.draw(j) : schedule.read(j);
     if (t >= total) break;
     int gemm = 0;
     const device::TileCoord tile = waves.decode(t, &gemm);
+    ++clock.items;
     // One thread waits for the tile's rows; the barrier then orders every producer thread's loads after it
     // (the TMA loads of GEMM2 through the proxy fence: the async proxy reads what the acquire made visible).
     if (ptid == 0 && tile.rows > 0) {
+      const uint64_t since = clock.start();
       if (gemm == 0) {
         (void)fused_wait(L, rows_ready + tile.m_block, static_cast<uint32_t>(tile.rows),
                          ep::fused_wait_id(ep::kWaitRowBlock, tile.m_block), GiveUp::kWhenBroken, L.timeout_ns);
@@ -176,6 +179,7 @@ __device__ void gemm_producer(const CUtensorMap* tm_w13, const CUtensorMap* tm_a
                          ep::fused_wait_id(ep::kWaitActBlock, tile.m_block), GiveUp::kWhenBroken, L.timeout_ns);
         cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
       }
+      clock.stop(since);
     }
     device::named_barrier_sync(Cfg::kProducerBarrier, 128);
     if (gemm == 0) {
@@ -194,6 +198,7 @@ __device__ void gemm_producer(const CUtensorMap* tm_w13, const CUtensorMap* tm_a
       }
     }
   }
+  if (ptid == 0) clock.write();
 }
 
 // Phase 5, consumer warpgroups (tid 128..383): main loop and epilogue of every item this CTA draws.

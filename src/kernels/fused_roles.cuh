@@ -160,6 +160,24 @@ __device__ inline void reset_counters(const ep::Params& L) {
   }
 }
 
+// Diagnostics, the producer's first thread in the GEMM phase: the time it spent at readiness gates and the
+// items it loaded, written into the CTA's kStampGateWaitNs / kStampItems entries of the timeline, if any.
+struct GateClock {
+  uint64_t* timeline;
+  uint64_t waited = 0;
+  uint64_t items = 0;
+  __device__ __forceinline__ uint64_t start() const { return timeline != nullptr ? device::global_timer_ns() : 0; }
+  __device__ __forceinline__ void stop(uint64_t since) {
+    if (timeline != nullptr) waited += device::global_timer_ns() - since;
+  }
+  __device__ __forceinline__ void write() const {
+    if (timeline == nullptr) return;
+    uint64_t* mine = timeline + static_cast<int64_t>(blockIdx.x) * ep::kFusedTimelineStamps;
+    mine[ep::kStampGateWaitNs] = waited;
+    mine[ep::kStampItems] = items;
+  }
+};
+
 // Diagnostics: thread 0 of the CTA writes the global timer into its entry `which` of the timeline, if any.
 __device__ __forceinline__ void stamp(uint64_t* timeline, ep::FusedStamp which) {
   if (timeline != nullptr && threadIdx.x == 0)

@@ -887,6 +887,72 @@ TEST(FusedForwardGraphTest, ForwardBackwardCaptureAndReplay) {
   capture_and_replay(with_paths(ForwardPath::kFused, BackwardPath::kFused));
 }
 
+// The fused kernels' diagnostics timeline: per CTA the moments in phase order, and the GEMM items the
+// producers loaded adding up to the work the routing implies (per expert, its 128-row blocks times the n-tiles
+// of both GEMMs), for the forward and for the backward.
+TEST(FusedTimelineTest, PhasesInOrderAndItemsAddUp) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  Scenario sc{"timeline", narrow(), 1, {700}, Routing::kRandom, 16};
+  const Problem p = make_problem(sc, std::random_device{}());
+  std::vector<RankTensors> t = upload(p);
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(p.config, with_paths(ForwardPath::kFused, BackwardPath::kFused), &group).is_ok());
+  ExpertParallelLayer& layer = group->layer(0);
+  const LayerConfig& c = p.config;
+  std::vector<int64_t> rows(c.num_experts, 0);
+  for (int64_t e : p.idx[0])
+    if (e >= 0) ++rows[e];
+  // Items, 256-wide n-tiles per 128-row block: GEMM1 over 2I and GEMM2 over H (forward); dgrad1 over I and
+  // dgrad2 over H (backward).
+  int64_t blocks = 0;
+  for (int64_t r : rows) blocks += (r + 127) / 128;
+  const int64_t H = c.hidden, I = c.intermediate;
+  const int64_t forward_items = blocks * ((2 * I + 255) / 256 + (H + 255) / 256);
+  const int64_t backward_items = blocks * ((I + 255) / 256 + (H + 255) / 256);
+  constexpr int kStamps = ExpertParallelLayer::kFusedTimelineStamps;
+  const int ctas = layer.fused_forward_ctas();
+  ASSERT_GT(ctas, 0);
+  DeviceBuffer<uint64_t> stamps(static_cast<size_t>(kStamps) * ctas);
+  for (bool backward : {false, true}) {
+    SCOPED_TRACE(backward ? "backward" : "forward");
+    MEGAMOE_ASSERT_CUDA(cudaMemset(stamps.get(), 0, stamps.size() * sizeof(uint64_t)));
+    ForwardArgs f;
+    f.num_tokens = 700;
+    f.x = t[0].x.get();
+    f.topk_idx = t[0].idx.get();
+    f.topk_weights = t[0].weights.get();
+    f.w13 = t[0].w13.get();
+    f.w2 = t[0].w2.get();
+    f.out = t[0].out.get();
+    if (!backward) ASSERT_TRUE(layer.set_fused_timeline(stamps.get()).is_ok());
+    ASSERT_TRUE(layer.forward(f).is_ok());
+    if (backward) {
+      ASSERT_TRUE(layer.set_fused_timeline(stamps.get()).is_ok());
+      BackwardArgs b;
+      b.d_out = t[0].d_out.get();
+      b.d_x = t[0].d_x.get();
+      b.d_topk_weights = t[0].d_weights.get();
+      b.d_w13 = t[0].d_w13.get();
+      b.d_w2 = t[0].d_w2.get();
+      ASSERT_TRUE(layer.backward(b).is_ok());
+    }
+    const Status s = group->synchronize_and_check();
+    ASSERT_TRUE(s.is_ok()) << s.to_string();
+    ASSERT_TRUE(layer.set_fused_timeline(nullptr).is_ok());
+    const std::vector<uint64_t> got = stamps.download();
+    int64_t items = 0;
+    for (int cta = 0; cta < ctas; ++cta) {
+      const uint64_t* mine = got.data() + static_cast<size_t>(cta) * kStamps;
+      for (int k = 1; k < 8; ++k)
+        ASSERT_LE(mine[k - 1], mine[k]) << "CTA " << cta << ": moment " << k << " before moment " << k - 1;
+      ASSERT_GT(mine[0], 0u) << "CTA " << cta << " stamped nothing";
+      ASSERT_LE(mine[8], mine[5] - mine[0]) << "CTA " << cta << ": waited longer than it ran";
+      items += static_cast<int64_t>(mine[9]);
+    }
+    EXPECT_EQ(items, backward ? backward_items : forward_items);
+  }
+}
+
 // The multi-process path's bootstrap (NCCL unique id, IPC handle exchange, peer table) with one rank:
 // the only multi-process test one GPU allows (NCCL refuses two ranks on one device). Its results must
 // be bitwise those of the virtual-rank path, which shares every kernel.
