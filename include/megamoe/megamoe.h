@@ -111,6 +111,9 @@ typedef struct megamoe_vgroup megamoe_vgroup; /* R virtual ranks on one GPU */
 int32_t megamoe_abi_version(void);
 /* 1 when the library was built with CUDA (the GPU layer exists), 0 otherwise. */
 int32_t megamoe_built_with_cuda(void);
+/* 1 when the library carries its own C++ runtime (MEGAMOE_PRIVATE_CXX_RUNTIME, as the Python package builds
+   it), 0 when it shares the process's: inside a PyTorch process the latter has crashed (two runtimes mixed). */
+int32_t megamoe_private_cxx_runtime(void);
 /* The calling thread's message for its latest failed call ("" after a success); never NULL. */
 const char* megamoe_last_error(void);
 /* "ok", "invalid argument", ...; never NULL. */

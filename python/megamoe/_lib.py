@@ -14,6 +14,7 @@ import ctypes
 import os
 import pathlib
 import threading
+import warnings
 
 ABI_VERSION = 2
 
@@ -104,6 +105,7 @@ _P = ctypes.POINTER
 _SIGNATURES = {
     "megamoe_abi_version": (ctypes.c_int32, []),
     "megamoe_built_with_cuda": (ctypes.c_int32, []),
+    "megamoe_private_cxx_runtime": (ctypes.c_int32, []),
     "megamoe_last_error": (ctypes.c_char_p, []),
     "megamoe_status_name": (ctypes.c_char_p, [ctypes.c_int32]),
     "megamoe_default_options": (ctypes.c_int32, [_P(Options)]),
@@ -171,8 +173,21 @@ def lib() -> ctypes.CDLL:
         version = handle.megamoe_abi_version()
         if version != ABI_VERSION:
             raise ImportError(f"{path} has C ABI version {version}, this package needs {ABI_VERSION}; reinstall")
+        warning = shared_runtime_warning(bool(handle.megamoe_private_cxx_runtime()), path)
+        if warning is not None:
+            warnings.warn(warning, RuntimeWarning, stacklevel=2)
         _lib = handle
         return handle
+
+
+def shared_runtime_warning(private_runtime: bool, path: pathlib.Path) -> str | None:
+    """What to say about a library that shares this process's C++ runtime (a plain CMake build): beside
+    PyTorch such a library has crashed in its first error message, so results from it are not evidence."""
+    if private_runtime:
+        return None
+    return (f"{path} shares this process's C++ runtime (built without -DMEGAMOE_PRIVATE_CXX_RUNTIME=ON); inside a "
+            "PyTorch process two C++ runtimes can mix and crash. Install the package (pip install "
+            "--no-build-isolation --no-deps .) or build the library with that option.")
 
 
 def check(code: int) -> None:

@@ -3,6 +3,7 @@ struct layouts, error reporting, and handle lifetime. Runs before test_ops_gpu.p
 the library's host paths is told apart from one that follows GPU work."""
 
 import ctypes
+import os
 import threading
 
 import pytest
@@ -40,6 +41,21 @@ def test_struct_sizes_match_the_header():
     assert ctypes.sizeof(_lib.ForwardArgs) == 64 and _lib.ForwardArgs.topk_weights.offset == 32
     assert ctypes.sizeof(_lib.BackwardArgs) == 48 and _lib.BackwardArgs.accumulate_weight_grads.offset == 40
     assert ctypes.sizeof(_lib.BootstrapId) == _lib.BOOTSTRAP_ID_BYTES == 128
+
+
+def test_a_library_sharing_the_cxx_runtime_is_named_in_a_warning(tmp_path):
+    said = _lib.shared_runtime_warning(False, tmp_path / "libmegamoe.so")
+    assert "MEGAMOE_PRIVATE_CXX_RUNTIME" in said and str(tmp_path) in said
+    assert _lib.shared_runtime_warning(True, tmp_path / "libmegamoe.so") is None
+
+
+def test_the_installed_library_carries_its_own_cxx_runtime():
+    """The package's own copy must be built with MEGAMOE_PRIVATE_CXX_RUNTIME (pyproject.toml): beside PyTorch a
+    library sharing the process's C++ runtime has crashed."""
+    library = _library()
+    if os.environ.get("MEGAMOE_LIBRARY"):
+        pytest.skip("MEGAMOE_LIBRARY names a library of the caller's choosing, not the package's")
+    assert library.megamoe_private_cxx_runtime() == 1
 
 
 @pytest.mark.parametrize("changes, match", [

@@ -341,6 +341,8 @@ int32_t megamoe_abi_version(void) { return MEGAMOE_ABI_VERSION; }
 
 int32_t megamoe_built_with_cuda(void) { return MEGAMOE_WITH_CUDA ? 1 : 0; }
 
+int32_t megamoe_private_cxx_runtime(void) { return MEGAMOE_PRIVATE_CXX_RUNTIME_BUILD ? 1 : 0; }
+
 const char* megamoe_last_error(void) { return g_last_error; }
 
 const char* megamoe_status_name(int32_t code) {
