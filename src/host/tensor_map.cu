@@ -54,6 +54,19 @@ Status make_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, const 
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, base, gdim, gstride, bdim, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
+Status make_bf16_rows_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, uint32_t box_rows) {
+  const uint64_t dims[2] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows > 1 ? rows : 1)};
+  const uint32_t box[2] = {64, box_rows};
+  return make_bf16_tensor_map(map, base, 2, dims, box);
+}
+
+Status make_bf16_experts_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, int64_t experts,
+                             uint32_t box_rows) {
+  const uint64_t dims[3] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows), static_cast<uint64_t>(experts)};
+  const uint32_t box[3] = {64, box_rows, 1};
+  return make_bf16_tensor_map(map, base, 3, dims, box);
+}
+
 Status make_fp32_tensor_map_2d(CUtensorMap* map, const void* base, const uint64_t* dims, uint64_t pitch,
                                const uint32_t* box) {
   if (dims[0] > pitch || (pitch * 4) % 16 != 0 || (box[0] * 4) % 16 != 0) {

@@ -15,6 +15,12 @@ namespace megamoe {
 // Out-of-range elements of a box load as zeros and are not stored.
 Status make_bf16_tensor_map(CUtensorMap* map, const void* base, int rank, const uint64_t* dims, const uint32_t* box);
 
+// The two shapes the GEMMs use: a [rows, cols] matrix in boxes of box_rows x 64 columns (rows 0 maps one row),
+// and per-expert matrices [experts, rows, cols] in boxes of box_rows x 64 columns of one expert.
+Status make_bf16_rows_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, uint32_t box_rows);
+Status make_bf16_experts_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, int64_t experts,
+                             uint32_t box_rows);
+
 // A 2-D fp32 tensor [dims[1], pitch] (dims[0] <= pitch elements used per row, pitch * 4 bytes a multiple of 16,
 // as TMA strides must be), no swizzle: boxes of box[0] x box[1] elements land as plain row-major arrays
 // (box[0] * 4 a multiple of 16). Out-of-range elements load as zeros.

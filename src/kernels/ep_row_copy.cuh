@@ -48,9 +48,9 @@ __device__ __forceinline__ void warp_copy_row(const __nv_bfloat16* __restrict__ 
   for (; i < n; i += 32) d[i] = s[i];
 }
 
+// Eight bf16 values as fp32: unpacked from one 16-byte load, stored back rounded to nearest.
 struct Bf16x8 {
   float v[8];
-  __device__ __forceinline__ void load(const __nv_bfloat16* p) { unpack(*reinterpret_cast<const uint4*>(p)); }
   __device__ __forceinline__ void unpack(const uint4& raw) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll

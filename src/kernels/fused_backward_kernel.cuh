@@ -6,11 +6,11 @@
 // dgrad GEMMs and combine compute (the same tiles, the same epilogues, the same summation orders).
 //
 // One CTA of 384 threads per SM of the rank's share, all resident (a cooperative launch). Phases:
-//   1. dispatch role (CTAs [0, comm_ctas)): every token's d_out once per destination rank (the forward's
+//   1. dispatch role (every CTA): every token's d_out once per destination rank (the forward's
 //      slots), then per destination one release of how many rows went there (rows_arrived[src]).
 //   2. every CTA: the expert-major offsets and row blocks from the counts the forward left (route_offsets)
 //      and the GEMM work in waves of experts (ExpertWaves: dgrad1 of expert e, then dgrad2 of e - 1, ...).
-//   3. arrival role (comm CTA src % comm_ctas for source src): once all of a source's d_out rows have landed,
+//   3. arrival role (CTA src % CTAs for source src): once all of a source's d_out rows have landed,
 //      its rows of every expert (a contiguous range per expert, from the forward's routing) count towards
 //      their 128-row blocks' rows_ready.
 //   4. GEMM roles (every CTA, items drawn in increasing order from a shared counter):
@@ -43,6 +43,7 @@
 #include "device/sched/expert_waves.cuh"
 #include "device/sched/schedulers.cuh"
 #include "kernels/ep_route_rows.cuh"
+#include "kernels/fused_items.cuh"
 #include "kernels/fused_roles.cuh"
 
 namespace megamoe::kernels {
@@ -53,7 +54,6 @@ struct FusedBackwardParams {
   const __nv_bfloat16* d_out;
   __nv_bfloat16* d_x;
   float* d_topk_weights;
-  int comm_ctas;   // CTAs [0, comm_ctas) dispatch and count arrivals before they join the GEMMs
   int wave_lag;    // ExpertWaves::lag
   int n_tiles[2];  // dgrad1 (over I), dgrad2 (over H)
   int k_tiles[2];  // 64-deep stages: dgrad1 over H, dgrad2 over 2I
@@ -64,48 +64,11 @@ struct FusedBackwardParams {
   uint64_t* timeline;                 // optional, diagnostics: ep::kFusedTimelineStamps per CTA
 };
 
-struct FusedBackwardConfig {
-  static constexpr int kBN = 256;
-  static constexpr int kStages = 3;
-  static constexpr int kSlots = kBN / 64;  // the SwiGLU backward stages three boxes at once
-  static constexpr int kScheduleRing = 8;
-  using Shape = device::MainloopShape<device::GemmForm::kNN, kBN, kStages, 1>;
-  using GatherLoader = device::TileLoader<Shape, true, false>;  // dgrad1
-  using TmaLoader = device::TileLoader<Shape, false, false>;    // dgrad2
-  using Waves = device::ExpertWaves<kFusedMaxExperts>;
-  using Schedule = device::DynamicSchedule<kScheduleRing>;
-  // Both GEMMs fill the same ring, so a stage counts the gathering loader's arrivals; a dgrad2 stage gets
-  // them as plain arrivals of the producer threads besides the TMA thread's.
-  static constexpr int kFullArrivals = GatherLoader::kFullArrivals;
-  static constexpr int kProducerRegs = 72;
-  static constexpr int kConsumerRegs = 216;
-  static constexpr int kRegsAtLaunch = 65536 / kFusedThreads / 8 * 8;
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kRegsAtLaunch * kFusedThreads, "register budget");
-  static constexpr int kProducerBarrier = 4;  // named barrier of the producer warpgroup (2, 3: the consumers')
-
-  struct alignas(1024) SharedStorage {
-    // The pipeline stages; before the GEMMs the same bytes hold the routing's tables.
-    union {
-      uint8_t stages[kStages][Shape::kStageBytes];
-      int32_t scratch[kStages * Shape::kStageBytes / 4];
-    };
-    uint8_t staging[2][kSlots][device::kBoxBytes];
-    uint64_t full[kStages];
-    uint64_t empty[kStages];
-    device::SliceRows slice_rows[2];
-    typename Schedule::Storage schedule;
-    typename Waves::Storage waves;
-    uint32_t sent[kFusedMaxRanks];
-    int flags[2];
-  };
-  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");
-  static constexpr int64_t kScratchBytes = kStages * Shape::kStageBytes;
-};
+using FusedBackwardConfig = FusedGemmConfig<device::GemmForm::kNN>;
 
 // ---------------------------------------------------------------- roles
 
-// Phase 3: comm CTA `cta` takes the sources src with src % comm_ctas == cta (this rank's own first). Once all
+// Phase 3: CTA `cta` takes the sources src with src % CTAs == cta (this rank's own first). Once all
 // of a source's d_out rows have landed, its rows of expert e, expert-major rows [base[src][e], + count), add
 // to the rows_ready of the blocks they fall in (one release per block and expert: the CTA's acquire of the
 // arrivals comes before it). Every source is waited for, also when nothing is counted (`count` false: the
@@ -120,7 +83,7 @@ __device__ inline void arrival_role(const FusedBackwardParams& p, const ep::Rout
   const int64_t max_rows_per_source = static_cast<int64_t>(s.max_tokens) * s.top_k;
   for (int i = 0; i < R; ++i) {
     const int src = (s.rank + i) % R;
-    if (src % p.comm_ctas != cta) continue;
+    if (src % static_cast<int>(gridDim.x) != cta) continue;
     if (source_rows_landed(L, src, true, shared) < 0 || !count) continue;
     for (int e = threadIdx.x; e < EL; e += kFusedThreads) {
       const int32_t n = counts[src * (EL + 1) + e];
@@ -145,63 +108,28 @@ __device__ void backward_producer(const CUtensorMap* tm_w2, const CUtensorMap* t
                                   const typename Cfg::Schedule& schedule, int ptid) {
   using Shape = typename Cfg::Shape;
   constexpr int kBN = Shape::kBN;
-  const ep::Params& L = p.layer;
-  const int I = L.shape.intermediate;
+  const int I = p.layer.shape.intermediate;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   typename Cfg::GatherLoader dgrad1{nullptr, tm_w2, p.dgrad1_src, {}};
   typename Cfg::TmaLoader dgrad2{tm_dh_load, tm_w13, p.dgrad2_src, {}};
-  // Gates on this rank's own arrivals and dgrad1, which always finish unless the group broke.
-  const uint32_t* rows_ready = ep::at<uint32_t>(L.local, L.layout.rows_ready);
-  const uint32_t* act_ready = ep::at<uint32_t>(L.local, L.layout.act_ready);
-  const uint32_t slices_per_block = 2u * static_cast<uint32_t>(p.n_tiles[0]);
   device::PipeState<Shape::kStages> st;
-  GateClock clock{p.timeline};
-  const int total = waves.total();
-  for (int j = 0;; ++j) {
-    const int t = ptid == 0 ? schedule.draw(j) : schedule.read(j);
-    if (t >= total) break;
-    int gemm = 0;
-    const device::TileCoord tile = waves.decode(t, &gemm);
-    ++clock.items;
-    if (ptid == 0 && tile.rows > 0) {
-      const uint64_t since = clock.start();
-      if (gemm == 0) {
-        (void)fused_wait(L, rows_ready + tile.m_block, static_cast<uint32_t>(tile.rows),
-                         ep::fused_wait_id(ep::kWaitRowBlock, tile.m_block), GiveUp::kWhenBroken, L.timeout_ns);
-      } else {
-        (void)fused_wait(L, act_ready + tile.m_block, slices_per_block,
-                         ep::fused_wait_id(ep::kWaitActBlock, tile.m_block), GiveUp::kWhenBroken, L.timeout_ns);
-      }
-      // The TMA loads (dgrad1's W2 panels and h boxes; dgrad2's dh) read what the acquire made visible.
-      cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
-      clock.stop(since);
-    }
-    device::named_barrier_sync(Cfg::kProducerBarrier, 128);
-    if (gemm == 0) {
-      dgrad1.begin_tile(tile, ptid);
-      for (int kt = 0; kt < tile.k_tiles; ++kt) {
-        pipe.producer_acquire(st);
-        dgrad1.load(pipe, st, smem.stages[st.index], tile, kt, ptid, 0);
-        st.advance();
-      }
-      // The epilogue's h, one stage per 64-column box of the tile (gate and up columns).
-      const int n0 = tile.n_idx * kBN;
-      for (int box = 0; box < kBN / 64 && n0 + box * 64 < I; ++box) {
-        pipe.producer_acquire(st);
-        dgrad1.load_epilogue_boxes(pipe, st, smem.stages[st.index], tm_h, n0 + box * 64, I + n0 + box * 64,
-                                   tile.row0, ptid);
-        st.advance();
-      }
-    } else {
-      for (int kt = 0; kt < tile.k_tiles; ++kt) {
-        pipe.producer_acquire(st);
-        dgrad2.load(pipe, st, smem.stages[st.index], tile, kt, ptid, 0);  // thread 0: TMA with its byte count
-        device::mbarrier_arrive(pipe.full_barrier(st));                   // the stage's other arrivals
-        st.advance();
-      }
-    }
-  }
-  if (ptid == 0) clock.write();
+  produce_items(p.layer, waves, schedule, 2u * static_cast<uint32_t>(p.n_tiles[0]), p.timeline,
+                Cfg::kProducerBarrier, ptid, [&](const device::TileCoord& tile, int gemm) {
+                  if (gemm != 0) {
+                    load_k_stages<true>(dgrad2, pipe, st, smem.stages, tile, ptid);
+                    return;
+                  }
+                  dgrad1.begin_tile(tile, ptid);
+                  load_k_stages<false>(dgrad1, pipe, st, smem.stages, tile, ptid);
+                  // The epilogue's h, one stage per 64-column box of the tile (gate and up columns).
+                  const int n0 = tile.n_idx * kBN;
+                  for (int box = 0; box < kBN / 64 && n0 + box * 64 < I; ++box) {
+                    pipe.producer_acquire(st);
+                    dgrad1.load_epilogue_boxes(pipe, st, smem.stages[st.index], tm_h, n0 + box * 64,
+                                               I + n0 + box * 64, tile.row0, ptid);
+                    st.advance();
+                  }
+                });
 }
 
 // Phase 4, consumer warpgroups (tid 128..383): main loop and epilogue of every item this CTA draws.
@@ -221,17 +149,6 @@ __device__ void backward_consumer(const CUtensorMap* tm_dh_store, const CUtensor
   float acc[kBN / 2];
   // (The workspace addresses below are formed where they are used, from the kernel's parameters: every
   // register counts in the SwiGLU backward's epilogue, and a pointer held through it spilled.)
-  // Each row of the slice has something home on its source (a partial, or a d_x row): one count on its token.
-  auto count_rows_home = [&](const device::SliceCoord& s) {
-    store.barrier();
-    if (lt < 64 && lt < s.valid) {
-      uint32_t* done = ep::at<uint32_t* const>(L.local, L.layout.row_signal)[s.slice0 + lt];
-      if (done != nullptr) {
-        __threadfence_system();
-        device::signal_add<device::Scope::kSystem>(done, 1u);
-      }
-    }
-  };
   for (int j = 0;; ++j) {
     const int t = schedule.read(j);
     if (t >= waves.total_now()) break;
@@ -245,20 +162,14 @@ __device__ void backward_consumer(const CUtensorMap* tm_dh_store, const CUtensor
       store.begin_tile(s.valid >= 64, p.dgrad1_epi.c, p.dgrad1_epi.aux, s.slice0, s.valid);
       device::EpilogueStages<Shape> hstages{pipe, st, smem.stages[0], 2 + cwg, lt, 0};
       device::epilogue_swiglu_grad<kBN>(acc, p.dgrad1_epi, s, cwg, tm_dh_store, tm_wa_store, store, hstages);
-      // dgrad2 loads dh through TMA: this slice's stores complete (and handed from the async proxy) first.
-      store.barrier();
-      if (lt == 0) {
-        device::tma_store_wait_all<0>();
-        cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
-        device::signal_add<device::Scope::kGpu>(
-            ep::at<uint32_t>(L.local, L.layout.act_ready) + waves.block_of(tile.e, tile.row0), 1u);
-      }
-      count_rows_home(s);  // the rows' routing-gradient partials of this tile's columns
+      publish_slice(store, ep::at<uint32_t>(L.local, L.layout.act_ready) + waves.block_of(tile.e, tile.row0),
+                    lt);                 // dh, for dgrad2
+      count_rows_home(L, store, s, lt);  // the rows' routing-gradient partials of this tile's columns
     } else {
       device::mma_tile<Shape, false>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0);
       store.begin_tile(false, p.dgrad2_epi.c, p.dgrad2_epi.aux, s.slice0, s.valid);
       device::epilogue_plain<kBN>(acc, p.dgrad2_epi, s, nullptr, store);
-      count_rows_home(s);  // the rows' d_x columns of this tile
+      count_rows_home(L, store, s, lt);  // the rows' d_x columns of this tile
     }
   }
   store.finish();
@@ -298,9 +209,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   stamp(p.timeline, ep::kStampLayout);  // (no layout: the forward's routing)
 
   // 1. dispatch d_out with the forward's slots
-  if (cta < p.comm_ctas)
-    dispatch_role(L, p.d_out, L.layout.recv_dout, static_cast<const int32_t*>(nullptr), nullptr, smem.sent, cta,
-                  p.comm_ctas);
+  dispatch_role(L, p.d_out, L.layout.recv_dout, static_cast<const int32_t*>(nullptr), nullptr, smem.sent);
   stamp(p.timeline, ep::kStampDispatch);
 
   // 2. offsets and row blocks from the forward's counts, the GEMM work
@@ -312,7 +221,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   stamp(p.timeline, ep::kStampCounts);
 
   // 3. arrivals
-  if (cta < p.comm_ctas) arrival_role(p, tables, !tables.overflow(s), cta, smem.flags);
+  arrival_role(p, tables, !tables.overflow(s), cta, smem.flags);
   stamp(p.timeline, ep::kStampRouted);
   // The tables' bytes become pipeline stages, which TMA (the async proxy) writes next.
   device::fence_proxy_async_smem();

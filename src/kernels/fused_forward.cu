@@ -1,6 +1,5 @@
 // Host side of the fused kernels: shape checks, tensor maps of their two GEMMs, the kernels' parameters and
-// their cooperative launches (one CTA per SM of the rank's share; the first comm_ctas of them dispatch and
-// route, or count arrivals, first).
+// their cooperative launches (one CTA per SM of the rank's share).
 #include <algorithm>
 #include <string>
 
@@ -21,31 +20,11 @@ constexpr int kBN = FusedForwardConfig::kBN;
 constexpr int kBM = FusedForwardConfig::Shape::kBM;
 constexpr int kBK = FusedForwardConfig::Shape::kBK;
 
-// Every CTA dispatches and routes before it joins the GEMMs. A GEMM1 tile needs rows from every source, and a
-// source's rows count once all of them have landed, so the GEMMs wait for the dispatch whoever runs it; one
-// CTA in 16 took 0.70 ms to dispatch 16384 tokens of 4 KB at R = 1 (docs/PERF.md, run 24), every CTA moves
-// them at the copy rate of the whole share.
-int comm_ctas_for(int ctas) { return ctas; }
-
-Status map_rows(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, uint32_t box_rows) {
-  const uint64_t dims[2] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(std::max<int64_t>(rows, 1))};
-  const uint32_t box[2] = {64, box_rows};
-  return make_bf16_tensor_map(map, base, 2, dims, box);
-}
-
-// Expert weights [E_local, rows, cols] in boxes of box_rows rows x 64 columns: K-major panels of BN / 2 rows
-// (the forward's B), or 64 x 64 boxes of an N-major B (the backward's, whose rows are the reduction).
-Status map_experts(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, int64_t experts, uint32_t box_rows) {
-  const uint64_t dims[3] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows), static_cast<uint64_t>(experts)};
-  const uint32_t box[3] = {64, box_rows, 1};
-  return make_bf16_tensor_map(map, base, 3, dims, box);
-}
-
 // A cooperative launch: the CTAs wait on each other (grid barriers, readiness counters), so either all of them
-// are resident at once or the launch fails with an error, instead of spinning until the timeout.
+// are resident at once or the launch fails with an error, instead of spinning until the timeout. (The kernel's
+// shared memory size was set once, by load_fused_forward_kernels.)
 template <class Kernel, class... Args>
 Status launch_cooperative(Kernel kernel, int ctas, int smem, cudaStream_t stream, const Args&... args) {
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeCooperative;
@@ -89,11 +68,11 @@ Status launch_fused_forward(const Params& p, const FusedForwardArgs& a, int max_
   auto* h = reinterpret_cast<__nv_bfloat16*>(w + p.layout.h);
 
   CUtensorMap tm_w13{}, tm_a_load{}, tm_w2{}, tm_a_store{}, tm_h_store{};
-  MEGAMOE_RETURN_IF_ERROR(map_experts(&tm_w13, a.w13, H, 2 * I, EL, kBN / 2));
-  MEGAMOE_RETURN_IF_ERROR(map_experts(&tm_w2, a.w2, I, H, EL, kBN / 2));
-  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_a_load, act, I, C, kBM));
-  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_a_store, act, I, C, 64));
-  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_h_store, h, 2 * I, C, 64));
+  MEGAMOE_RETURN_IF_ERROR(make_bf16_experts_map(&tm_w13, a.w13, H, 2 * I, EL, kBN / 2));
+  MEGAMOE_RETURN_IF_ERROR(make_bf16_experts_map(&tm_w2, a.w2, I, H, EL, kBN / 2));
+  MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&tm_a_load, act, I, C, kBM));
+  MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&tm_a_store, act, I, C, 64));
+  MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&tm_h_store, h, 2 * I, C, 64));
 
   FusedForwardParams k{};
   k.layer = p;
@@ -103,7 +82,6 @@ Status launch_fused_forward(const Params& p, const FusedForwardArgs& a, int max_
   k.out = a.out;
   k.timeline = a.timeline;
   const int ctas = std::max(1, max_blocks);
-  k.comm_ctas = comm_ctas_for(ctas);
   k.layout_blocks = layout_blocks(p.num_tokens, ctas);
   k.wave_lag = 1;
   k.n_tiles[0] = static_cast<int>(2 * I / kBN);
@@ -111,8 +89,7 @@ Status launch_fused_forward(const Params& p, const FusedForwardArgs& a, int max_
   k.k_tiles[0] = static_cast<int>((H + kBK - 1) / kBK);
   k.k_tiles[1] = static_cast<int>((I + kBK - 1) / kBK);
   // GEMM1: x rows gathered from the receive slabs; each tile loads matching gate and up half panels of W13.
-  k.gemm1_src.a = device::GatherOperand{recv_x, H, reinterpret_cast<const int32_t*>(w + p.layout.row_src),
-                                        static_cast<int>(source_rows), static_cast<int>(H)};
+  k.gemm1_src.a = device::gathered_rows(recv_x, H, reinterpret_cast<const int32_t*>(w + p.layout.row_src), source_rows);
   k.gemm1_src.b_row_step = kBN / 2;
   k.gemm1_src.b_half_offset = static_cast<int>(I);
   k.gemm1_epi.c = device::OutputRows{act, I, nullptr, nullptr};
@@ -157,12 +134,12 @@ Status launch_fused_backward(const Params& p, const FusedBackwardArgs& a, int ma
   // the epilogue; dh [C, 2I] and w * a [C, I] stored in 64 x 64 boxes. dgrad2: dx = dh W13 with dh in boxes of
   // 128 rows and W13 [E, 2I, H] N-major.
   CUtensorMap tm_w2{}, tm_h{}, tm_dh_store{}, tm_wa_store{}, tm_dh_load{}, tm_w13{};
-  MEGAMOE_RETURN_IF_ERROR(map_experts(&tm_w2, a.w2, I, H, EL, 64));
-  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_h, h, 2 * I, C, kBM));
-  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_dh_store, dh, 2 * I, C, 64));
-  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_wa_store, act, I, C, 64));
-  MEGAMOE_RETURN_IF_ERROR(map_rows(&tm_dh_load, dh, 2 * I, C, kBM));
-  MEGAMOE_RETURN_IF_ERROR(map_experts(&tm_w13, a.w13, H, 2 * I, EL, 64));
+  MEGAMOE_RETURN_IF_ERROR(make_bf16_experts_map(&tm_w2, a.w2, I, H, EL, 64));
+  MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&tm_h, h, 2 * I, C, kBM));
+  MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&tm_dh_store, dh, 2 * I, C, 64));
+  MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&tm_wa_store, act, I, C, 64));
+  MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&tm_dh_load, dh, 2 * I, C, kBM));
+  MEGAMOE_RETURN_IF_ERROR(make_bf16_experts_map(&tm_w13, a.w13, H, 2 * I, EL, 64));
 
   FusedBackwardParams k{};
   k.layer = p;
@@ -171,7 +148,6 @@ Status launch_fused_backward(const Params& p, const FusedBackwardArgs& a, int ma
   k.d_topk_weights = a.d_topk_weights;
   k.timeline = a.timeline;
   const int ctas = std::max(1, max_blocks);
-  k.comm_ctas = comm_ctas_for(ctas);
   k.wave_lag = 1;
   k.n_tiles[0] = static_cast<int>((I + kBN - 1) / kBN);
   k.n_tiles[1] = static_cast<int>((H + kBN - 1) / kBN);
@@ -182,8 +158,8 @@ Status launch_fused_backward(const Params& p, const FusedBackwardArgs& a, int ma
     return Status(StatusCode::kInternal, "fused backward: dgrad1 has " + std::to_string(k.n_tiles[0]) +
                                              " n-tiles but the workspace holds " + std::to_string(s.dot_parts) +
                                              " routing-gradient partials per slot");
-  k.dgrad1_src.a = device::GatherOperand{recv_dout, H, reinterpret_cast<const int32_t*>(w + p.layout.row_src),
-                                         static_cast<int>(source_rows), static_cast<int>(H)};
+  k.dgrad1_src.a = device::gathered_rows(recv_dout, H, reinterpret_cast<const int32_t*>(w + p.layout.row_src),
+                                         source_rows);
   k.dgrad1_epi.c = device::OutputRows{dh, 2 * I, nullptr, nullptr};
   k.dgrad1_epi.aux = device::OutputRows{act, I, nullptr, nullptr};
   k.dgrad1_epi.c_cols = static_cast<int>(2 * I);
@@ -202,11 +178,20 @@ Status launch_fused_backward(const Params& p, const FusedBackwardArgs& a, int ma
   return Status::ok();
 }
 
+// At the layer's creation: every fused kernel loaded (lazy loading would make a first launch wait for running
+// kernels, which may be peers spinning on this rank) and given its shared memory once, not per launch.
 Status load_fused_forward_kernels() {
   cudaFuncAttributes attributes{};
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernels::fused_forward_kernel<int64_t>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernels::fused_forward_kernel<int32_t>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kernels::fused_backward_kernel));
+  constexpr auto kSmem = cudaFuncAttributeMaxDynamicSharedMemorySize;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernels::fused_forward_kernel<int64_t>, kSmem, FusedForwardConfig::kSmemBytes));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernels::fused_forward_kernel<int32_t>, kSmem, FusedForwardConfig::kSmemBytes));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernels::fused_backward_kernel, kSmem, kernels::FusedBackwardConfig::kSmemBytes));
   return Status::ok();
 }
 

@@ -61,6 +61,7 @@ Status launch_fused_forward(const Params& p, const FusedForwardArgs& args, int m
 // shapes as the fused forward (check_fused_forward_shape).
 Status launch_fused_backward(const Params& p, const FusedBackwardArgs& args, int max_blocks, cudaStream_t stream);
 
+// Loads the fused kernels and sets their shared memory size; the layer calls it at creation, before any launch.
 Status load_fused_forward_kernels();
 
 }  // namespace megamoe::ep

@@ -7,15 +7,14 @@
 //
 // One CTA of 384 threads per SM of the rank's share, all resident. Phases (grid: GridBarrier):
 //   1. layout_count, grid barrier, layout_assign: counts to every receiver, each signalled (counts_arrived).
-//   2. dispatch role (CTAs [0, comm_ctas)): every token once per destination rank; then per destination one
+//   2. dispatch role (every CTA): every token once per destination rank; then per destination one
 //      release of how many token rows went there (rows_arrived[src] on the receiver).
 //   3. every CTA: waits for the counts of all R sources, derives the expert-major offsets and row blocks
 //      (route_offsets) and numbers the GEMM work (ExpertWaves: GEMM1 of expert e, then GEMM2 of e - 1, ...).
-//   4. route role (CTAs [0, comm_ctas)): per source, as soon as its token rows have all landed, the tables
+//   4. route role (every CTA): per source, as soon as its token rows have all landed, the tables
 //      of its rows (row_src, row_weight, row_dest, row_dot_dest, and row_signal: the token's counter on the
 //      source), each row adding 1 to its 128-row block's rows_ready.
-//   5. GEMM roles (every CTA, taking items in increasing order from a shared counter, the comm CTAs once
-//      they are done routing): producer warpgroup (gathered x rows for GEMM1 once their block is routed,
+//   5. GEMM roles (every CTA, taking items in increasing order from a shared counter): producer warpgroup (gathered x rows for GEMM1 once their block is routed,
 //      TMA loads of a for GEMM2 once every GEMM1 slice of the block has stored it), two consumer
 //      warpgroups (wgmma; GEMM1: SwiGLU epilogue storing a and h, then act_ready[block] += 1 per slice;
 //      GEMM2: y rows straight into their combine slots on the source ranks, then per row token_done += 1
@@ -49,6 +48,7 @@
 #include "kernels/ep_layout.cuh"
 #include "kernels/ep_route_rows.cuh"
 #include "kernels/fused_forward.hpp"
+#include "kernels/fused_items.cuh"
 #include "kernels/fused_roles.cuh"
 
 namespace megamoe::kernels {
@@ -60,7 +60,6 @@ struct FusedForwardParams {
   const void* topk_idx;  // int64 or int32, as the kernel's Index
   const float* topk_weights;
   __nv_bfloat16* out;
-  int comm_ctas;      // CTAs [0, comm_ctas) dispatch and route before they join the GEMMs
   int layout_blocks;  // CTAs [0, layout_blocks) number the tokens
   int wave_lag;       // ExpertWaves::lag
   int n_tiles[2];     // GEMM1 (over 2I), GEMM2 (over H)
@@ -73,44 +72,7 @@ struct FusedForwardParams {
 };
 
 
-struct FusedForwardConfig {
-  static constexpr int kBN = 256;
-  static constexpr int kStages = 3;
-  static constexpr int kSlots = kBN / 64;  // TMA stores of a whole 64 x BN slice (GEMM1); GEMM2 uses the threads
-  static constexpr int kScheduleRing = 8;
-  using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, 1>;
-  using GatherLoader = device::TileLoader<Shape, true, false>;  // GEMM1
-  using TmaLoader = device::TileLoader<Shape, false, false>;    // GEMM2
-  using Waves = device::ExpertWaves<kFusedMaxExperts>;
-  using Schedule = device::DynamicSchedule<kScheduleRing>;
-  // Both GEMMs fill the same ring, so a stage counts the gathering loader's arrivals; a GEMM2 stage gets
-  // them as plain arrivals of the producer threads besides the TMA thread's.
-  static constexpr int kFullArrivals = GatherLoader::kFullArrivals;
-  static constexpr int kProducerRegs = 72;
-  static constexpr int kConsumerRegs = 216;
-  static constexpr int kRegsAtLaunch = 65536 / kFusedThreads / 8 * 8;
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kRegsAtLaunch * kFusedThreads, "register budget");
-  static constexpr int kProducerBarrier = 4;  // named barrier of the producer warpgroup (2, 3: the consumers')
-
-  struct alignas(1024) SharedStorage {
-    // The pipeline stages; before the GEMMs the same bytes hold the layout's and the routing's tables.
-    union {
-      uint8_t stages[kStages][Shape::kStageBytes];
-      int32_t scratch[kStages * Shape::kStageBytes / 4];
-    };
-    uint8_t staging[2][kSlots][device::kBoxBytes];
-    uint64_t full[kStages];
-    uint64_t empty[kStages];
-    device::SliceRows slice_rows[2];
-    typename Schedule::Storage schedule;
-    typename Waves::Storage waves;
-    uint32_t sent[kFusedMaxRanks];
-    int flags[2];  // a CTA's shared decisions: [0] a wait's outcome, [1] a peer-written count
-  };
-  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");
-  static constexpr int64_t kScratchBytes = kStages * Shape::kStageBytes;
-};
+using FusedForwardConfig = FusedGemmConfig<device::GemmForm::kNT>;
 
 // ---------------------------------------------------------------- roles
 
@@ -129,7 +91,7 @@ __device__ inline void route_role(const FusedForwardParams& p, const ep::RouteTa
     if (tokens < 0 || !route) continue;
     bool ok = true;
     for (int64_t slot = static_cast<int64_t>(cta) * kFusedThreads + threadIdx.x; slot < tokens;
-         slot += static_cast<int64_t>(p.comm_ctas) * kFusedThreads) {
+         slot += static_cast<int64_t>(gridDim.x) * kFusedThreads) {
       ok &= ep::route_item(L, t, static_cast<int64_t>(src) * s.max_tokens + slot,
                            [&](int64_t row, int e, int64_t, int) {
                              // Release: the row's tables (and, through this CTA's acquire above, its landed x
@@ -148,57 +110,19 @@ __device__ void gemm_producer(const CUtensorMap* tm_w13, const CUtensorMap* tm_a
                               const FusedForwardParams& p, typename Cfg::SharedStorage& smem,
                               const typename Cfg::Waves& waves, const typename Cfg::Schedule& schedule, int ptid) {
   using Shape = typename Cfg::Shape;
-  const ep::Params& L = p.layer;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   typename Cfg::GatherLoader gemm1{nullptr, tm_w13, p.gemm1_src, {}};
   typename Cfg::TmaLoader gemm2{tm_a_load, tm_w2, p.gemm2_src, {}};
-  // The gates wait for this rank's own routing and GEMM1, which always finish unless the group broke: they
-  // do not give up on a recorded error (a tile loaded before its rows are routed would store through the
-  // previous call's row pointers).
-  const uint32_t* rows_ready = ep::at<uint32_t>(L.local, L.layout.rows_ready);
-  const uint32_t* act_ready = ep::at<uint32_t>(L.local, L.layout.act_ready);
-  const uint32_t slices_per_block = 2u * static_cast<uint32_t>(p.n_tiles[0]);
   device::PipeState<Shape::kStages> st;
-  GateClock clock{p.timeline};
-  const int total = waves.total();
-  for (int j = 0;; ++j) {
-    const int t = ptid == 0 ? schedule.draw(j) : schedule.read(j);
-    if (t >= total) break;
-    int gemm = 0;
-    const device::TileCoord tile = waves.decode(t, &gemm);
-    ++clock.items;
-    // One thread waits for the tile's rows; the barrier then orders every producer thread's loads after it
-    // (the TMA loads of GEMM2 through the proxy fence: the async proxy reads what the acquire made visible).
-    if (ptid == 0 && tile.rows > 0) {
-      const uint64_t since = clock.start();
-      if (gemm == 0) {
-        (void)fused_wait(L, rows_ready + tile.m_block, static_cast<uint32_t>(tile.rows),
-                         ep::fused_wait_id(ep::kWaitRowBlock, tile.m_block), GiveUp::kWhenBroken, L.timeout_ns);
-      } else {
-        (void)fused_wait(L, act_ready + tile.m_block, slices_per_block,
-                         ep::fused_wait_id(ep::kWaitActBlock, tile.m_block), GiveUp::kWhenBroken, L.timeout_ns);
-        cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
-      }
-      clock.stop(since);
-    }
-    device::named_barrier_sync(Cfg::kProducerBarrier, 128);
-    if (gemm == 0) {
-      gemm1.begin_tile(tile, ptid);
-      for (int kt = 0; kt < tile.k_tiles; ++kt) {
-        pipe.producer_acquire(st);
-        gemm1.load(pipe, st, smem.stages[st.index], tile, kt, ptid, 0);
-        st.advance();
-      }
-    } else {
-      for (int kt = 0; kt < tile.k_tiles; ++kt) {
-        pipe.producer_acquire(st);
-        gemm2.load(pipe, st, smem.stages[st.index], tile, kt, ptid, 0);  // thread 0: TMA with its byte count
-        device::mbarrier_arrive(pipe.full_barrier(st));                  // the stage's other arrivals
-        st.advance();
-      }
-    }
-  }
-  if (ptid == 0) clock.write();
+  produce_items(p.layer, waves, schedule, 2u * static_cast<uint32_t>(p.n_tiles[0]), p.timeline,
+                Cfg::kProducerBarrier, ptid, [&](const device::TileCoord& tile, int gemm) {
+                  if (gemm == 0) {
+                    gemm1.begin_tile(tile, ptid);
+                    load_k_stages<false>(gemm1, pipe, st, smem.stages, tile, ptid);
+                  } else {
+                    load_k_stages<true>(gemm2, pipe, st, smem.stages, tile, ptid);
+                  }
+                });
 }
 
 // Phase 5, consumer warpgroups (tid 128..383): main loop and epilogue of every item this CTA draws.
@@ -214,8 +138,6 @@ __device__ void gemm_consumer(const CUtensorMap* tm_a_store, const CUtensorMap* 
   const int lt = tid & 127;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   device::BoxStore<Cfg::kSlots, true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
-  uint32_t* act_ready = ep::at<uint32_t>(L.local, L.layout.act_ready);
-  uint32_t* const* row_signal = ep::at<uint32_t*>(L.local, L.layout.row_signal);
   device::PipeState<Shape::kStages> st;
   float acc[kBN / 2];
   for (int j = 0;; ++j) {
@@ -230,27 +152,12 @@ __device__ void gemm_consumer(const CUtensorMap* tm_a_store, const CUtensorMap* 
       // a and h are contiguous: whole slices leave through TMA, a partial one through the threads.
       store.begin_tile(s.valid >= 64, p.gemm1_epi.c, p.gemm1_epi.aux, s.slice0, s.valid);
       device::epilogue_swiglu<kBN>(acc, p.gemm1_epi, s, tm_a_store, tm_h_store, store);
-      // GEMM2 loads a through TMA: this slice's stores must be complete (and handed from the async proxy)
-      // before the release that counts them.
-      store.barrier();
-      if (lt == 0) {
-        device::tma_store_wait_all<0>();
-        cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
-        device::signal_add<device::Scope::kGpu>(act_ready + tile.m_block, 1u);
-      }
+      publish_slice(store, ep::at<uint32_t>(L.local, L.layout.act_ready) + tile.m_block, lt);  // a, for GEMM2
     } else {
       device::mma_tile<Shape, false>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0);
       store.begin_tile(false, p.gemm2_epi.c, p.gemm2_epi.aux, s.slice0, s.valid);
       device::epilogue_plain<kBN>(acc, p.gemm2_epi, s, nullptr, store);
-      // Each row of the slice is home (this warpgroup's threads stored it): one count on its token.
-      store.barrier();
-      if (lt < 64 && lt < s.valid) {
-        uint32_t* done = row_signal[s.slice0 + lt];
-        if (done != nullptr) {
-          __threadfence_system();
-          device::signal_add<device::Scope::kSystem>(done, 1u);
-        }
-      }
+      count_rows_home(L, store, s, lt);  // the rows' y columns of this tile
     }
   }
   store.finish();
@@ -294,8 +201,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   stamp(p.timeline, ep::kStampLayout);
 
   // 2. dispatch
-  if (cta < p.comm_ctas)
-    dispatch_role(L, p.x, L.layout.recv_x, idx, p.topk_weights, smem.sent, cta, p.comm_ctas);
+  dispatch_role(L, p.x, L.layout.recv_x, idx, p.topk_weights, smem.sent);
   stamp(p.timeline, ep::kStampDispatch);
 
   // 3. every source's counts -> offsets, row blocks, the GEMM work
@@ -311,7 +217,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   stamp(p.timeline, ep::kStampCounts);
 
   // 4. route
-  if (cta < p.comm_ctas) route_role(p, tables, !tables.overflow(s), cta, smem.flags);
+  route_role(p, tables, !tables.overflow(s), cta, smem.flags);
   stamp(p.timeline, ep::kStampRouted);
   // The tables' bytes become pipeline stages, which TMA (the async proxy) writes next.
   device::fence_proxy_async_smem();

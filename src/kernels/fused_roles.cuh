@@ -64,17 +64,20 @@ __device__ __forceinline__ bool cta_wait(const ep::Params& L, const T* counter, 
 // ---------------------------------------------------------------- roles
 
 // This rank's token rows to their destination ranks (`rows` into the receive buffer at `recv_buffer`; with
-// `weights`, the forward, also the routing), one warp per token over the comm_ctas CTAs, then one release
-// per destination of the token rows sent there (its rows_arrived[this rank]). sent: shared memory, R entries.
+// `weights`, the forward, also the routing), one warp per token over every CTA, then one release per
+// destination of the token rows sent there (its rows_arrived[this rank]). sent: shared memory, R entries.
+// Every CTA takes part: the GEMMs wait for the rows whoever moves them (a first-GEMM tile needs rows from every
+// source, counted once all of a source's rows have landed), and one CTA in 16 took 0.70 ms to dispatch 16384
+// tokens of 4 KB at R = 1 (docs/PERF.md, run 24).
 template <typename Index>
 __device__ void dispatch_role(const ep::Params& L, const __nv_bfloat16* rows, int64_t recv_buffer, const Index* idx,
-                              const float* weights, uint32_t* sent, int cta, int comm_ctas) {
+                              const float* weights, uint32_t* sent) {
   const int R = L.shape.num_ranks;
   for (int d = threadIdx.x; d < R; d += kFusedThreads) sent[d] = 0;
   __syncthreads();
   const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(comm_ctas) * kFusedWarps;
-  for (int64_t t = static_cast<int64_t>(cta) * kFusedWarps + threadIdx.x / 32; t < L.num_tokens; t += warps)
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kFusedWarps;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kFusedWarps + threadIdx.x / 32; t < L.num_tokens; t += warps)
     ep::dispatch_token(L, rows, recv_buffer, idx, weights, t, lane, sent);
   __syncthreads();
   for (int d = threadIdx.x; d < R; d += kFusedThreads) {

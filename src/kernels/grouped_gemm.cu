@@ -88,25 +88,6 @@ Status check_gather(const int32_t* rows, int64_t source_rows, const char* which)
   return Status::ok();
 }
 
-// A gathered operand's source, or an empty one (the operand goes through TMA).
-device::GatherOperand gather_source(const __nv_bfloat16* base, int64_t cols, const int32_t* rows, int64_t source_rows) {
-  device::GatherOperand g{};
-  if (rows == nullptr) return g;
-  g.base = base;
-  g.ld = cols;
-  g.index = rows;
-  g.source_rows = static_cast<int>(source_rows);
-  g.cols = static_cast<int>(cols);
-  return g;
-}
-
-// 2-D map of a [rows, cols] bf16 tensor in boxes of box_rows x 64 columns.
-Status map_2d(CUtensorMap* map, const void* base, int64_t cols, int64_t rows, uint32_t box_rows) {
-  const uint64_t dims[2] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(std::max<int64_t>(rows, 1))};
-  const uint32_t box[2] = {64, box_rows};
-  return make_bf16_tensor_map(map, base, 2, dims, box);
-}
-
 GemmKernelParams base_params(const int32_t* group_offsets, int num_groups, int64_t max_rows, int M, int N, int K,
                              const GemmTuning& tuning) {
   GemmKernelParams p{};
@@ -169,7 +150,7 @@ Status m_grouped(MForm form, const __nv_bfloat16* A, const __nv_bfloat16* B, __n
       e.up_offset = N;
       e.dot_rows = epi.row_dots;
       // h reaches the epilogue through the pipeline, in the boxes of 64 columns x 128 rows TMA loads.
-      MEGAMOE_RETURN_IF_ERROR(map_2d(&l.h, epi.h_in, 2 * int64_t{N}, max_rows, kBM));
+      MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&l.h, epi.h_in, 2 * int64_t{N}, max_rows, kBM));
       break;
     default:
       if (epi.aux_out != nullptr) return Status::invalid("aux_out is only written by the SwiGLU epilogues");
@@ -181,30 +162,26 @@ Status m_grouped(MForm form, const __nv_bfloat16* A, const __nv_bfloat16* B, __n
   e.aux_cols = static_cast<int>(ld_aux);
 
   if (l.gather_a) {
-    p.src.a = gather_source(A, K, gather.a_rows, gather.a_source_rows);
+    p.src.a = device::gathered_rows(A, K, gather.a_rows, gather.a_source_rows);
   } else {
-    MEGAMOE_RETURN_IF_ERROR(map_2d(&l.a, A, K, max_rows, kBM));
+    MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&l.a, A, K, max_rows, kBM));
   }
   // TMA stores: C (and aux) as [max_rows, width] row-major, in 64 x 64 boxes. Without scatter or row
   // pointers C has exactly max_rows rows (the contract); otherwise the thread path is taken.
   if (l.tuning.store == GemmStoreMode::kTmaTile && contiguous) {
-    MEGAMOE_RETURN_IF_ERROR(map_2d(&l.c, C, ldc, max_rows, 64));
-    if (epi.aux_out != nullptr) MEGAMOE_RETURN_IF_ERROR(map_2d(&l.aux, epi.aux_out, ld_aux, max_rows, 64));
+    MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&l.c, C, ldc, max_rows, 64));
+    if (epi.aux_out != nullptr) MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&l.aux, epi.aux_out, ld_aux, max_rows, 64));
     p.tma_store = 1;
   }
   if (form == MForm::kNT) {
-    const uint64_t dims_b[3] = {static_cast<uint64_t>(K), static_cast<uint64_t>(N), static_cast<uint64_t>(num_groups)};
     // The B panel of a tile comes in two halves of BN / 2 rows (each CTA of a 2-CTA cluster loads one):
     // rows n * BN and n * BN + BN / 2, or for SwiGLU the gate rows n * BN / 2 and the up rows I + n * BN / 2.
-    const uint32_t box_b[3] = {64, static_cast<uint32_t>(BN / 2), 1};
-    MEGAMOE_RETURN_IF_ERROR(make_bf16_tensor_map(&l.b, B, 3, dims_b, box_b));
+    MEGAMOE_RETURN_IF_ERROR(make_bf16_experts_map(&l.b, B, K, N, num_groups, static_cast<uint32_t>(BN / 2)));
     const bool swiglu = epi.activation == GemmActivation::kSwiGLU;
     p.src.b_row_step = swiglu ? BN / 2 : BN;
     p.src.b_half_offset = swiglu ? N / 2 : BN / 2;
   } else {
-    const uint64_t dims_b[3] = {static_cast<uint64_t>(N), static_cast<uint64_t>(K), static_cast<uint64_t>(num_groups)};
-    const uint32_t box_b[3] = {64, 64, 1};
-    MEGAMOE_RETURN_IF_ERROR(make_bf16_tensor_map(&l.b, B, 3, dims_b, box_b));
+    MEGAMOE_RETURN_IF_ERROR(make_bf16_experts_map(&l.b, B, N, K, num_groups, 64));
   }
   if (ready.counters != nullptr) {
     if (ready.error == nullptr || ready.timeout_ns == 0) {
@@ -261,14 +238,14 @@ Status grouped_gemm_tn(const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
   // Work items of form 3 are as long as their expert's rows: hand out the longest first.
   p.longest_first = tuning.work_counter != nullptr ? 1 : 0;
   if (l.gather_a) {
-    p.src.a = gather_source(A, M, gather.a_rows, gather.a_source_rows);
+    p.src.a = device::gathered_rows(A, M, gather.a_rows, gather.a_source_rows);
   } else {
-    MEGAMOE_RETURN_IF_ERROR(map_2d(&l.a, A, M, max_rows, 64));
+    MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&l.a, A, M, max_rows, 64));
   }
   if (l.gather_b) {
-    p.src.b = gather_source(B, N, gather.b_rows, gather.b_source_rows);
+    p.src.b = device::gathered_rows(B, N, gather.b_rows, gather.b_source_rows);
   } else {
-    MEGAMOE_RETURN_IF_ERROR(map_2d(&l.b, B, N, max_rows, 64));
+    MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&l.b, B, N, max_rows, 64));
   }
   return launch_grouped_gemm_tn(l, stream);
 }

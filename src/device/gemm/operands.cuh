@@ -29,6 +29,12 @@ struct GatherOperand {
   int cols;                // the source's width: columns at or past it load as zeros
 };
 
+// Rows of a [source_rows, cols] bf16 matrix gathered through `rows`; no rows: a TMA operand (all zero).
+inline GatherOperand gathered_rows(const __nv_bfloat16* base, int64_t cols, const int32_t* rows, int64_t source_rows) {
+  if (rows == nullptr) return GatherOperand{};
+  return GatherOperand{base, cols, rows, static_cast<int>(source_rows), static_cast<int>(cols)};
+}
+
 __device__ __forceinline__ int gather_row(const GatherOperand& g, int r) {
   return min(max(g.index[r], 0), max(g.source_rows - 1, 0));
 }

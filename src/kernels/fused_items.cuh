@@ -1,0 +1,154 @@
+// The GEMM phase both fused kernels share: the producer warpgroup's walk over the items its CTA draws, each
+// behind its readiness gate, and the consumers' hand-overs after an item's epilogue (a first-GEMM slice
+// published for the second GEMM's TMA loads; the rows that reached their source counted on their tokens).
+// Each kernel supplies what differs: the loaders of its two GEMMs and its epilogues.
+#pragma once
+
+#include <cuda/ptx>
+
+#include <cstdint>
+
+#include "comm/ep_workspace.hpp"
+#include "device/comm/signal.cuh"
+#include "device/epilogue/box_store.cuh"
+#include "device/epilogue/epilogues.cuh"
+#include "device/gemm/operands.cuh"
+#include "device/gemm/shape.cuh"
+#include "device/pipeline.cuh"
+#include "device/ptx/sync.cuh"
+#include "device/ptx/tma.cuh"
+#include "device/sched/expert_waves.cuh"
+#include "device/sched/grouped_tiles.cuh"
+#include "device/sched/schedulers.cuh"
+#include "kernels/fused_roles.cuh"
+
+namespace megamoe::kernels {
+
+// The GEMM configuration of both fused kernels, by the form of their GEMMs (the forward's are NT, the
+// backward's dgrads NN): 128 x 256 tiles, 3 stages, the first GEMM's A gathered, the second's through TMA,
+// one ring for both, and the shared memory both kernels lay out the same way.
+template <device::GemmForm kForm>
+struct FusedGemmConfig {
+  static constexpr int kBN = 256;
+  static constexpr int kStages = 3;
+  static constexpr int kSlots = kBN / 64;  // a whole 64 x BN slice through TMA stores (also the SwiGLU
+                                           // backward's three boxes at once)
+  static constexpr int kScheduleRing = 8;
+  using Shape = device::MainloopShape<kForm, kBN, kStages, 1>;
+  using GatherLoader = device::TileLoader<Shape, true, false>;  // the first GEMM
+  using TmaLoader = device::TileLoader<Shape, false, false>;    // the second GEMM
+  using Waves = device::ExpertWaves<kFusedMaxExperts>;
+  using Schedule = device::DynamicSchedule<kScheduleRing>;
+  // Both GEMMs fill the same ring, so a stage counts the gathering loader's arrivals; a second-GEMM stage gets
+  // them as plain arrivals of the producer threads besides the TMA thread's.
+  static constexpr int kFullArrivals = GatherLoader::kFullArrivals;
+  static constexpr int kProducerRegs = 72;
+  static constexpr int kConsumerRegs = 216;
+  static constexpr int kRegsAtLaunch = 65536 / kFusedThreads / 8 * 8;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kRegsAtLaunch * kFusedThreads, "register budget");
+  static constexpr int kProducerBarrier = 4;  // named barrier of the producer warpgroup (2, 3: the consumers')
+
+  struct alignas(1024) SharedStorage {
+    // The pipeline stages; before the GEMMs the same bytes hold the layout's and the routing's tables.
+    union {
+      uint8_t stages[kStages][Shape::kStageBytes];
+      int32_t scratch[kStages * Shape::kStageBytes / 4];
+    };
+    uint8_t staging[2][kSlots][device::kBoxBytes];
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+    device::SliceRows slice_rows[2];
+    typename Schedule::Storage schedule;
+    typename Waves::Storage waves;
+    uint32_t sent[kFusedMaxRanks];
+    int flags[2];  // a CTA's shared decisions: [0] a wait's outcome, [1] a peer-written count
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");
+  static constexpr int64_t kScratchBytes = kStages * Shape::kStageBytes;
+};
+
+// Producer warpgroup (ptid 0..127): every item the CTA draws, in the schedule's order. Thread 0 draws it and
+// waits at its gate: a first-GEMM item (gemm 0) until rows_ready[block] holds the block's rows, a second-GEMM
+// item until act_ready[block] holds every first-GEMM slice of the block (slices_per_block). The gates wait for
+// this rank's own routing and first GEMM, which always finish unless the group broke, so they do not give up
+// on a recorded error (a tile loaded before its rows are routed would store through the previous call's row
+// pointers). The warpgroup then meets (named barrier `barrier_id`) and load(tile, gemm) fills the item's
+// stages. timeline: the diagnostics of GateClock, if any.
+template <class Waves, class Schedule, class Load>
+__device__ __forceinline__ void produce_items(const ep::Params& L, const Waves& waves, const Schedule& schedule,
+                                              uint32_t slices_per_block, uint64_t* timeline, int barrier_id, int ptid,
+                                              Load&& load) {
+  const uint32_t* rows_ready = ep::at<uint32_t>(L.local, L.layout.rows_ready);
+  const uint32_t* act_ready = ep::at<uint32_t>(L.local, L.layout.act_ready);
+  GateClock clock{timeline};
+  const int total = waves.total();
+  for (int j = 0;; ++j) {
+    const int t = ptid == 0 ? schedule.draw(j) : schedule.read(j);
+    if (t >= total) break;
+    int gemm = 0;
+    const device::TileCoord tile = waves.decode(t, &gemm);
+    ++clock.items;
+    if (ptid == 0 && tile.rows > 0) {
+      const uint64_t since = clock.start();
+      if (gemm == 0) {
+        (void)fused_wait(L, rows_ready + tile.m_block, static_cast<uint32_t>(tile.rows),
+                         ep::fused_wait_id(ep::kWaitRowBlock, tile.m_block), GiveUp::kWhenBroken, L.timeout_ns);
+      } else {
+        (void)fused_wait(L, act_ready + tile.m_block, slices_per_block,
+                         ep::fused_wait_id(ep::kWaitActBlock, tile.m_block), GiveUp::kWhenBroken, L.timeout_ns);
+      }
+      // The TMA loads behind the gate (the async proxy) read what the acquire made visible.
+      cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+      clock.stop(since);
+    }
+    // Every producer thread's loads of the item come after the gate.
+    device::named_barrier_sync(barrier_id, 128);
+    load(tile, gemm);
+  }
+  if (ptid == 0) clock.write();
+}
+
+// A tile's K stages through `loader` into the ring. kPlainArrivals: the loader fills a stage from one TMA
+// thread (with its byte count) while the ring counts the gathering loader's arrivals, so every producer thread
+// adds a plain one.
+template <bool kPlainArrivals, class Loader, class Pipe, class State, class Stages>
+__device__ __forceinline__ void load_k_stages(Loader& loader, const Pipe& pipe, State& st, Stages& stages,
+                                              const device::TileCoord& tile, int ptid) {
+  for (int kt = 0; kt < tile.k_tiles; ++kt) {
+    pipe.producer_acquire(st);
+    loader.load(pipe, st, stages[st.index], tile, kt, ptid, 0);
+    if constexpr (kPlainArrivals) device::mbarrier_arrive(pipe.full_barrier(st));
+    st.advance();
+  }
+}
+
+// Consumer warpgroup, after a first-GEMM slice's epilogue: the second GEMM loads the slice through TMA, so its
+// stores must be complete and handed from the async proxy before the release that counts them on its block.
+template <class Store>
+__device__ __forceinline__ void publish_slice(Store& store, uint32_t* block_counter, int lt) {
+  store.barrier();
+  if (lt == 0) {
+    device::tma_store_wait_all<0>();
+    cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
+    device::signal_add<device::Scope::kGpu>(block_counter, 1u);
+  }
+}
+
+// Consumer warpgroup, after an epilogue that stored something home for each row of the slice (a row of the
+// combine, a routing-gradient partial): one count on the row's token on its source (row_signal; the table is
+// read here, not held through the epilogue, where every register counts).
+template <class Store>
+__device__ __forceinline__ void count_rows_home(const ep::Params& L, Store& store, const device::SliceCoord& s,
+                                                int lt) {
+  store.barrier();
+  if (lt < 64 && lt < s.valid) {
+    uint32_t* done = ep::at<uint32_t* const>(L.local, L.layout.row_signal)[s.slice0 + lt];
+    if (done != nullptr) {
+      __threadfence_system();
+      device::signal_add<device::Scope::kSystem>(done, 1u);
+    }
+  }
+}
+
+}  // namespace megamoe::kernels
