@@ -69,7 +69,9 @@ namespace megamoe {
 namespace {
 
 using testing::DeviceBuffer;
+using testing::ep_problem::backward_args_of;
 using testing::ep_problem::Expected;
+using testing::ep_problem::forward_args_of;
 using testing::ep_problem::Problem;
 using testing::ep_problem::RankTensors;
 using testing::ep_problem::relative_error;
@@ -510,31 +512,13 @@ class CaseRun {
   }
 
   ForwardArgs forward_args(int r) const {
-    ForwardArgs f;
-    f.num_tokens = tokens_of(k_.p, r);
-    f.x = t_[r].x.get();
-    if (k_.index_type == IndexType::kInt64) {
-      f.topk_idx = t_[r].idx.get();
-    } else {
-      f.topk_idx = idx32_[r].get();
-    }
+    ForwardArgs f = forward_args_of(t_[r], tokens_of(k_.p, r));
+    if (k_.index_type == IndexType::kInt32) f.topk_idx = idx32_[r].get();
     f.topk_idx_type = k_.index_type;
-    f.topk_weights = t_[r].weights.get();
-    f.w13 = t_[r].w13.get();
-    f.w2 = t_[r].w2.get();
-    f.out = t_[r].out.get();
     return f;
   }
 
-  BackwardArgs backward_args(int r) const {
-    BackwardArgs b;
-    b.d_out = t_[r].d_out.get();
-    b.d_x = t_[r].d_x.get();
-    b.d_topk_weights = t_[r].d_weights.get();
-    b.d_w13 = t_[r].d_w13.get();
-    b.d_w2 = t_[r].d_w2.get();
-    return b;
-  }
+  BackwardArgs backward_args(int r) const { return backward_args_of(t_[r]); }
 
   ExpertParallelLayer& layer(int r) { return group_->layer(r); }
 

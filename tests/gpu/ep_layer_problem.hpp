@@ -16,6 +16,7 @@
 #include "gpu_test_util.hpp"
 #include "kernels/hashed_fill.hpp"
 #include "megamoe/config.hpp"
+#include "megamoe/layer.hpp"
 #include "megamoe/reference.hpp"
 #include "megamoe/status.hpp"
 
@@ -44,6 +45,30 @@ struct RankTensors {
   DeviceBuffer<int64_t> idx;
   DeviceBuffer<float> weights, d_weights, d_w13, d_w2;
 };
+
+// The layer's arguments over one rank's tensors: the forward of `tokens` tokens (int64 ids), the backward into
+// the rank's gradient buffers.
+inline ForwardArgs forward_args_of(const RankTensors& t, int64_t tokens) {
+  ForwardArgs f;
+  f.num_tokens = tokens;
+  f.x = t.x.get();
+  f.topk_idx = t.idx.get();
+  f.topk_weights = t.weights.get();
+  f.w13 = t.w13.get();
+  f.w2 = t.w2.get();
+  f.out = t.out.get();
+  return f;
+}
+
+inline BackwardArgs backward_args_of(const RankTensors& t) {
+  BackwardArgs b;
+  b.d_out = t.d_out.get();
+  b.d_x = t.d_x.get();
+  b.d_topk_weights = t.d_weights.get();
+  b.d_w13 = t.d_w13.get();
+  b.d_w2 = t.d_w2.get();
+  return b;
+}
 
 struct Problem {
   LayerConfig config;

@@ -31,7 +31,9 @@ namespace megamoe {
 namespace {
 
 using testing::DeviceBuffer;
+using testing::ep_problem::backward_args_of;
 using testing::ep_problem::Expected;
+using testing::ep_problem::forward_args_of;
 using testing::ep_problem::Problem;
 using testing::ep_problem::RankTensors;
 using testing::ep_problem::relative_error;
@@ -139,25 +141,11 @@ void run_gpu(const Problem& p, Group& group, std::vector<RankTensors>& t, Output
     }
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     for (int r = 0; r < R; ++r) {
-      ForwardArgs f;
-      f.num_tokens = static_cast<int64_t>(p.x[r].size()) / H;
-      f.x = t[r].x.get();
-      f.topk_idx = t[r].idx.get();
-      f.topk_weights = t[r].weights.get();
-      f.w13 = t[r].w13.get();
-      f.w2 = t[r].w2.get();
-      f.out = t[r].out.get();
-      const Status s = layer_of(group, r).forward(f);
+      const Status s = layer_of(group, r).forward(forward_args_of(t[r], static_cast<int64_t>(p.x[r].size()) / H));
       ASSERT_TRUE(s.is_ok()) << s.to_string();
     }
     for (int r = 0; r < R; ++r) {
-      BackwardArgs b;
-      b.d_out = t[r].d_out.get();
-      b.d_x = t[r].d_x.get();
-      b.d_topk_weights = t[r].d_weights.get();
-      b.d_w13 = t[r].d_w13.get();
-      b.d_w2 = t[r].d_w2.get();
-      const Status s = layer_of(group, r).backward(b);
+      const Status s = layer_of(group, r).backward(backward_args_of(t[r]));
       ASSERT_TRUE(s.is_ok()) << s.to_string();
     }
     const Status s = group.synchronize_and_check();
@@ -354,17 +342,7 @@ SmallRun small_problem(int ranks, Routing routing) {
   return run;
 }
 
-ForwardArgs forward_args(SmallRun& run, int r) {
-  ForwardArgs f;
-  f.num_tokens = 16;
-  f.x = run.t[r].x.get();
-  f.topk_idx = run.t[r].idx.get();
-  f.topk_weights = run.t[r].weights.get();
-  f.w13 = run.t[r].w13.get();
-  f.w2 = run.t[r].w2.get();
-  f.out = run.t[r].out.get();
-  return f;
-}
+ForwardArgs forward_args(SmallRun& run, int r) { return forward_args_of(run.t[r], 16); }
 
 Status forward_all(VirtualRankGroup& group, SmallRun& run) {
   for (int r = 0; r < group.num_ranks(); ++r) MEGAMOE_RETURN_IF_ERROR(group.layer(r).forward(forward_args(run, r)));
@@ -462,15 +440,7 @@ TEST(EpLayerErrorsTest, HostSideArgumentChecks) {
 
 // Runs the backward on every rank of the group.
 Status backward_all(VirtualRankGroup& group, SmallRun& run) {
-  for (int r = 0; r < group.num_ranks(); ++r) {
-    BackwardArgs b;
-    b.d_out = run.t[r].d_out.get();
-    b.d_x = run.t[r].d_x.get();
-    b.d_topk_weights = run.t[r].d_weights.get();
-    b.d_w13 = run.t[r].d_w13.get();
-    b.d_w2 = run.t[r].d_w2.get();
-    MEGAMOE_RETURN_IF_ERROR(group.layer(r).backward(b));
-  }
+  for (int r = 0; r < group.num_ranks(); ++r) MEGAMOE_RETURN_IF_ERROR(group.layer(r).backward(backward_args_of(run.t[r])));
   return Status::ok();
 }
 
@@ -574,10 +544,7 @@ void accumulated_micro_batches(const LayerOptions& options) {
   auto step = [&](SmallRun& run, float* const* d_w13, float* const* d_w2, bool accumulate) {
     ASSERT_TRUE(forward_all(*group, run).is_ok());
     for (int r = 0; r < 2; ++r) {
-      BackwardArgs bw;
-      bw.d_out = run.t[r].d_out.get();
-      bw.d_x = run.t[r].d_x.get();
-      bw.d_topk_weights = run.t[r].d_weights.get();
+      BackwardArgs bw = backward_args_of(run.t[r]);
       bw.d_w13 = d_w13[r];
       bw.d_w2 = d_w2[r];
       bw.accumulate_weight_grads = accumulate;
@@ -662,25 +629,11 @@ void next_forward_waits_for_peer_backward(const LayerOptions& options) {
   std::unique_ptr<VirtualRankGroup> group;
   ASSERT_TRUE(VirtualRankGroup::create(p.config, options, &group).is_ok());
   auto forward = [&](int r, const __nv_bfloat16* x) {
-    ForwardArgs f;
-    f.num_tokens = 2048;
+    ForwardArgs f = forward_args_of(t[r], 2048);
     f.x = x;
-    f.topk_idx = t[r].idx.get();
-    f.topk_weights = t[r].weights.get();
-    f.w13 = t[r].w13.get();
-    f.w2 = t[r].w2.get();
-    f.out = t[r].out.get();
     ASSERT_TRUE(group->layer(r).forward(f).is_ok());
   };
-  auto backward = [&](int r) {
-    BackwardArgs b;
-    b.d_out = t[r].d_out.get();
-    b.d_x = t[r].d_x.get();
-    b.d_topk_weights = t[r].d_weights.get();
-    b.d_w13 = t[r].d_w13.get();
-    b.d_w2 = t[r].d_w2.get();
-    ASSERT_TRUE(group->layer(r).backward(b).is_ok());
-  };
+  auto backward = [&](int r) { ASSERT_TRUE(group->layer(r).backward(backward_args_of(t[r])).is_ok()); };
   std::vector<float> alone13, alone2;
   for (bool next_forward : {false, true}) {
     t[1].d_w13.poison();
@@ -846,20 +799,8 @@ void capture_and_replay(const LayerOptions& options) {
   cudaStream_t stream = group->stream(0);
   cudaGraph_t graph = nullptr;
   MEGAMOE_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  ForwardArgs f;
-  f.num_tokens = 16;
-  f.x = t[0].x.get();
-  f.topk_idx = t[0].idx.get();
-  f.topk_weights = t[0].weights.get();
-  f.w13 = t[0].w13.get();
-  f.w2 = t[0].w2.get();
-  f.out = t[0].out.get();
-  BackwardArgs b;
-  b.d_out = t[0].d_out.get();
-  b.d_x = t[0].d_x.get();
-  b.d_topk_weights = t[0].d_weights.get();
-  b.d_w13 = t[0].d_w13.get();
-  b.d_w2 = t[0].d_w2.get();
+  const ForwardArgs f = forward_args_of(t[0], 16);
+  const BackwardArgs b = backward_args_of(t[0]);
   const Status fs = group->layer(0).forward(f);
   const Status bs = group->layer(0).backward(b);
   MEGAMOE_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
@@ -916,25 +857,11 @@ TEST(FusedTimelineTest, PhasesInOrderAndItemsAddUp) {
   for (bool backward : {false, true}) {
     SCOPED_TRACE(backward ? "backward" : "forward");
     MEGAMOE_ASSERT_CUDA(cudaMemset(stamps.get(), 0, stamps.size() * sizeof(uint64_t)));
-    ForwardArgs f;
-    f.num_tokens = 700;
-    f.x = t[0].x.get();
-    f.topk_idx = t[0].idx.get();
-    f.topk_weights = t[0].weights.get();
-    f.w13 = t[0].w13.get();
-    f.w2 = t[0].w2.get();
-    f.out = t[0].out.get();
     if (!backward) ASSERT_TRUE(layer.set_fused_timeline(stamps.get()).is_ok());
-    ASSERT_TRUE(layer.forward(f).is_ok());
+    ASSERT_TRUE(layer.forward(forward_args_of(t[0], 700)).is_ok());
     if (backward) {
       ASSERT_TRUE(layer.set_fused_timeline(stamps.get()).is_ok());
-      BackwardArgs b;
-      b.d_out = t[0].d_out.get();
-      b.d_x = t[0].d_x.get();
-      b.d_topk_weights = t[0].d_weights.get();
-      b.d_w13 = t[0].d_w13.get();
-      b.d_w2 = t[0].d_w2.get();
-      ASSERT_TRUE(layer.backward(b).is_ok());
+      ASSERT_TRUE(layer.backward(backward_args_of(t[0])).is_ok());
     }
     const Status s = group->synchronize_and_check();
     ASSERT_TRUE(s.is_ok()) << s.to_string();
