@@ -148,7 +148,9 @@ __device__ void backward_consumer(const CUtensorMap* tm_dh_store, const CUtensor
   device::PipeState<Shape::kStages> st;
   float acc[kBN / 2];
   // (The workspace addresses below are formed where they are used, from the kernel's parameters: every
-  // register counts in the SwiGLU backward's epilogue, and a pointer held through it spilled.)
+  // register counts in the SwiGLU backward's epilogue, and a pointer held through it spilled. For the same
+  // reason this walk is not shared with the forward's: a common walk taking the epilogue as a lambda spilled
+  // 8 bytes here.)
   for (int j = 0;; ++j) {
     const int t = schedule.read(j);
     if (t >= waves.total_now()) break;
