@@ -62,6 +62,10 @@ struct StagePipeline {
   __device__ __forceinline__ void consumer_wait(const PipeState<kStages>& s) const {
     mbarrier_wait(&full[s.index], s.phase);
   }
+  // Consumer: whether the stage's data has landed, without waiting.
+  __device__ __forceinline__ bool consumer_ready(const PipeState<kStages>& s) const {
+    return mbarrier_test(&full[s.index], s.phase);
+  }
   // Consumer warpgroup (lane_in_group = thread index in the warpgroup): releases the stage to this CTA's
   // producer and, in a 2-CTA cluster, to the peer's, whose TMA multicasts into it too.
   template <int kCluster>

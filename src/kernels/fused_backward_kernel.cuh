@@ -146,11 +146,13 @@ __device__ void backward_consumer(const CUtensorMap* tm_dh_store, const CUtensor
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   device::BoxStore<Cfg::kSlots, true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
   device::PipeState<Shape::kStages> st;
+  PendingHandover pending{&smem.pending[cwg]};
   float acc[kBN / 2];
   // (The workspace addresses below are formed where they are used, from the kernel's parameters: every
   // register counts in the SwiGLU backward's epilogue, and a pointer held through it spilled. For the same
   // reason this walk is not shared with the forward's: a common walk taking the epilogue as a lambda spilled
-  // 8 bytes here.)
+  // 8 bytes here, and so did the hand-overs as the main loop's side work (4-8 bytes), so they run at once
+  // after each epilogue here.)
   for (int j = 0;; ++j) {
     const int t = schedule.read(j);
     if (t >= waves.total_now()) break;
@@ -164,14 +166,16 @@ __device__ void backward_consumer(const CUtensorMap* tm_dh_store, const CUtensor
       store.begin_tile(s.valid >= 64, p.dgrad1_epi.c, p.dgrad1_epi.aux, s.slice0, s.valid);
       device::EpilogueStages<Shape> hstages{pipe, st, smem.stages[0], 2 + cwg, lt, 0};
       device::epilogue_swiglu_grad<kBN>(acc, p.dgrad1_epi, s, cwg, tm_dh_store, tm_wa_store, store, hstages);
-      publish_slice(store, ep::at<uint32_t>(L.local, L.layout.act_ready) + waves.block_of(tile.e, tile.row0),
-                    lt);                 // dh, for dgrad2
-      count_rows_home(L, store, s, lt);  // the rows' routing-gradient partials of this tile's columns
+      // dh, for dgrad2; the rows' routing-gradient partials of this tile's columns
+      pending.defer(store, ep::at<uint32_t>(L.local, L.layout.act_ready) + waves.block_of(tile.e, tile.row0), &s,
+                    lt);
+      pending.run(L, lt);
     } else {
       device::mma_tile<Shape, false>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0);
       store.begin_tile(false, p.dgrad2_epi.c, p.dgrad2_epi.aux, s.slice0, s.valid);
       device::epilogue_plain<kBN>(acc, p.dgrad2_epi, s, nullptr, store);
-      count_rows_home(L, store, s, lt);  // the rows' d_x columns of this tile
+      pending.defer(store, nullptr, &s, lt);  // the rows' d_x columns of this tile
+      pending.run(L, lt);
     }
   }
   store.finish();

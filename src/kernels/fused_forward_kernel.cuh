@@ -139,6 +139,8 @@ __device__ void gemm_consumer(const CUtensorMap* tm_a_store, const CUtensorMap* 
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   device::BoxStore<Cfg::kSlots, true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
   device::PipeState<Shape::kStages> st;
+  PendingHandover pending{&smem.pending[cwg]};
+  const auto handover = [&] { pending.run(L, lt); };
   float acc[kBN / 2];
   for (int j = 0;; ++j) {
     const int t = schedule.read(j);
@@ -148,18 +150,20 @@ __device__ void gemm_consumer(const CUtensorMap* tm_a_store, const CUtensorMap* 
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
     if (gemm == 0) {
-      device::mma_tile<Shape, true>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0);
+      device::mma_tile<Shape, true>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0, handover);
       // a and h are contiguous: whole slices leave through TMA, a partial one through the threads.
       store.begin_tile(s.valid >= 64, p.gemm1_epi.c, p.gemm1_epi.aux, s.slice0, s.valid);
       device::epilogue_swiglu<kBN>(acc, p.gemm1_epi, s, tm_a_store, tm_h_store, store);
-      publish_slice(store, ep::at<uint32_t>(L.local, L.layout.act_ready) + tile.m_block, lt);  // a, for GEMM2
+      // a, for GEMM2
+      pending.defer(store, ep::at<uint32_t>(L.local, L.layout.act_ready) + tile.m_block, nullptr, lt);
     } else {
-      device::mma_tile<Shape, false>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0);
+      device::mma_tile<Shape, false>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0, handover);
       store.begin_tile(false, p.gemm2_epi.c, p.gemm2_epi.aux, s.slice0, s.valid);
       device::epilogue_plain<kBN>(acc, p.gemm2_epi, s, nullptr, store);
-      count_rows_home(L, store, s, lt);  // the rows' y columns of this tile
+      pending.defer(store, nullptr, &s, lt);  // the rows' y columns of this tile
     }
   }
+  handover();
   store.finish();
 }
 

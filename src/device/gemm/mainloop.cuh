@@ -31,20 +31,31 @@ __device__ __forceinline__ void zero_foreign_rows(uint8_t* stage, int valid, int
   named_barrier_sync(1, kThreads);
 }
 
+// No work beside the main loop.
+struct NoSideWork {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // acc = sum over the tile's K stages. cwg: consumer warpgroup (rows 64 cwg .. 64 cwg + 63 of the tile);
 // ctid: thread among all consumer threads; lt: thread in the warpgroup. kGathered: some operand of the
 // stage landed through cp.async (the generic proxy), so the reads of wgmma (the async proxy) are ordered
 // after it by a proxy fence once the stage is full.
-template <class Shape, bool kGathered>
+// side_work: the calling thread's own work that must not wait for this tile's data (it may be what the
+// producer waits for before it loads): done while the first stage's wgmma run, or before the first wait
+// if that stage has not landed yet, or at the end if the tile has no stage. It may be called more than
+// once and must do its work once.
+template <class Shape, bool kGathered, class SideWork = NoSideWork>
 __device__ __forceinline__ void mma_tile(float (&acc)[Shape::kBN / 2], const StagePipeline<Shape::kStages>& pipe,
                                          PipeState<Shape::kStages>& st, uint8_t* stages, const TileCoord& tile,
-                                         int cwg, int ctid, int lt, uint32_t cta_rank) {
+                                         int cwg, int ctid, int lt, uint32_t cta_rank,
+                                         SideWork&& side_work = SideWork{}) {
   using Mma = WgmmaBf16<Shape::kBN>;
 #pragma unroll
   for (int i = 0; i < Shape::kBN / 2; ++i) acc[i] = 0.0f;
   const int k_tiles = max(tile.k_tiles, 0);
   PipeState<Shape::kStages> previous = st;
   for (int kt = 0; kt < k_tiles; ++kt) {
+    if (kt == 0 && !pipe.consumer_ready(st)) side_work();
     pipe.consumer_wait(st);
     if constexpr (kGathered) fence_proxy_async_smem();
     uint8_t* stage = stages + st.index * Shape::kStageBytes;
@@ -63,11 +74,13 @@ __device__ __forceinline__ void mma_tile(float (&acc)[Shape::kBN / 2], const Sta
       Mma::template mma<Shape::kTransA, Shape::kTransB>(acc, da, db, 1);
     }
     wgmma_commit();
+    if (kt == 0) side_work();
     wgmma_wait<1>();
     if (kt > 0) pipe.template consumer_release<Shape::kCluster>(previous, lt, cta_rank);
     previous = st;
     st.advance();
   }
+  if (k_tiles == 0) side_work();
   wgmma_wait<0>();
   if (k_tiles > 0) pipe.template consumer_release<Shape::kCluster>(previous, lt, cta_rank);
   fence_accumulators(acc);

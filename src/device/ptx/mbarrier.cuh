@@ -28,6 +28,11 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
+// Whether the phase with the given parity has completed, without waiting.
+__device__ __forceinline__ bool mbarrier_test(uint64_t* bar, uint32_t parity) {
+  return ptx::mbarrier_test_wait_parity(bar, parity);
+}
+
 __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   (void)ptx::mbarrier_arrive(ptx::sem_release, ptx::scope_cta, ptx::space_shared, bar);
 }
