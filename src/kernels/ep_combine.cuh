@@ -14,7 +14,12 @@ namespace megamoe::ep {
 
 // One warp, token t. kWeighted (forward): out[t] = sum_j w_j y_j; else (backward) out[t] = sum_j dx_j and
 // d_topk_weights[t, :] from the slots' partials. failed: write NaN instead.
-template <bool kWeighted>
+// kChunks: the 8-column pieces a lane loads per pass (kChunks pieces, 256 columns apart, of each of up to
+// eight slots, all loaded raw before any is added). Every column is still summed in slot order, so the
+// result does not depend on kChunks; what does is the number of loads a warp keeps in flight: the modular
+// kernels have many warps per SM (kChunks 1), the fused kernels' combine phases one CTA of 12 warps (kChunks
+// 2: 16 loads in flight per lane, half the dependent round trips per token).
+template <bool kWeighted, int kChunks = 1>
 __device__ __forceinline__ void combine_token(const Params& p, int64_t t, int lane, bool failed,
                                               const float* __restrict__ topk_weights, __nv_bfloat16* __restrict__ out,
                                               float* __restrict__ d_topk_weights) {
@@ -23,34 +28,47 @@ __device__ __forceinline__ void combine_token(const Params& p, int64_t t, int la
   const int64_t H = s.hidden;
   const int32_t* dest_slot = at<int32_t>(p.local, p.layout.pair_dest_slot);
   const __nv_bfloat16* combine = at<__nv_bfloat16>(p.local, p.layout.combine);
-  // The 16-byte pieces of up to eight slots are loaded raw before any is added (in slot order), so that a warp
-  // keeps eight loads in flight: the fused kernels combine with one CTA of 12 warps per SM.
   constexpr int kBatch = 8;
-  for (int64_t i = lane * 8; i < H; i += 32 * 8) {
-    Bf16x8 acc;
+  constexpr int64_t kPass = 32 * 8;  // columns a warp covers with one piece per lane
+  for (int64_t i0 = lane * 8; i0 < H; i0 += kPass * kChunks) {
+    Bf16x8 acc[kChunks];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) acc.v[k] = failed ? NAN : 0.0f;
+    for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[c].v[k] = failed ? NAN : 0.0f;
+    }
     for (int j0 = 0; j0 < K && !failed; j0 += kBatch) {
-      uint4 raw[kBatch];
+      uint4 raw[kChunks][kBatch];
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int j = j0 + b;
-        raw[b] = make_uint4(0, 0, 0, 0);
-        if (j < K && dest_slot[t * K + j] >= 0)
-          raw[b] = *reinterpret_cast<const uint4*>(combine + (t * K + j) * H + i);
+        const bool routed = j < K && dest_slot[t * K + j] >= 0;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          const int64_t i = i0 + c * kPass;
+          raw[c][b] = make_uint4(0, 0, 0, 0);
+          if (routed && i < H) raw[c][b] = *reinterpret_cast<const uint4*>(combine + (t * K + j) * H + i);
+        }
       }
 #pragma unroll
       for (int b = 0; b < kBatch; ++b) {
         const int j = j0 + b;
         if (j >= K || dest_slot[t * K + j] < 0) continue;
         const float w = kWeighted ? topk_weights[t * K + j] : 1.0f;
-        Bf16x8 y;
-        y.unpack(raw[b]);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) acc.v[k] += w * y.v[k];
+        for (int c = 0; c < kChunks; ++c) {
+          Bf16x8 y;
+          y.unpack(raw[c][b]);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[c].v[k] += w * y.v[k];
+        }
       }
     }
-    acc.store(out + t * H + i);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t i = i0 + c * kPass;
+      if (i < H) acc[c].store(out + t * H + i);
+    }
   }
   if (!kWeighted) {
     const float* dots = at<float>(p.local, p.layout.slot_dots);

@@ -137,7 +137,7 @@ __device__ void combine_role(const ep::Params& L, int signals_per_slot, const fl
     }
     ok = __shfl_sync(0xffffffffu, ok, 0);
     __syncwarp();  // the lanes' reads of the slots after lane 0's acquire
-    ep::combine_token<kWeighted>(L, t, lane, ok == 0 || ep::has_error(L), topk_weights, out, d_topk_weights);
+    ep::combine_token<kWeighted, 2>(L, t, lane, ok == 0 || ep::has_error(L), topk_weights, out, d_topk_weights);
   }
 }
 

@@ -27,19 +27,17 @@ struct GridBarrier {
   // nothing hangs.
   // timed_out, optional: set in thread 0 when the wait ended by its timeout.
   __device__ bool sync(int n, WaitReport report, int64_t wait_id, bool* timed_out = nullptr) const {
-    __shared__ int passed;
     report.stop_on_error = false;
     __syncthreads();
+    bool passed = false;
     if (threadIdx.x == 0) {
       __threadfence();  // release the whole CTA's writes (ordered before by __syncthreads) at gpu scope
       signal_add<Scope::kGpu>(arrivals, 1u);
       passed = wait_at_least<Scope::kGpu>(arrivals, static_cast<uint32_t>(n) * static_cast<uint32_t>(ctas), report,
-                                          wait_id, timed_out)
-                   ? 1
-                   : 0;
+                                          wait_id, timed_out);
     }
-    __syncthreads();
-    return passed != 0;
+    // Thread 0's outcome reaches the CTA through the barrier itself (no shared flag to reuse between calls).
+    return __syncthreads_or(passed ? 1 : 0) != 0;
   }
 
   // Every thread of every CTA, after the CTA's last sync(): the last CTA out leaves both counters at 0.
