@@ -561,6 +561,13 @@ def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2, main_grad13, main_
     _check_main_grads(w13, w2, main_grad13, main_grad2)
 
 
+def _grads_of_inputs(ctx, grads: tuple) -> tuple:
+    """One gradient per input the op's call recorded: some torch releases record the inputs without the optional
+    main-gradient arguments left at their default (and check the backward's result against that), others with
+    them; ctx.needs_input_grad has one entry per recorded input either way."""
+    return grads[:len(ctx.needs_input_grad)]
+
+
 def _setup_all_experts_context(ctx, inputs, output):
     key, config, x, topk_idx, topk_weights, w13, w2, *main_grads = inputs
     ctx.key, ctx.config, ctx.ranks = key, config, len(x)
@@ -582,10 +589,11 @@ def _backward_all_experts(ctx, grads):
         d_w = [torch.empty_like(wi) for wi in topk_weights]
         torch.ops.megamoe.moe_backward_into_main_grads(ctx.key, ctx.config, d_out, x, topk_idx, topk_weights, w13,
                                                        w2, *ctx.main_grads, d_x, d_w)
-        return None, None, d_x, [None] * r, d_w, None, None, None, None
+        return _grads_of_inputs(ctx, (None, None, d_x, [None] * r, d_w, None, None, None, None))
     d_x, d_w, d_w13, d_w2 = torch.ops.megamoe.moe_backward_all_experts(ctx.key, ctx.config, d_out, x, topk_idx,
                                                                        topk_weights, w13, w2)
-    return None, None, d_x, [None] * r, d_w, d_w13.to(w13.dtype), d_w2.to(w2.dtype), None, None
+    return _grads_of_inputs(ctx, (None, None, d_x, [None] * r, d_w, d_w13.to(w13.dtype), d_w2.to(w2.dtype), None,
+                                  None))
 
 
 _moe_forward_all_experts.register_autograd(_backward_all_experts, setup_context=_setup_all_experts_context)
@@ -701,10 +709,11 @@ def _process_backward(ctx, grad):
         d_x, d_w = torch.ops.megamoe.moe_process_backward_into_main_grads(ctx.key, ctx.config, ctx.group_name, d_out,
                                                                           x, topk_idx, topk_weights, w13, w2,
                                                                           *ctx.main_grads)
-        return None, None, None, d_x, None, d_w, None, None, None, None
+        return _grads_of_inputs(ctx, (None, None, None, d_x, None, d_w, None, None, None, None))
     d_x, d_w, d_w13, d_w2 = torch.ops.megamoe.moe_process_backward(ctx.key, ctx.config, ctx.group_name, d_out, x,
                                                                    topk_idx, topk_weights, w13, w2)
-    return None, None, None, d_x, None, d_w, d_w13.to(w13.dtype), d_w2.to(w2.dtype), None, None
+    return _grads_of_inputs(ctx, (None, None, None, d_x, None, d_w, d_w13.to(w13.dtype), d_w2.to(w2.dtype), None,
+                                  None))
 
 
 _moe_process_forward.register_autograd(_process_backward, setup_context=_setup_process_context)
