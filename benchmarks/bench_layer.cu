@@ -1,8 +1,9 @@
 // Times the expert-parallel layer (R = 1, T = 16384, 16 local experts, top-8, the benchmark configuration of
 // docs/MODEL.md):
 // forward and forward+backward, median of many runs with CUDA events, two input sets alternating; the
-// modular path, the fused forward with the modular backward and both fused (LayerOptions::forward_path,
-// backward_path) timed interleaved, run for run; and the cost
+// modular path, the fused forward with the modular backward, both fused (LayerOptions::forward_path,
+// backward_path) and both fused with the backward recomputing h (recompute_h) timed interleaved, run for run;
+// and the cost
 // of expert parallelism: E = 128 on 8 virtual ranks of 2048 tokens each against the same problem on one
 // rank (E = 128, T = 16384), both paths.
 // The PyTorch baseline of the same configs (benchmarks/bench_layer_torch.py) runs just before in the same
@@ -51,6 +52,7 @@ struct Result {
   double forward_tflops, total_tflops;
   float fused_forward_ms = 0, fused_total_ms = 0;  // fused forward and backward, timed interleaved with the above
   float fused_forward_modular_backward_ms = 0;      // the fused forward, the modular backward
+  float fused_recompute_total_ms = 0;               // both fused, the backward recomputing h (recompute_h)
   double gemm_ms = 0, other_ms = 0;  // kernel time per forward + backward, from the profile
   int kernels = 0;                   // kernels per forward + backward
 };
@@ -173,13 +175,15 @@ Result run(int64_t H, int64_t I, int iters) {
   c.num_ranks = 1;
   c.max_tokens_per_rank = 16384;
   const int64_t T = c.max_tokens_per_rank, K = c.top_k, E = c.num_experts;
-  std::unique_ptr<megamoe::VirtualRankGroup> group, fused_group, half_group;
+  std::unique_ptr<megamoe::VirtualRankGroup> group, fused_group, half_group, recompute_group;
   BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, megamoe::LayerOptions{}, &group));
   megamoe::LayerOptions fused_options;
   fused_options.forward_path = megamoe::ForwardPath::kFused;
   BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &half_group));
   fused_options.backward_path = megamoe::BackwardPath::kFused;
   BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &fused_group));
+  fused_options.recompute_h = true;
+  BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &recompute_group));
   cudaStream_t stream = group->stream(0);
 
   constexpr int kSets = 2;  // alternate two token sets so x and d_out are not L2-resident between runs
@@ -258,7 +262,7 @@ Result run(int64_t H, int64_t I, int iters) {
     return ms;
   };
   // Modular and fused interleaved run for run, so that clock drift falls on both alike.
-  std::vector<float> fwd, total, fused_fwd, fused_total, half_total;
+  std::vector<float> fwd, total, fused_fwd, fused_total, half_total, recompute_total;
   for (int it = -3; it < iters; ++it) {
     const int s = (it + 3) % kSets;
     const float f_mod = timed(*group, [&] { forward_on(*group, s); });
@@ -275,8 +279,13 @@ Result run(int64_t H, int64_t I, int iters) {
       forward_on(*half_group, s);
       backward_on(*half_group, s);
     });
+    const float t_rec = timed(*recompute_group, [&] {
+      forward_on(*recompute_group, s);
+      backward_on(*recompute_group, s);
+    });
     if (it < 0) continue;
     half_total.push_back(t_half);
+    recompute_total.push_back(t_rec);
     fwd.push_back(f_mod);
     fused_fwd.push_back(f_fus);
     total.push_back(t_mod);
@@ -285,6 +294,7 @@ Result run(int64_t H, int64_t I, int iters) {
   BENCH_CHECK_OK(group->synchronize_and_check());
   BENCH_CHECK_OK(fused_group->synchronize_and_check());
   BENCH_CHECK_OK(half_group->synchronize_and_check());
+  BENCH_CHECK_OK(recompute_group->synchronize_and_check());
   print_fused_timeline(fused_group->layer(0), [&] { forward_on(*fused_group, 0); }, fused_group->stream(0),
                        c.forward_flops(T * K), "forward", kForwardPhases);
   // dgrad1 (H I per row) and dgrad2 (2 H I per row): 6 H I flops per routed row.
@@ -301,6 +311,7 @@ Result run(int64_t H, int64_t I, int iters) {
   r.fused_forward_ms = median(fused_fwd);
   r.fused_total_ms = median(fused_total);
   r.fused_forward_modular_backward_ms = median(half_total);
+  r.fused_recompute_total_ms = median(recompute_total);
 #if MEGAMOE_BENCH_CUPTI
   print_breakdown(
       [&](int it) {
@@ -516,15 +527,15 @@ int main(int argc, char** argv) {
   }
   std::printf("fused forward vs modular (interleaved, median of %d):\n", iters);
   std::printf("| layer H, I (bf16) | modular fwd ms | fused fwd ms | TFLOP/s | fused / modular | modular fwd+bwd ms | "
-              "fused fwd + modular bwd ms | fused fwd+bwd ms | TFLOP/s | fused / modular |\n");
+              "fused fwd + modular bwd ms | fused fwd+bwd ms | TFLOP/s | fused / modular | fused fwd+bwd, recompute h ms |\n");
   for (const Result& r : results) {
     const double fused_tflops = r.forward_tflops * r.forward_ms / r.fused_forward_ms;
     const double fused_total_tflops = r.total_tflops * r.total_ms / r.fused_total_ms;
-    std::printf("| %lld, %lld | %.3f | %.3f | %.1f | %.3fx | %.3f | %.3f | %.3f | %.1f | %.3fx |\n",
+    std::printf("| %lld, %lld | %.3f | %.3f | %.1f | %.3fx | %.3f | %.3f | %.3f | %.1f | %.3fx | %.3f |\n",
                 static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate), r.forward_ms,
                 r.fused_forward_ms, fused_tflops, r.fused_forward_ms / r.forward_ms, r.total_ms,
                 r.fused_forward_modular_backward_ms, r.fused_total_ms, fused_total_tflops,
-                r.fused_total_ms / r.total_ms);
+                r.fused_total_ms / r.total_ms, r.fused_recompute_total_ms);
   }
   if (with_ep) {
     std::printf("cost of expert parallelism: Qwen3-30B shape, E=128, top-8; 8 virtual ranks x 2048 tokens vs "
@@ -559,10 +570,12 @@ int main(int argc, char** argv) {
                    "%s{\"hidden\": %lld, \"intermediate\": %lld, \"forward_ms\": %.4f, \"total_ms\": %.4f, "
                    "\"forward_tflops\": %.2f, \"total_tflops\": %.2f, \"gemm_kernel_ms\": %.4f, "
                    "\"other_kernel_ms\": %.4f, \"kernels\": %d, \"fused_forward_ms\": %.4f, "
-                   "\"fused_total_ms\": %.4f, \"fused_forward_modular_backward_ms\": %.4f}",
+                   "\"fused_total_ms\": %.4f, \"fused_forward_modular_backward_ms\": %.4f, "
+                   "\"fused_recompute_total_ms\": %.4f}",
                    i ? ", " : "", static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate),
                    r.forward_ms, r.total_ms, r.forward_tflops, r.total_tflops, r.gemm_ms, r.other_ms, r.kernels,
-                   r.fused_forward_ms, r.fused_total_ms, r.fused_forward_modular_backward_ms);
+                   r.fused_forward_ms, r.fused_total_ms, r.fused_forward_modular_backward_ms,
+                   r.fused_recompute_total_ms);
     }
     std::fprintf(f, "]\n");
     std::fclose(f);
