@@ -190,7 +190,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
                           const FusedBackwardParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using Cfg = FusedBackwardConfig;
-  using Shape = Cfg::Shape;
   extern __shared__ uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<Cfg::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                       ~uintptr_t(1023));
@@ -205,12 +204,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   if (fused_kernel_refused(L, ep::kBarrierGradCombined, nan_outputs)) return;
   stamp(p.timeline, ep::kStampStart);
   const typename Cfg::Schedule schedule{&smem.schedule, ep::at<int>(L.local, L.layout.fused_work)};
-  if (tid == 0) {
-    const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
-    pipe.init(Cfg::kFullArrivals, Shape::kConsumerGroups);
-    schedule.init(256 + device::kProducerThreads - 1);  // every consumer thread, the other producer threads
-    device::mbarrier_init_fence();
-  }
+  init_gemm_rings<Cfg>(smem, schedule);
   __syncthreads();
   stamp(p.timeline, ep::kStampLayout);  // (no layout: the forward's routing)
 
@@ -229,21 +223,11 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   // 3. arrivals
   arrival_role(p, tables, !tables.overflow(s), cta, smem.flags);
   stamp(p.timeline, ep::kStampRouted);
-  // The tables' bytes become pipeline stages, which TMA (the async proxy) writes next.
-  device::fence_proxy_async_smem();
-  __syncthreads();
 
   // 4. GEMMs
-  if (tid < 128) {
-    device::setmaxnreg_dec<Cfg::kProducerRegs>();
-    backward_producer<Cfg>(&tm_w2, &tm_h, &tm_dh_load, &tm_w13, p, smem, waves, schedule, tid);
-    device::setmaxnreg_inc<Cfg::kRegsAtLaunch>();
-  } else {
-    device::setmaxnreg_inc<Cfg::kConsumerRegs>();
-    backward_consumer<Cfg>(&tm_dh_store, &tm_wa_store, p, smem, waves, schedule, tid);
-    device::setmaxnreg_dec<Cfg::kRegsAtLaunch>();
-  }
-  __syncthreads();
+  run_gemm_phase<Cfg>(
+      [&](int ptid) { backward_producer<Cfg>(&tm_w2, &tm_h, &tm_dh_load, &tm_w13, p, smem, waves, schedule, ptid); },
+      [&](int thread) { backward_consumer<Cfg>(&tm_dh_store, &tm_wa_store, p, smem, waves, schedule, thread); });
   stamp(p.timeline, ep::kStampGemms);
 
   // 5. combine: each routed slot counts its dgrad1 partials and its dgrad2 rows

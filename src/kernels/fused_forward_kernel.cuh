@@ -176,7 +176,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
                          const __grid_constant__ CUtensorMap tm_h_store, const FusedForwardParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using Cfg = FusedForwardConfig;
-  using Shape = Cfg::Shape;
   extern __shared__ uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<Cfg::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                       ~uintptr_t(1023));
@@ -190,12 +189,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   FusedGrid grid = FusedGrid::of(L);
   stamp(p.timeline, ep::kStampStart);
   const typename Cfg::Schedule schedule{&smem.schedule, ep::at<int>(L.local, L.layout.fused_work)};
-  if (tid == 0) {
-    const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
-    pipe.init(Cfg::kFullArrivals, Shape::kConsumerGroups);
-    schedule.init(256 + device::kProducerThreads - 1);  // every consumer thread, the other producer threads
-    device::mbarrier_init_fence();
-  }
+  init_gemm_rings<Cfg>(smem, schedule);
 
   // 1. layout
   if (cta < p.layout_blocks) ep::layout_count<kFusedWarps>(L, idx, cta, p.layout_blocks, smem.scratch);
@@ -223,21 +217,11 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
   // 4. route
   route_role(p, tables, !tables.overflow(s), cta, smem.flags);
   stamp(p.timeline, ep::kStampRouted);
-  // The tables' bytes become pipeline stages, which TMA (the async proxy) writes next.
-  device::fence_proxy_async_smem();
-  __syncthreads();
 
   // 5. GEMMs
-  if (tid < 128) {
-    device::setmaxnreg_dec<Cfg::kProducerRegs>();
-    gemm_producer<Cfg>(&tm_w13, &tm_a_load, &tm_w2, p, smem, waves, schedule, tid);
-    device::setmaxnreg_inc<Cfg::kRegsAtLaunch>();
-  } else {
-    device::setmaxnreg_inc<Cfg::kConsumerRegs>();
-    gemm_consumer<Cfg>(&tm_a_store, &tm_h_store, p, smem, waves, schedule, tid);
-    device::setmaxnreg_dec<Cfg::kRegsAtLaunch>();
-  }
-  __syncthreads();
+  run_gemm_phase<Cfg>(
+      [&](int ptid) { gemm_producer<Cfg>(&tm_w13, &tm_a_load, &tm_w2, p, smem, waves, schedule, ptid); },
+      [&](int thread) { gemm_consumer<Cfg>(&tm_a_store, &tm_h_store, p, smem, waves, schedule, thread); });
   stamp(p.timeline, ep::kStampGemms);
 
   // 6. combine

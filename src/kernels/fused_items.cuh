@@ -121,6 +121,37 @@ struct FusedGemmConfig {
   static constexpr int64_t kScratchBytes = kStages * Shape::kStageBytes;
 };
 
+// Thread 0, at the kernel's start: the stage ring both GEMMs fill and the schedule's ring of drawn items.
+template <class Cfg>
+__device__ __forceinline__ void init_gemm_rings(typename Cfg::SharedStorage& smem,
+                                                const typename Cfg::Schedule& schedule) {
+  if (threadIdx.x != 0) return;
+  const device::StagePipeline<Cfg::Shape::kStages> pipe{smem.full, smem.empty};
+  pipe.init(Cfg::kFullArrivals, Cfg::Shape::kConsumerGroups);
+  schedule.init(256 + device::kProducerThreads - 1);  // every consumer thread, the other producer threads
+  device::mbarrier_init_fence();
+}
+
+// Every thread: the GEMM phase. The routing tables' shared memory becomes pipeline stages, which TMA (the
+// async proxy) writes next; then the producer warpgroup (producer(ptid)) and the consumer warpgroups
+// (consumer(tid)) each with their register budget, back to the launch's for what follows the phase.
+template <class Cfg, class Producer, class Consumer>
+__device__ __forceinline__ void run_gemm_phase(Producer&& producer, Consumer&& consumer) {
+  device::fence_proxy_async_smem();
+  __syncthreads();
+  const int tid = threadIdx.x;
+  if (tid < 128) {
+    device::setmaxnreg_dec<Cfg::kProducerRegs>();
+    producer(tid);
+    device::setmaxnreg_inc<Cfg::kRegsAtLaunch>();
+  } else {
+    device::setmaxnreg_inc<Cfg::kConsumerRegs>();
+    consumer(tid);
+    device::setmaxnreg_dec<Cfg::kRegsAtLaunch>();
+  }
+  __syncthreads();
+}
+
 // Producer warpgroup (ptid 0..127): every item the CTA draws, in the schedule's order. Thread 0 draws it and
 // waits at its gate: a first-GEMM item (gemm 0) until rows_ready[block] holds the block's rows, a second-GEMM
 // item until act_ready[block] holds every first-GEMM slice of the block (slices_per_block). The gates wait for
