@@ -245,8 +245,10 @@ Result run(int64_t H, int64_t I, int iters) {
     b.d_w2 = d_w2;
     BENCH_CHECK_OK(g.layer(0).backward(b));
   };
-  auto forward = [&](int s) { forward_on(*group, s); };
-  auto backward = [&](int s) { backward_on(*group, s); };
+  auto step_on = [&](megamoe::VirtualRankGroup& g, int s) {
+    forward_on(g, s);
+    backward_on(g, s);
+  };
   cudaEvent_t start, stop;
   BENCH_CHECK_CUDA(cudaEventCreate(&start));
   BENCH_CHECK_CUDA(cudaEventCreate(&stop));
@@ -267,22 +269,10 @@ Result run(int64_t H, int64_t I, int iters) {
     const int s = (it + 3) % kSets;
     const float f_mod = timed(*group, [&] { forward_on(*group, s); });
     const float f_fus = timed(*fused_group, [&] { forward_on(*fused_group, s); });
-    const float t_mod = timed(*group, [&] {
-      forward_on(*group, s);
-      backward_on(*group, s);
-    });
-    const float t_fus = timed(*fused_group, [&] {
-      forward_on(*fused_group, s);
-      backward_on(*fused_group, s);
-    });
-    const float t_half = timed(*half_group, [&] {
-      forward_on(*half_group, s);
-      backward_on(*half_group, s);
-    });
-    const float t_rec = timed(*recompute_group, [&] {
-      forward_on(*recompute_group, s);
-      backward_on(*recompute_group, s);
-    });
+    const float t_mod = timed(*group, [&] { step_on(*group, s); });
+    const float t_fus = timed(*fused_group, [&] { step_on(*fused_group, s); });
+    const float t_half = timed(*half_group, [&] { step_on(*half_group, s); });
+    const float t_rec = timed(*recompute_group, [&] { step_on(*recompute_group, s); });
     if (it < 0) continue;
     half_total.push_back(t_half);
     recompute_total.push_back(t_rec);
@@ -299,13 +289,8 @@ Result run(int64_t H, int64_t I, int iters) {
                        c.forward_flops(T * K), "forward", kForwardPhases);
   // dgrad1 (H I per row) and dgrad2 (2 H I per row): 6 H I flops per routed row.
   print_fused_timeline(
-      fused_group->layer(0),
-      [&] {
-        forward_on(*fused_group, 0);
-        backward_on(*fused_group, 0);
-      },
-      fused_group->stream(0), 6.0 * static_cast<double>(T * K) * static_cast<double>(H * I), "backward",
-      kBackwardPhases);
+      fused_group->layer(0), [&] { step_on(*fused_group, 0); }, fused_group->stream(0),
+      6.0 * static_cast<double>(T * K) * static_cast<double>(H * I), "backward", kBackwardPhases);
   BENCH_CHECK_OK(fused_group->synchronize_and_check());
   Result r{H, I, median(fwd), median(total), 0, 0};
   r.fused_forward_ms = median(fused_fwd);
@@ -313,12 +298,7 @@ Result run(int64_t H, int64_t I, int iters) {
   r.fused_forward_modular_backward_ms = median(half_total);
   r.fused_recompute_total_ms = median(recompute_total);
 #if MEGAMOE_BENCH_CUPTI
-  print_breakdown(
-      [&](int it) {
-        forward(it % kSets);
-        backward(it % kSets);
-      },
-      stream, 10, static_cast<double>(T * K), H, I, &r);
+  print_breakdown([&](int it) { step_on(*group, it % kSets); }, stream, 10, static_cast<double>(T * K), H, I, &r);
   BENCH_CHECK_OK(group->synchronize_and_check());
   // The fused groups: their first GEMM launch of their own is the modular backward's dgrad (2), or the
   // weight gradients after the fused backward (4).
@@ -326,12 +306,8 @@ Result run(int64_t H, int64_t I, int iters) {
   for (auto [g, what, first_gemm] : {std::tuple{half_group.get(), "fused forward + modular backward", 2},
                                      std::tuple{fused_group.get(), "fused forward + fused backward", 4}}) {
     std::printf("  %s:\n", what);
-    print_breakdown(
-        [&, g = g](int it) {
-          forward_on(*g, it % kSets);
-          backward_on(*g, it % kSets);
-        },
-        g->stream(0), 10, static_cast<double>(T * K), H, I, &fused_breakdown, first_gemm);
+    print_breakdown([&, g = g](int it) { step_on(*g, it % kSets); }, g->stream(0), 10, static_cast<double>(T * K), H,
+                    I, &fused_breakdown, first_gemm);
     BENCH_CHECK_OK(g->synchronize_and_check());
   }
 #endif
@@ -527,7 +503,8 @@ int main(int argc, char** argv) {
   }
   std::printf("fused forward vs modular (interleaved, median of %d):\n", iters);
   std::printf("| layer H, I (bf16) | modular fwd ms | fused fwd ms | TFLOP/s | fused / modular | modular fwd+bwd ms | "
-              "fused fwd + modular bwd ms | fused fwd+bwd ms | TFLOP/s | fused / modular | fused fwd+bwd, recompute h ms |\n");
+              "fused fwd + modular bwd ms | fused fwd+bwd ms | TFLOP/s | fused / modular | "
+              "fused fwd+bwd, recompute h ms |\n");
   for (const Result& r : results) {
     const double fused_tflops = r.forward_tflops * r.forward_ms / r.fused_forward_ms;
     const double fused_total_tflops = r.total_tflops * r.total_ms / r.fused_total_ms;

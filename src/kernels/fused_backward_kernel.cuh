@@ -185,7 +185,8 @@ __device__ void backward_consumer(const CUtensorMap* tm_dh_store, const CUtensor
 
 __global__ void __launch_bounds__(kFusedThreads, 1)
     fused_backward_kernel(const __grid_constant__ CUtensorMap tm_w2, const __grid_constant__ CUtensorMap tm_h,
-                          const __grid_constant__ CUtensorMap tm_dh_store, const __grid_constant__ CUtensorMap tm_wa_store,
+                          const __grid_constant__ CUtensorMap tm_dh_store,
+                          const __grid_constant__ CUtensorMap tm_wa_store,
                           const __grid_constant__ CUtensorMap tm_dh_load, const __grid_constant__ CUtensorMap tm_w13,
                           const FusedBackwardParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)

@@ -39,6 +39,17 @@ Status launch_cooperative(Kernel kernel, int ctas, int smem, cudaStream_t stream
   return Status::ok();
 }
 
+// The second GEMM's epilogue of either kernel: each row of H columns through the row pointers route_rows wrote
+// (row_dest) into its slot of the combine buffer on its source rank.
+device::EpilogueArgs rows_home_epilogue(const Params& p, int64_t H) {
+  device::EpilogueArgs e{};
+  e.c = device::OutputRows{nullptr, H, nullptr, reinterpret_cast<void* const*>(p.local + p.layout.row_dest)};
+  e.aux = device::OutputRows{nullptr, H, nullptr, nullptr};
+  e.c_cols = static_cast<int>(H);
+  e.aux_cols = static_cast<int>(H);
+  return e;
+}
+
 }  // namespace
 
 Status check_fused_forward_shape(const Shape& s) {
@@ -101,10 +112,7 @@ Status launch_fused_forward(const Params& p, const FusedForwardArgs& a, int max_
   // GEMM2: y rows through the row pointers into the sources' combine slots.
   k.gemm2_src.b_row_step = kBN;
   k.gemm2_src.b_half_offset = kBN / 2;
-  k.gemm2_epi.c = device::OutputRows{nullptr, H, nullptr, reinterpret_cast<void* const*>(w + p.layout.row_dest)};
-  k.gemm2_epi.aux = device::OutputRows{nullptr, H, nullptr, nullptr};
-  k.gemm2_epi.c_cols = static_cast<int>(H);
-  k.gemm2_epi.aux_cols = static_cast<int>(H);
+  k.gemm2_epi = rows_home_epilogue(p, H);
 
   const int smem = FusedForwardConfig::kSmemBytes;
   MEGAMOE_RETURN_IF_ERROR(a.idx_is_int64 ? launch_cooperative(kernels::fused_forward_kernel<int64_t>, ctas, smem,
@@ -167,10 +175,7 @@ Status launch_fused_backward(const Params& p, const FusedBackwardArgs& a, int ma
   k.dgrad1_epi.row_scale = reinterpret_cast<const float*>(w + p.layout.row_weight);
   k.dgrad1_epi.up_offset = static_cast<int>(I);
   k.dgrad1_epi.dot_rows = reinterpret_cast<float* const*>(w + p.layout.row_dot_dest);
-  k.dgrad2_epi.c = device::OutputRows{nullptr, H, nullptr, reinterpret_cast<void* const*>(w + p.layout.row_dest)};
-  k.dgrad2_epi.aux = device::OutputRows{nullptr, H, nullptr, nullptr};
-  k.dgrad2_epi.c_cols = static_cast<int>(H);
-  k.dgrad2_epi.aux_cols = static_cast<int>(H);
+  k.dgrad2_epi = rows_home_epilogue(p, H);
 
   MEGAMOE_RETURN_IF_ERROR(launch_cooperative(kernels::fused_backward_kernel, ctas, FusedBackwardConfig::kSmemBytes,
                                              stream, tm_w2, tm_h, tm_dh_store, tm_wa_store, tm_dh_load, tm_w13, k));

@@ -14,11 +14,12 @@
 //   4. route role (every CTA): per source, as soon as its token rows have all landed, the tables
 //      of its rows (row_src, row_weight, row_dest, row_dot_dest, and row_signal: the token's counter on the
 //      source), each row adding 1 to its 128-row block's rows_ready.
-//   5. GEMM roles (every CTA, taking items in increasing order from a shared counter): producer warpgroup (gathered x rows for GEMM1 once their block is routed,
-//      TMA loads of a for GEMM2 once every GEMM1 slice of the block has stored it), two consumer
-//      warpgroups (wgmma; GEMM1: SwiGLU epilogue storing a and h, then act_ready[block] += 1 per slice;
-//      GEMM2: y rows straight into their combine slots on the source ranks, then per row token_done += 1
-//      on the source).
+//   5. GEMM roles (every CTA, taking items in increasing order from a shared counter): producer warpgroup
+//      (gathered x rows for GEMM1 once their block is routed, TMA loads of a for GEMM2 once every GEMM1 slice
+//      of the block has stored it), two consumer warpgroups (wgmma; GEMM1: SwiGLU epilogue storing a and h,
+//      then act_ready[block] += 1 per slice; GEMM2: y rows straight into their combine slots on the source
+//      ranks, then per row token_done += 1 on the source; both hand-overs while the next item's first
+//      wgmma run).
 //   6. combine (every CTA): a token once all its slots x GEMM2 n-tiles have come home, in slot order.
 //   7. counters back to 0, the rank barrier, NaN outputs if any rank recorded an error.
 // Every wait is bounded and reported with what it waited for (FusedWait); the kernel never waits on the host.
