@@ -113,23 +113,27 @@ __device__ void backward_producer(const CUtensorMap* tm_w2, const CUtensorMap* t
   typename Cfg::GatherLoader dgrad1{nullptr, tm_w2, p.dgrad1_src, {}};
   typename Cfg::TmaLoader dgrad2{tm_dh_load, tm_w13, p.dgrad2_src, {}};
   device::PipeState<Shape::kStages> st;
+  device::EpilogueStageRefill<Shape, true> refill;  // the h stages, read back by the consumers
   produce_items(p.layer, waves, schedule, 2u * static_cast<uint32_t>(p.n_tiles[0]), p.timeline,
                 Cfg::kProducerBarrier, ptid, [&](const device::TileCoord& tile, int gemm) {
                   if (gemm != 0) {
-                    load_k_stages<true>(dgrad2, pipe, st, smem.stages, tile, ptid);
+                    load_k_stages<true>(dgrad2, pipe, st, smem.stages, refill, tile, ptid);
                     return;
                   }
                   dgrad1.begin_tile(tile, ptid);
-                  load_k_stages<false>(dgrad1, pipe, st, smem.stages, tile, ptid);
+                  load_k_stages<false>(dgrad1, pipe, st, smem.stages, refill, tile, ptid);
                   // The epilogue's h, one stage per 64-column box of the tile (gate and up columns).
                   const int n0 = tile.n_idx * kBN;
                   for (int box = 0; box < kBN / 64 && n0 + box * 64 < I; ++box) {
                     pipe.producer_acquire(st);
+                    refill.before_refill(st);
                     dgrad1.load_epilogue_boxes(pipe, st, smem.stages[st.index], tm_h, n0 + box * 64,
                                                I + n0 + box * 64, tile.row0, ptid);
+                    refill.filled(st);
                     st.advance();
                   }
                 });
+  refill.drain();
 }
 
 // Phase 4, consumer warpgroups (tid 128..383): main loop and epilogue of every item this CTA draws.
@@ -164,7 +168,7 @@ __device__ void backward_consumer(const CUtensorMap* tm_dh_store, const CUtensor
       device::mma_tile<Shape, true>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0);
       // dh and w * a are contiguous: whole slices leave through TMA, a partial one through the threads.
       store.begin_tile(s.valid >= 64, p.dgrad1_epi.c, p.dgrad1_epi.aux, s.slice0, s.valid);
-      device::EpilogueStages<Shape> hstages{pipe, st, smem.stages[0], 2 + cwg, lt, 0};
+      device::EpilogueStages<Shape, true> hstages{pipe, st, smem.stages[0], 2 + cwg, lt, 0};
       device::epilogue_swiglu_grad<kBN>(acc, p.dgrad1_epi, s, cwg, tm_dh_store, tm_wa_store, store, hstages);
       // dh, for dgrad2; the rows' routing-gradient partials of this tile's columns
       pending.defer(store, ep::at<uint32_t>(L.local, L.layout.act_ready) + waves.block_of(tile.e, tile.row0), &s,

@@ -115,13 +115,14 @@ __device__ void gemm_producer(const CUtensorMap* tm_w13, const CUtensorMap* tm_a
   typename Cfg::GatherLoader gemm1{nullptr, tm_w13, p.gemm1_src, {}};
   typename Cfg::TmaLoader gemm2{tm_a_load, tm_w2, p.gemm2_src, {}};
   device::PipeState<Shape::kStages> st;
+  device::EpilogueStageRefill<Shape, false> no_epilogue_stages;  // the forward's epilogues read no stage
   produce_items(p.layer, waves, schedule, 2u * static_cast<uint32_t>(p.n_tiles[0]), p.timeline,
                 Cfg::kProducerBarrier, ptid, [&](const device::TileCoord& tile, int gemm) {
                   if (gemm == 0) {
                     gemm1.begin_tile(tile, ptid);
-                    load_k_stages<false>(gemm1, pipe, st, smem.stages, tile, ptid);
+                    load_k_stages<false>(gemm1, pipe, st, smem.stages, no_epilogue_stages, tile, ptid);
                   } else {
-                    load_k_stages<true>(gemm2, pipe, st, smem.stages, tile, ptid);
+                    load_k_stages<true>(gemm2, pipe, st, smem.stages, no_epilogue_stages, tile, ptid);
                   }
                 });
 }

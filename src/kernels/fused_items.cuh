@@ -12,6 +12,7 @@
 #include "comm/ep_workspace.hpp"
 #include "device/comm/signal.cuh"
 #include "device/epilogue/box_store.cuh"
+#include "device/epilogue/epilogue_stages.cuh"
 #include "device/epilogue/epilogues.cuh"
 #include "device/gemm/operands.cuh"
 #include "device/gemm/shape.cuh"
@@ -195,12 +196,14 @@ __device__ __forceinline__ void produce_items(const ep::Params& L, const Waves& 
 
 // A tile's K stages through `loader` into the ring. kPlainArrivals: the loader fills a stage from one TMA
 // thread (with its byte count) while the ring counts the gathering loader's arrivals, so every producer thread
-// adds a plain one.
-template <bool kPlainArrivals, class Loader, class Pipe, class State, class Stages>
+// adds a plain one. refill: the meeting with the readers of a stage that held an epilogue input
+// (device::EpilogueStageRefill).
+template <bool kPlainArrivals, class Loader, class Pipe, class State, class Stages, class Refill>
 __device__ __forceinline__ void load_k_stages(Loader& loader, const Pipe& pipe, State& st, Stages& stages,
-                                              const device::TileCoord& tile, int ptid) {
+                                              Refill& refill, const device::TileCoord& tile, int ptid) {
   for (int kt = 0; kt < tile.k_tiles; ++kt) {
     pipe.producer_acquire(st);
+    refill.before_refill(st);
     loader.load(pipe, st, stages[st.index], tile, kt, ptid, 0);
     if constexpr (kPlainArrivals) device::mbarrier_arrive(pipe.full_barrier(st));
     st.advance();

@@ -57,6 +57,9 @@ struct EngineConfig {
   // wait forever.
   static constexpr int kRegsAtLaunch = 65536 / kGemmThreads / 8 * 8;
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kRegsAtLaunch * kGemmThreads, "register budget");
+  // The SwiGLU backward's h stages: a gathering producer warpgroup meets their readers before it refills one
+  // (device/epilogue/epilogue_stages.cuh).
+  static constexpr bool kProducerMeetsReaders = kAct == GemmActivation::kSwiGLUBackward && Loader::kGathers;
 
   struct alignas(1024) SharedStorage {
     uint8_t stages[kStages][Shape::kStageBytes];  // each 1024-aligned: kStageBytes is a multiple of 1024
@@ -83,6 +86,7 @@ __device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUte
   const typename Cfg::Schedule schedule{&smem.schedule, p.work_counter};
   Loader loader{tm_a, tm_b, p.src, {}};
   device::PipeState<Shape::kStages> st;
+  device::EpilogueStageRefill<Shape, Cfg::kProducerMeetsReaders> refill;
   const int total = tiles.total();
   for (int j = 0;; ++j) {
     const int t = dynamic ? (ptid == 0 ? schedule.draw(j) : schedule.read(j)) : sched.item(j);
@@ -94,6 +98,7 @@ __device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUte
     loader.begin_tile(tile, ptid);
     for (int kt = 0; kt < tile.k_tiles; ++kt) {
       pipe.producer_acquire(st);
+      refill.before_refill(st);
       loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, rank);
       st.advance();
     }
@@ -102,12 +107,15 @@ __device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUte
       const int n0 = tile.n_idx * Shape::kBN;
       for (int box = 0; box < Shape::kBN / 64 && n0 + box * 64 < p.N; ++box) {
         pipe.producer_acquire(st);
+        refill.before_refill(st);
         loader.load_epilogue_boxes(pipe, st, smem.stages[st.index], tm_h, n0 + box * 64, p.N + n0 + box * 64,
                                    tile.row0, ptid);
+        refill.filled(st);
         st.advance();
       }
     }
   }
+  refill.drain();
 }
 
 template <class Cfg>
@@ -145,7 +153,8 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
       if constexpr (Cfg::kAct == GemmActivation::kSwiGLU) {
         device::epilogue_swiglu<kBN>(acc, p.epi, s, tm_c, tm_aux, store);
       } else if constexpr (Cfg::kAct == GemmActivation::kSwiGLUBackward) {
-        device::EpilogueStages<Shape> hstages{pipe, st, smem.stages[0], 2 + cwg, lt, static_cast<uint32_t>(rank)};
+        device::EpilogueStages<Shape, Cfg::kProducerMeetsReaders> hstages{pipe, st, smem.stages[0], 2 + cwg, lt,
+                                                                           static_cast<uint32_t>(rank)};
         device::epilogue_swiglu_grad<kBN>(acc, p.epi, s, cwg, tm_c, tm_aux, store, hstages);
       } else {
         device::epilogue_plain<kBN>(acc, p.epi, s, tm_c, store);

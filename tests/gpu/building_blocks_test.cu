@@ -13,6 +13,8 @@
 #include <random>
 #include <vector>
 
+#include <cuda/ptx>
+
 #include "device/comm/signal.cuh"
 #include "device/pipeline.cuh"
 #include "device/sched/grouped_tiles.cuh"
@@ -36,34 +38,38 @@ std::mt19937_64& rng() {
 
 // ---------------------------------------------------------------- pipeline
 
-// Warp 0 produces `items` values through a ring of kStages slots (each slot 32 ints, one per lane), warps
-// 1..kConsumers read every item, check it and release. errors[0] counts wrong values, errors[1] counts
-// PipeState::advance(n) disagreeing with n single advances.
+// Warp 0 produces `items` slots of 32 ints through a ring of kStages stages the way the engine fills its
+// rings: lane 0 posts the byte count and one bulk copy (TMA, the async proxy) of item i's slot from
+// `values` lands in the stage. Warps 1..kConsumers read every item with plain loads, check it and release
+// it through lane 0. errors[0] counts wrong values (a stage read before its copy landed or after it was
+// refilled), errors[1] counts PipeState::advance(n) disagreeing with n single advances.
 template <int kStages, int kConsumers>
-__global__ void pipeline_kernel(int items, int* errors) {
+__global__ void pipeline_kernel(const int* values, int items, int* errors) {
+  constexpr uint32_t kSlotBytes = 32 * sizeof(int);
   __shared__ uint64_t full[kStages], empty[kStages];
-  __shared__ int slots[kStages][32];
+  __shared__ alignas(128) int slots[kStages][32];
   const StagePipeline<kStages> pipe{full, empty};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
-    // Full: the producer's lane 0 after its warp wrote the slot; empty: lane 0 of every consumer warp.
+    // Full: the producer's lane 0 with the copy's bytes; empty: lane 0 of every consumer warp.
     pipe.init(1, kConsumers);
     mbarrier_init_fence();
   }
   __syncthreads();
   PipeState<kStages> st;
   if (warp == 0) {
+    if (lane != 0) return;
     for (int i = 0; i < items; ++i) {
       pipe.producer_acquire(st);
-      slots[st.index][lane] = i * 32 + lane;
-      __syncwarp();
-      if (lane == 0) pipe.producer_expect_tx(st, 0);  // no transactions: a plain arrival
+      pipe.producer_expect_tx(st, kSlotBytes);
+      cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global, slots[st.index], values + i * 32,
+                               kSlotBytes, pipe.full_barrier(st));
       st.advance();
     }
   } else {
     for (int i = 0; i < items; ++i) {
       pipe.consumer_wait(st);
-      if (slots[st.index][lane] != i * 32 + lane) atomicAdd(&errors[0], 1);
+      if (slots[st.index][lane] != values[i * 32 + lane]) atomicAdd(&errors[0], 1);
       __syncwarp();
       pipe.template consumer_release<1>(st, lane, 0);
       // advance(n) from a copy must land where n single steps land.
@@ -79,9 +85,14 @@ __global__ void pipeline_kernel(int items, int* errors) {
 
 template <int kStages, int kConsumers>
 void run_pipeline(int items) {
+  // Every value distinct, so a stale or early read shows.
+  std::vector<int> host(static_cast<size_t>(items) * 32);
+  std::iota(host.begin(), host.end(), static_cast<int>(rng()() % 1000000));
+  DeviceBuffer<int> values(host.size());
+  values.upload(host);
   DeviceBuffer<int> errors(2);
   MEGAMOE_ASSERT_CUDA(cudaMemset(errors.get(), 0, 2 * sizeof(int)));
-  pipeline_kernel<kStages, kConsumers><<<1, 32 * (1 + kConsumers)>>>(items, errors.get());
+  pipeline_kernel<kStages, kConsumers><<<1, 32 * (1 + kConsumers)>>>(values.get(), items, errors.get());
   MEGAMOE_ASSERT_CUDA(cudaGetLastError());
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   const auto e = errors.download();
