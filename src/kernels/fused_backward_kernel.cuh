@@ -113,7 +113,7 @@ __device__ void backward_producer(const CUtensorMap* tm_w2, const CUtensorMap* t
   typename Cfg::GatherLoader dgrad1{nullptr, tm_w2, p.dgrad1_src, {}};
   typename Cfg::TmaLoader dgrad2{tm_dh_load, tm_w13, p.dgrad2_src, {}};
   device::PipeState<Shape::kStages> st;
-  device::EpilogueStageRefill<Shape, true> refill;  // the h stages, read back by the consumers
+  device::EpilogueStageRefill<Shape, true> refill{smem.epilogue_read};  // the h stages the consumers read
   produce_items(p.layer, waves, schedule, 2u * static_cast<uint32_t>(p.n_tiles[0]), p.timeline,
                 Cfg::kProducerBarrier, ptid, [&](const device::TileCoord& tile, int gemm) {
                   if (gemm != 0) {
@@ -133,7 +133,6 @@ __device__ void backward_producer(const CUtensorMap* tm_w2, const CUtensorMap* t
                     st.advance();
                   }
                 });
-  refill.drain();
 }
 
 // Phase 4, consumer warpgroups (tid 128..383): main loop and epilogue of every item this CTA draws.
@@ -168,7 +167,7 @@ __device__ void backward_consumer(const CUtensorMap* tm_dh_store, const CUtensor
       device::mma_tile<Shape, true>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0);
       // dh and w * a are contiguous: whole slices leave through TMA, a partial one through the threads.
       store.begin_tile(s.valid >= 64, p.dgrad1_epi.c, p.dgrad1_epi.aux, s.slice0, s.valid);
-      device::EpilogueStages<Shape, true> hstages{pipe, st, smem.stages[0], 2 + cwg, lt, 0};
+      device::EpilogueStages<Shape, true> hstages{pipe, st, smem.stages[0], smem.epilogue_read, 2 + cwg, lt, 0};
       device::epilogue_swiglu_grad<kBN>(acc, p.dgrad1_epi, s, cwg, tm_dh_store, tm_wa_store, store, hstages);
       // dh, for dgrad2; the rows' routing-gradient partials of this tile's columns
       pending.defer(store, ep::at<uint32_t>(L.local, L.layout.act_ready) + waves.block_of(tile.e, tile.row0), &s,

@@ -115,7 +115,7 @@ __device__ void gemm_producer(const CUtensorMap* tm_w13, const CUtensorMap* tm_a
   typename Cfg::GatherLoader gemm1{nullptr, tm_w13, p.gemm1_src, {}};
   typename Cfg::TmaLoader gemm2{tm_a_load, tm_w2, p.gemm2_src, {}};
   device::PipeState<Shape::kStages> st;
-  device::EpilogueStageRefill<Shape, false> no_epilogue_stages;  // the forward's epilogues read no stage
+  device::EpilogueStageRefill<Shape, false> no_epilogue_stages{nullptr};  // the forward's epilogues read no stage
   produce_items(p.layer, waves, schedule, 2u * static_cast<uint32_t>(p.n_tiles[0]), p.timeline,
                 Cfg::kProducerBarrier, ptid, [&](const device::TileCoord& tile, int gemm) {
                   if (gemm == 0) {

@@ -110,6 +110,7 @@ struct FusedGemmConfig {
     uint8_t staging[2][kSlots][device::kBoxBytes];
     uint64_t full[kStages];
     uint64_t empty[kStages];
+    uint64_t epilogue_read[kStages];  // the backward's h stages (device/epilogue/epilogue_stages.cuh)
     device::SliceRows slice_rows[2];
     PendingHandover::Slot pending[2];
     typename Schedule::Storage schedule;
@@ -129,6 +130,7 @@ __device__ __forceinline__ void init_gemm_rings(typename Cfg::SharedStorage& sme
   if (threadIdx.x != 0) return;
   const device::StagePipeline<Cfg::Shape::kStages> pipe{smem.full, smem.empty};
   pipe.init(Cfg::kFullArrivals, Cfg::Shape::kConsumerGroups);
+  device::init_epilogue_read_barriers<typename Cfg::Shape>(smem.epilogue_read);
   schedule.init(256 + device::kProducerThreads - 1);  // every consumer thread, the other producer threads
   device::mbarrier_init_fence();
 }
@@ -196,7 +198,7 @@ __device__ __forceinline__ void produce_items(const ep::Params& L, const Waves& 
 
 // A tile's K stages through `loader` into the ring. kPlainArrivals: the loader fills a stage from one TMA
 // thread (with its byte count) while the ring counts the gathering loader's arrivals, so every producer thread
-// adds a plain one. refill: the meeting with the readers of a stage that held an epilogue input
+// adds a plain one. refill: the wait for the readers of a stage that held an epilogue input
 // (device::EpilogueStageRefill).
 template <bool kPlainArrivals, class Loader, class Pipe, class State, class Stages, class Refill>
 __device__ __forceinline__ void load_k_stages(Loader& loader, const Pipe& pipe, State& st, Stages& stages,

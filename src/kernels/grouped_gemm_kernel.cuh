@@ -57,15 +57,16 @@ struct EngineConfig {
   // wait forever.
   static constexpr int kRegsAtLaunch = 65536 / kGemmThreads / 8 * 8;
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kRegsAtLaunch * kGemmThreads, "register budget");
-  // The SwiGLU backward's h stages: a gathering producer warpgroup meets their readers before it refills one
-  // (device/epilogue/epilogue_stages.cuh).
-  static constexpr bool kProducerMeetsReaders = kAct == GemmActivation::kSwiGLUBackward && Loader::kGathers;
+  // The SwiGLU backward's h stages: with a gathering producer warpgroup every reader arrives on the stage's
+  // read barrier, which the producer threads wait on before they refill it (device/epilogue/epilogue_stages.cuh).
+  static constexpr bool kEachReaderArrives = kAct == GemmActivation::kSwiGLUBackward && Loader::kGathers;
 
   struct alignas(1024) SharedStorage {
     uint8_t stages[kStages][Shape::kStageBytes];  // each 1024-aligned: kStageBytes is a multiple of 1024
     uint8_t staging[2][kSlots][device::kBoxBytes];
     uint64_t full[kStages];
     uint64_t empty[kStages];
+    uint64_t epilogue_read[kStages];  // kEachReaderArrives only
     device::SliceRows slice_rows[2];
     typename Schedule::Storage schedule;
     typename Tiles::Storage tiles;
@@ -86,7 +87,7 @@ __device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUte
   const typename Cfg::Schedule schedule{&smem.schedule, p.work_counter};
   Loader loader{tm_a, tm_b, p.src, {}};
   device::PipeState<Shape::kStages> st;
-  device::EpilogueStageRefill<Shape, Cfg::kProducerMeetsReaders> refill;
+  device::EpilogueStageRefill<Shape, Cfg::kEachReaderArrives> refill{smem.epilogue_read};
   const int total = tiles.total();
   for (int j = 0;; ++j) {
     const int t = dynamic ? (ptid == 0 ? schedule.draw(j) : schedule.read(j)) : sched.item(j);
@@ -115,7 +116,6 @@ __device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUte
       }
     }
   }
-  refill.drain();
 }
 
 template <class Cfg>
@@ -153,8 +153,8 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
       if constexpr (Cfg::kAct == GemmActivation::kSwiGLU) {
         device::epilogue_swiglu<kBN>(acc, p.epi, s, tm_c, tm_aux, store);
       } else if constexpr (Cfg::kAct == GemmActivation::kSwiGLUBackward) {
-        device::EpilogueStages<Shape, Cfg::kProducerMeetsReaders> hstages{pipe, st, smem.stages[0], 2 + cwg, lt,
-                                                                           static_cast<uint32_t>(rank)};
+        device::EpilogueStages<Shape, Cfg::kEachReaderArrives> hstages{
+            pipe, st, smem.stages[0], smem.epilogue_read, 2 + cwg, lt, static_cast<uint32_t>(rank)};
         device::epilogue_swiglu_grad<kBN>(acc, p.epi, s, cwg, tm_c, tm_aux, store, hstages);
       } else {
         device::epilogue_plain<kBN>(acc, p.epi, s, tm_c, store);
@@ -182,6 +182,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   if (tid == 0) {
     const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
     pipe.init(Cfg::Loader::kFullArrivals, Shape::kConsumerGroups * Shape::kCluster);
+    if constexpr (Cfg::kEachReaderArrives) device::init_epilogue_read_barriers<Shape>(smem.epilogue_read);
     // The drawn item numbers are read by both consumer warpgroups and by the other gathering threads.
     if (dynamic) {
       const typename Cfg::Schedule schedule{&smem.schedule, p.work_counter};

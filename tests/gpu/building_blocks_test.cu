@@ -41,8 +41,10 @@ std::mt19937_64& rng() {
 // Warp 0 produces `items` slots of 32 ints through a ring of kStages stages the way the engine fills its
 // rings: lane 0 posts the byte count and one bulk copy (TMA, the async proxy) of item i's slot from
 // `values` lands in the stage. Warps 1..kConsumers read every item with plain loads, check it and release
-// it through lane 0. errors[0] counts wrong values (a stage read before its copy landed or after it was
-// refilled), errors[1] counts PipeState::advance(n) disagreeing with n single advances.
+// it, every thread arriving for its own reads (the hand-over racecheck follows; the engine's consumers read
+// through wgmma and release through one thread per warpgroup). errors[0] counts wrong values (a stage read
+// before its copy landed or after it was refilled), errors[1] counts PipeState::advance(n) disagreeing with
+// n single advances.
 template <int kStages, int kConsumers>
 __global__ void pipeline_kernel(const int* values, int items, int* errors) {
   constexpr uint32_t kSlotBytes = 32 * sizeof(int);
@@ -51,8 +53,8 @@ __global__ void pipeline_kernel(const int* values, int items, int* errors) {
   const StagePipeline<kStages> pipe{full, empty};
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
-    // Full: the producer's lane 0 with the copy's bytes; empty: lane 0 of every consumer warp.
-    pipe.init(1, kConsumers);
+    // Full: the producer's lane 0 with the copy's bytes; empty: every consumer thread.
+    pipe.init(1, 32 * kConsumers);
     mbarrier_init_fence();
   }
   __syncthreads();
@@ -70,8 +72,7 @@ __global__ void pipeline_kernel(const int* values, int items, int* errors) {
     for (int i = 0; i < items; ++i) {
       pipe.consumer_wait(st);
       if (slots[st.index][lane] != values[i * 32 + lane]) atomicAdd(&errors[0], 1);
-      __syncwarp();
-      pipe.template consumer_release<1>(st, lane, 0);
+      mbarrier_arrive(&empty[st.index]);
       // advance(n) from a copy must land where n single steps land.
       PipeState<kStages> jump = st, walk = st;
       const int n = (i * 7 + lane) % (3 * kStages + 1);

@@ -11,11 +11,6 @@ namespace megamoe::device {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// Arrival at a named barrier without waiting: this thread's memory accesses so far are ordered before
-// whatever the threads that wait there (named_barrier_sync, same id and count) do after it.
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 
 // Shared-memory writes of this thread made so far (ordinary stores, stmatrix, landed cp.async copies it
 // waited for) become visible to the async proxy (TMA, wgmma) after this fence.
