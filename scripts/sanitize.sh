@@ -27,20 +27,23 @@
 #               grouped-GEMM and simple grouped-GEMM tests, and three layer scenarios: Qwen30B_R1,
 #               Qwen30B_R4_AllToOneExpert (the cheapest multi-rank one, a rank with T = 0) and
 #               Narrow_R2_ManyTokens (several layout CTAs). No DeepSeek-V3, no R = 8 scenario.
-#   racecheck - single-rank layer tests (R = 1: the barriers count the rank itself, no peer to wait
-#   synccheck   for): Qwen30B_R1; racecheck also Narrow_R2_ManyTokens (two ranks: under racecheck on the H200
-#               it passed in 14.6 s with 0 hazards, its ranks co-resident; synccheck not tried on R = 2).
-#               No test that waits for a timeout on purpose (SignalWait, ReadinessGated,
-#               the EpLayerErrorsTest timeouts), no R >= 2 test, no CUDA-graph capture, no NCCL; the
+#   synccheck - one layer scenario, Qwen30B_R1 (R = 1: the barriers count the rank itself, no peer to wait
+#               for; synccheck not tried on R = 2);
+#   racecheck - one layer scenario, Narrow_R2_ManyTokens: small, its two ranks stay co-resident under the
+#               tool (about 53 s on the H200, docs/PERF.md run 29), and its CTAs run several SwiGLU-backward
+#               tiles each, so stages are refilled after their h was read (Qwen30B_R1 took 239 s, run 26).
+#               Both tools: no test that waits for a timeout on purpose (SignalWait, ReadinessGated,
+#               the EpLayerErrorsTest timeouts), no other R >= 2 test, no CUDA-graph capture, no NCCL; the
 #               pipeline ring, the device schedulers, route_rows, fp8 quantize, the FP8 GEMM, the simple
 #               grouped GEMM and the grouped GEMM minus its two longest tests (MGroupedKMajorPlain and
 #               KGroupedFp32: the same kernel configurations are launched by the others).
 # NCCL's own kernels are never instrumented (--kernel-name-exclude kns=nccl): their reports are not ours.
-# racecheck does not follow a hand-over of plain shared-memory accesses through one thread's mbarrier
-# arrival (ordered by the PTX memory model, but reported as hazards: docs/PERF.md runs 21-30). So the rings
-# the tools see never rely on it: BuildingBlocks.PipelineEveryDepthManyLaps fills its ring through TMA, as
-# the engine does, and the SwiGLU backward's h stages, read with plain loads and refilled by cp.async
-# gathers, are handed back through a named barrier the producer warpgroup meets
+# racecheck does not follow an mbarrier arrival one thread makes for the plain shared-memory accesses of
+# others (ordered by the PTX memory model, but reported as hazards); it does follow arrivals each thread
+# makes for its own (docs/PERF.md, runs 21-33). So the rings it sees use that form where plain accesses are
+# handed over: BuildingBlocks.PipelineEveryDepthManyLaps fills its ring through TMA and every consumer
+# thread arrives for its reads; the SwiGLU backward's h stages, read with plain loads and refilled by the
+# producer's cp.async gathers, are handed back through a read barrier every reader arrives on
 # (src/device/epilogue/epilogue_stages.cuh).
 # The layer scenarios also run the fused kernels (every forward / backward path combination); their waits
 # cover whole GEMM phases, which the tools slow past the default 20 s, so this script sets
@@ -68,12 +71,11 @@ filter_memcheck="BuildingBlocks.*:EpLayerErrorsTest.*:EpLayerOptionsTest.*:EpLay
 filter_memcheck+=":FusedBackward*:EpLayerOrderTest.*"
 filter_memcheck+=":EpRouteRows.*:Fp8QuantizeGpuTest.*:GroupedGemm.*:SimpleGroupedGemmTest.*:Fp8Gemm.*:*Fp8GemmShapes*"
 filter_memcheck+=":$layer/Qwen30B_R1:$layer/Qwen30B_R4_AllToOneExpert:$layer/Narrow_R2_ManyTokens"
-single_rank="BuildingBlocks.PipelineEveryDepthManyLaps:BuildingBlocks.SchedulersCoverEveryTileOnceInOneSequence"
-single_rank+=":Fp8Gemm.*"
-single_rank+=":EpRouteRows.*:Fp8QuantizeGpuTest.*:GroupedGemm.*:SimpleGroupedGemmTest.*:$layer/Qwen30B_R1"
+blocks="BuildingBlocks.PipelineEveryDepthManyLaps:BuildingBlocks.SchedulersCoverEveryTileOnceInOneSequence"
+blocks+=":Fp8Gemm.*:EpRouteRows.*:Fp8QuantizeGpuTest.*:GroupedGemm.*:SimpleGroupedGemmTest.*"
 longest="-GroupedGemm.MGroupedKMajorPlain:GroupedGemm.KGroupedFp32"
-filter_single_rank="$single_rank:$longest"
-filter_racecheck="$single_rank:$layer/Narrow_R2_ManyTokens:$longest"
+filter_single_rank="$blocks:$layer/Qwen30B_R1:$longest"
+filter_racecheck="$blocks:$layer/Narrow_R2_ManyTokens:$longest"
 filter_for() {  # tool -> gtest filter
   local upper
   upper=$(printf '%s' "$1" | tr '[:lower:]' '[:upper:]')
