@@ -139,6 +139,12 @@ for tool in "${tools[@]}"; do
   # Sanitizer verdict.
   errors=$(grep -m1 -oE 'ERROR SUMMARY: [0-9]+ error' "$log" | grep -oE '[0-9]+')
   hazards=$(grep -m1 -E 'RACECHECK SUMMARY' "$log" | sed -E 's/.*RACECHECK SUMMARY: *//')
+  # racecheck ends with its own summary instead ("N hazards displayed (E errors, W warnings)"): both kinds
+  # of hazard count here.
+  if [ -z "$errors" ] && [ -n "$hazards" ]; then
+    errors=$(printf '%s' "$hazards" | sed -nE 's/.*\(([0-9]+) errors?, ([0-9]+) warnings?\).*/\1 + \2/p')
+    [ -n "$errors" ] && errors=$(( errors ))
+  fi
   # gtest counts: the final summary if the run got there, else what the log shows so far.
   ran=$(grep -m1 -oE '^\[==========\] [0-9]+ tests? from .* ran' "$log" | grep -m1 -oE '[0-9]+' | head -1)
   if [ -n "$ran" ]; then
