@@ -150,12 +150,14 @@ __device__ void backward_consumer(const CUtensorMap* tm_dh_store, const CUtensor
   device::BoxStore<Cfg::kSlots, true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
   device::PipeState<Shape::kStages> st;
   PendingHandover pending{&smem.pending[cwg]};
+  const auto publish_slice = [&] { pending.run_slice(lt); };
   float acc[kBN / 2];
   // (The workspace addresses below are formed where they are used, from the kernel's parameters: every
   // register counts in the SwiGLU backward's epilogue, and a pointer held through it spilled. For the same
   // reason this walk is not shared with the forward's: a common walk taking the epilogue as a lambda spilled
-  // 8 bytes here, and so did the hand-overs as the main loop's side work (4-8 bytes), so they run at once
-  // after each epilogue here.)
+  // 8 bytes here, and so did the whole hand-over as the main loop's side work (4-8 bytes). What stays pending
+  // is a dh slice's publication (the wait for its TMA stores, then its count on act_ready): the side work of a
+  // dgrad2 item's main loop, done before the main loop of a dgrad1 item; the rows' counts go at once.)
   for (int j = 0;; ++j) {
     const int t = schedule.read(j);
     if (t >= waves.total_now()) break;
@@ -164,6 +166,7 @@ __device__ void backward_consumer(const CUtensorMap* tm_dh_store, const CUtensor
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
     if (gemm == 0) {
+      publish_slice();
       device::mma_tile<Shape, true>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0);
       // dh and w * a are contiguous: whole slices leave through TMA, a partial one through the threads.
       store.begin_tile(s.valid >= 64, p.dgrad1_epi.c, p.dgrad1_epi.aux, s.slice0, s.valid);
@@ -172,15 +175,16 @@ __device__ void backward_consumer(const CUtensorMap* tm_dh_store, const CUtensor
       // dh, for dgrad2; the rows' routing-gradient partials of this tile's columns
       pending.defer(store, ep::at<uint32_t>(L.local, L.layout.act_ready) + waves.block_of(tile.e, tile.row0), &s,
                     lt);
-      pending.run(L, lt);
+      pending.run_rows(L, lt);
     } else {
-      device::mma_tile<Shape, false>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0);
+      device::mma_tile<Shape, false>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0, publish_slice);
       store.begin_tile(false, p.dgrad2_epi.c, p.dgrad2_epi.aux, s.slice0, s.valid);
       device::epilogue_plain<kBN>(acc, p.dgrad2_epi, s, nullptr, store);
       pending.defer(store, nullptr, &s, lt);  // the rows' d_x columns of this tile
       pending.run(L, lt);
     }
   }
+  publish_slice();
   store.finish();
 }
 

@@ -49,7 +49,7 @@ struct PendingHandover {
     int rows_valid;
   };
   Slot* slot;
-  bool pending = false;
+  bool slice_pending = false, rows_pending = false;
 
   // After an item's epilogue: block_counter, the block counter of a first-GEMM slice (or null); rows, the
   // slice whose rows went home (or null).
@@ -58,18 +58,30 @@ struct PendingHandover {
                                         int lt) {
     if (lt == 0) *slot = Slot{block_counter, rows != nullptr ? rows->slice0 : 0, rows != nullptr ? rows->valid : 0};
     store.barrier();
-    pending = true;
+    slice_pending = rows_pending = true;
   }
 
+  // Both parts.
   __device__ __forceinline__ void run(const ep::Params& L, int lt) {
-    if (!pending) return;
-    pending = false;
-    const Slot item = *slot;
-    if (lt == 0 && item.slice_counter != nullptr) {
+    run_slice(lt);
+    run_rows(L, lt);
+  }
+  // The slice's part alone (thread 0's wait for its stores, the release on the block counter).
+  __device__ __forceinline__ void run_slice(int lt) {
+    if (!slice_pending) return;
+    slice_pending = false;
+    uint32_t* const counter = slot->slice_counter;
+    if (lt == 0 && counter != nullptr) {
       device::tma_store_wait_all<0>();
       cuda::ptx::fence_proxy_async(cuda::ptx::space_global);
-      device::signal_add<device::Scope::kGpu>(item.slice_counter, 1u);
+      device::signal_add<device::Scope::kGpu>(counter, 1u);
     }
+  }
+  // The rows' part alone (their token counts on the sources).
+  __device__ __forceinline__ void run_rows(const ep::Params& L, int lt) {
+    if (!rows_pending) return;
+    rows_pending = false;
+    const Slot item = *slot;
     if (lt < 64 && lt < item.rows_valid) {
       uint32_t* done = ep::at<uint32_t* const>(L.local, L.layout.row_signal)[item.rows_slice0 + lt];
       if (done != nullptr) device::signal_add<device::Scope::kSystem>(done, 1u);
