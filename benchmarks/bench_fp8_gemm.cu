@@ -9,7 +9,10 @@
 // same arithmetic (dense: cublasLtMatmul; MoE: strided-batched, possible because the split is uniform).
 // All scales are 1 here, so both compute the same products and the outputs are compared
 // (rel err ||D - D_cublasLt|| / ||D_cublasLt||: only the accumulation order and precision differ).
-// Timing: CUDA events around each launch, 5 warm-ups, median of 30. TFLOP/s = 2 M N K / time.
+// Ours runs in single CTAs and in 2-CTA clusters (the weight panel multicast to a pair of tiles), and the
+// two outputs must agree bit for bit.
+// Timing: CUDA events around each launch, 5 warm-ups, then 30 rounds in which every contender runs once in
+// turn (interleaved, so clock drift hits all alike); the median of each. TFLOP/s = 2 M N K / time.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -84,25 +87,34 @@ double rel_err(const bf16* a, const bf16* ref, size_t n) {
   return std::sqrt(h[0] / std::max(h[1], 1e-300));
 }
 
-double median_ms(const std::function<void()>& fn, int warmup = 5, int iters = 30) {
-  for (int i = 0; i < warmup; ++i) fn();
+// Median times of `fns`, timed in interleaved rounds.
+std::vector<double> interleaved_median_ms(const std::vector<std::function<void()>>& fns, int warmup = 5,
+                                          int iters = 30) {
+  for (int i = 0; i < warmup; ++i)
+    for (const auto& fn : fns) fn();
   BENCH_CHECK_CUDA(cudaDeviceSynchronize());
   cudaEvent_t a, b;
   BENCH_CHECK_CUDA(cudaEventCreate(&a));
   BENCH_CHECK_CUDA(cudaEventCreate(&b));
-  std::vector<float> t(iters);
+  std::vector<std::vector<float>> t(fns.size(), std::vector<float>(iters));
   for (int i = 0; i < iters; ++i) {
-    BENCH_CHECK_CUDA(cudaEventRecord(a));
-    fn();
-    BENCH_CHECK_CUDA(cudaEventRecord(b));
-    BENCH_CHECK_CUDA(cudaEventSynchronize(b));
-    BENCH_CHECK_CUDA(cudaEventElapsedTime(&t[i], a, b));
+    for (size_t f = 0; f < fns.size(); ++f) {
+      BENCH_CHECK_CUDA(cudaEventRecord(a));
+      fns[f]();
+      BENCH_CHECK_CUDA(cudaEventRecord(b));
+      BENCH_CHECK_CUDA(cudaEventSynchronize(b));
+      BENCH_CHECK_CUDA(cudaEventElapsedTime(&t[f][i], a, b));
+    }
   }
   BENCH_CHECK_CUDA(cudaGetLastError());
   BENCH_CHECK_CUDA(cudaEventDestroy(a));
   BENCH_CHECK_CUDA(cudaEventDestroy(b));
-  std::sort(t.begin(), t.end());
-  return t[iters / 2];
+  std::vector<double> medians;
+  for (auto& v : t) {
+    std::sort(v.begin(), v.end());
+    medians.push_back(v[iters / 2]);
+  }
+  return medians;
 }
 
 // cuBLASLt FP8 of our row-major D[M, N] = A[M, K] . B[N, K]^T, batch `batch` (strides between batches:
@@ -200,25 +212,35 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
   fill(sb, sb_count, 1.0f);
   BENCH_CHECK_CUDA(cudaMemset(D, 0xFF, size_t(M) * N * sizeof(bf16)));
 
-  auto ours = [&] {
+  bf16* D_pair;
+  BENCH_CHECK_CUDA(cudaMalloc(&D_pair, size_t(M) * N * sizeof(bf16)));
+  BENCH_CHECK_CUDA(cudaMemset(D_pair, 0xFF, size_t(M) * N * sizeof(bf16)));
+  auto ours = [&](int cluster_size, bf16* out) {
     if (groups == 0) {
-      BENCH_CHECK_OK(megamoe::kernels::fp8_gemm_nt(A, sa, B, sb, D, M, N, K, nullptr));
+      BENCH_CHECK_OK(megamoe::kernels::fp8_gemm_nt(A, sa, B, sb, out, M, N, K, nullptr, cluster_size));
     } else {
-      BENCH_CHECK_OK(megamoe::kernels::fp8_grouped_gemm_nt(A, sa, B, sb, D, offsets, E, M, N, K, nullptr));
+      BENCH_CHECK_OK(
+          megamoe::kernels::fp8_grouped_gemm_nt(A, sa, B, sb, out, offsets, E, M, N, K, nullptr, cluster_size));
     }
   };
   const double flop = 2.0 * double(M) * N * K;
-  const double t_ours = median_ms(ours);
   LtGemm lt(rows_per_group, N, K, groups == 0 ? 1 : E, one);
-  double t_lt = 0.0, err = -1.0;
-  if (lt.ok) {
-    auto base = [&] { lt.run(A, B, D_ref); };
-    t_lt = median_ms(base);
-    BENCH_CHECK_CUDA(cudaDeviceSynchronize());
-    err = rel_err(D, D_ref, size_t(M) * N);
-  }
-  std::printf("%-34s %9.3f ms %7.1f TFLOP/s | cuBLASLt %9.3f ms %7.1f TFLOP/s | x %.3f | rel err %.2e\n", name,
-              t_ours, flop / t_ours * 1e-9, t_lt, lt.ok ? flop / t_lt * 1e-9 : 0.0, lt.ok ? t_lt / t_ours : 0.0, err);
+  std::vector<std::function<void()>> contenders = {[&] { ours(1, D); }, [&] { ours(2, D_pair); }};
+  if (lt.ok) contenders.push_back([&] { lt.run(A, B, D_ref); });
+  const std::vector<double> t = interleaved_median_ms(contenders);
+  BENCH_CHECK_CUDA(cudaDeviceSynchronize());
+  const double t_ours = t[0], t_pair = t[1], t_lt = lt.ok ? t[2] : 0.0;
+  const double err = lt.ok ? rel_err(D, D_ref, size_t(M) * N) : -1.0;
+  std::vector<uint16_t> h1(size_t(M) * N), h2(size_t(M) * N);
+  BENCH_CHECK_CUDA(cudaMemcpy(h1.data(), D, h1.size() * 2, cudaMemcpyDeviceToHost));
+  BENCH_CHECK_CUDA(cudaMemcpy(h2.data(), D_pair, h2.size() * 2, cudaMemcpyDeviceToHost));
+  size_t differ = 0;
+  for (size_t i = 0; i < h1.size(); ++i) differ += h1[i] != h2[i];
+  std::printf("%-30s %8.3f ms %7.1f TFLOP/s | pairs %8.3f ms %7.1f TFLOP/s (x %.3f; %zu outputs differ) | cuBLASLt "
+              "%8.3f ms %7.1f TFLOP/s | x %.3f / %.3f | rel err %.2e\n",
+              name, t_ours, flop / t_ours * 1e-9, t_pair, flop / t_pair * 1e-9, t_ours / t_pair, differ, t_lt,
+              lt.ok ? flop / t_lt * 1e-9 : 0.0, lt.ok ? t_lt / t_ours : 0.0, lt.ok ? t_lt / t_pair : 0.0, err);
+  BENCH_CHECK_CUDA(cudaFree(D_pair));
   BENCH_CHECK_CUDA(cudaFree(A));
   BENCH_CHECK_CUDA(cudaFree(B));
   BENCH_CHECK_CUDA(cudaFree(sa));
@@ -234,7 +256,8 @@ int main() {
   float* one;
   BENCH_CHECK_CUDA(cudaMalloc(&one, sizeof(float)));
   fill(one, 1, 1.0f);
-  std::printf("blockwise FP8 GEMM (scales 1) vs cuBLASLt FP8 (per-tensor scales 1); x = cuBLASLt time / ours\n");
+  std::printf("blockwise FP8 GEMM (scales 1), single CTAs and 2-CTA pairs, vs cuBLASLt FP8 (per-tensor scales 1);\n"
+              "x = single-CTA time / pair time, and cuBLASLt time / ours (single / pairs)\n");
   bench("dense 8192^3", 0, 8192, 8192, 8192, one);
   const int shapes[4][2] = {{1536, 2048}, {2048, 768}, {3072, 4096}, {4096, 1536}};
   for (const auto& s : shapes) {

@@ -1,5 +1,5 @@
 // Host side of the blockwise-scaled FP8 GEMM (fp8_gemm.hpp): argument checks, tensor maps, kernel parameters
-// and the launch of its one configuration (fp8_gemm_kernel.cuh).
+// and the launch of its configuration for the cluster size asked for (fp8_gemm_kernel.cuh).
 //
 // Tensor maps: TMA copies bytes, so the e4m3 operands are described as bf16 tensors of half the width (a pair
 // of e4m3 per "bf16"): a 128-byte box row is 128 e4m3 = one K block, the swizzle (on bytes) is the same, and
@@ -17,9 +17,9 @@
 namespace megamoe::kernels {
 namespace {
 
-using Cfg = Fp8GemmConfig;
-constexpr int kBM = Cfg::Shape::kBM;
-constexpr int kBN = Cfg::Shape::kBN;
+using Cfg1 = Fp8GemmConfig<1>;
+constexpr int kBM = Cfg1::Shape::kBM;
+constexpr int kBN = Cfg1::Shape::kBN;
 constexpr int kKBlock = 128;
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -64,8 +64,17 @@ Status map_e4m3(CUtensorMap* map, const void* base, int rank, const uint64_t* di
   return make_bf16_tensor_map(map, base, rank, dims, box);
 }
 
+Status check_cluster(int cluster_size) {
+  if (cluster_size != 1 && cluster_size != 2) {
+    return Status::invalid("fp8 GEMM: cluster_size must be 1 or 2, got " + std::to_string(cluster_size));
+  }
+  return Status::ok();
+}
+
+template <class Cfg>
 Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
               const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K, cudaStream_t stream) {
+  constexpr int kCluster = Cfg::Shape::kCluster;
   int num_sms = 0;
   MEGAMOE_RETURN_IF_ERROR(device_sms(&num_sms));
   CUtensorMap tm_a{}, tm_b{}, tm_sa{}, tm_d{};
@@ -81,7 +90,8 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
     MEGAMOE_RETURN_IF_ERROR(map_e4m3(&tm_a, A, 2, dims, box));
   }
   {
-    // The B panel of an n-tile comes as two boxes of BN / 2 rows (TileLoader, single-CTA form).
+    // The B panel of an n-tile comes as two boxes of BN / 2 rows (TileLoader; in a 2-CTA cluster each CTA
+    // loads one and multicasts it).
     const uint64_t dims[3] = {static_cast<uint64_t>(K), static_cast<uint64_t>(N), static_cast<uint64_t>(num_groups)};
     const uint32_t box[3] = {64, static_cast<uint32_t>(kBN / 2), 1};
     MEGAMOE_RETURN_IF_ERROR(map_e4m3(&tm_b, B, 3, dims, box));
@@ -110,20 +120,51 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   // Set on every call (cheap, and correct on every device of a multi-GPU process).
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-  int grid = num_sms;
-  if (offsets == nullptr) {  // dense: the tile count is known here
-    const int64_t tiles = (max_rows + kBM - 1) / kBM * ((N + kBN - 1) / kBN);
-    grid = static_cast<int>(std::min<int64_t>(grid, std::max<int64_t>(tiles, 1)));
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.blockDim = dim3(kFp8GemmThreads, 1, 1);
+  cfg.dynamicSmemBytes = Cfg::kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  // Persistent: as many clusters as fit at once (an odd SM count in a GPC leaves an SM out of pairs).
+  int clusters = num_sms / kCluster;
+  if constexpr (kCluster > 1) {
+    cfg.gridDim = dim3(num_sms / kCluster * kCluster, 1, 1);
+    int max_clusters = 0;
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg));
+    if (max_clusters < 1) return Status(StatusCode::kNotSupported, "fp8 GEMM: no 2-CTA cluster fits on this device");
+    clusters = std::min(clusters, max_clusters);
   }
-  kernel<<<grid, kFp8GemmThreads, Cfg::kSmemBytes, stream>>>(tm_a, tm_b, tm_sa, tm_d, p);
+  if (offsets == nullptr) {  // dense: the work items (pairs of m-tiles in a cluster) are known here
+    const int64_t m_units = ((max_rows + kBM - 1) / kBM + kCluster - 1) / kCluster;
+    const int64_t items = m_units * ((N + kBN - 1) / kBN);
+    clusters = static_cast<int>(std::min<int64_t>(clusters, std::max<int64_t>(items, 1)));
+  }
+  cfg.gridDim = dim3(clusters * kCluster, 1, 1);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, tm_a, tm_b, tm_sa, tm_d, p));
   MEGAMOE_CHECK_LAUNCH(stream, "fp8_gemm_kernel");
   return Status::ok();
+}
+
+Status launch_for_cluster(int cluster_size, const uint8_t* A, const float* sa, const uint8_t* B, const float* sb,
+                          __nv_bfloat16* D, const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K,
+                          cudaStream_t stream) {
+  if (cluster_size == 2) {
+    return launch<Fp8GemmConfig<2>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, stream);
+  }
+  return launch<Cfg1>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, stream);
 }
 
 }  // namespace
 
 Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D, int64_t M,
-                   int N, int K, cudaStream_t stream) {
+                   int N, int K, cudaStream_t stream, int cluster_size) {
+  MEGAMOE_RETURN_IF_ERROR(check_cluster(cluster_size));
   MEGAMOE_RETURN_IF_ERROR(check_shape(M, "M", N, K));
   MEGAMOE_RETURN_IF_ERROR(check_pointer(B, "B"));
   MEGAMOE_RETURN_IF_ERROR(check_pointer(sb, "sb"));
@@ -131,12 +172,13 @@ Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const fl
   MEGAMOE_RETURN_IF_ERROR(check_pointer(A, "A"));
   MEGAMOE_RETURN_IF_ERROR(check_pointer(sa, "sa"));
   MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
-  return launch(A, sa, B, sb, D, nullptr, 1, M, N, K, stream);
+  return launch_for_cluster(cluster_size, A, sa, B, sb, D, nullptr, 1, M, N, K, stream);
 }
 
 Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
                            const int32_t* expert_offsets, int num_experts, int64_t max_rows, int N, int K,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, int cluster_size) {
+  MEGAMOE_RETURN_IF_ERROR(check_cluster(cluster_size));
   MEGAMOE_RETURN_IF_ERROR(check_shape(max_rows, "max_rows", N, K));
   if (num_experts < 1 || num_experts > kFp8GemmMaxExperts) {
     return Status::invalid("fp8 GEMM: num_experts must be in [1, " + std::to_string(kFp8GemmMaxExperts) +
@@ -149,12 +191,13 @@ Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, 
   MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
   if (expert_offsets == nullptr) return Status::invalid("fp8 GEMM: expert_offsets is null");
   if (max_rows == 0) return Status::ok();  // every expert is empty (offsets are clamped into [0, max_rows])
-  return launch(A, sa, B, sb, D, expert_offsets, num_experts, max_rows, N, K, stream);
+  return launch_for_cluster(cluster_size, A, sa, B, sb, D, expert_offsets, num_experts, max_rows, N, K, stream);
 }
 
 Status fp8_gemm_preload() {
   cudaFuncAttributes attributes{};
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Cfg>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Cfg1>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<2>>));
   return Status::ok();
 }
 

@@ -1,5 +1,7 @@
 // The blockwise-scaled FP8 GEMM kernel (fp8_gemm.hpp), composed from the device building blocks: one
-// persistent, warp-specialised CTA of 384 threads per SM, tile 128 x 128, one 128-deep K block per stage.
+// persistent, warp-specialised CTA of 384 threads per SM, tile 128 x 128, one 128-deep K block per stage;
+// alone or in 2-CTA clusters (a pair of vertically adjacent tiles sharing the weight panel, each CTA loading
+// one half of it and multicasting it to both, so a CTA's stage costs the L2 three quarters of its bytes).
 //   warpgroup 0, the producer (setmaxnreg down), walks the schedule:
 //     thread 0 issues the A and B boxes of each stage with TMA (TileLoader, the bf16 engine's loader: a stage
 //       of 128-byte rows is the same bytes for 128 e4m3 as for 64 bf16, see fp8_mainloop.cuh);
@@ -42,6 +44,7 @@ struct Fp8GemmParams {
   int tma_store;                    // 1: the D tensor map is valid
 };
 
+template <int kCluster>
 struct Fp8GemmConfig {
   static constexpr int kBN = 128;
   // 5 x 32 KB stages + 2 x 2 staging boxes (TMA stores keep a warpgroup's whole 64 x 128 slice in flight)
@@ -49,9 +52,9 @@ struct Fp8GemmConfig {
   static constexpr int kStages = 5;
   static constexpr int kSlots = kBN / 64;
   // The bf16-pair view: kBK = 64 "bf16" = 128 e4m3 = one K block (fp8_mainloop.cuh).
-  using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, 1>;
+  using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, kCluster>;
   using Loader = device::TileLoader<Shape, false, false>;
-  using Tiles = device::GroupedTiles<Shape::kBM, kBN, Shape::kBK, 1, false>;
+  using Tiles = device::GroupedTiles<Shape::kBM, kBN, Shape::kBK, kCluster, false>;
   // Full barrier of a stage: the operand TMA thread's expect-tx arrival plus the scale thread's.
   static constexpr int kFullArrivals = Loader::kFullArrivals + device::kScaleArrivals;
   static constexpr int kScaleThread = 32;  // producer thread that loads the A scales (another warp than thread 0)
@@ -81,7 +84,7 @@ template <class Cfg>
 __device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const CUtensorMap* tm_b,
                                                  const CUtensorMap* tm_sa, const Fp8GemmParams& p, typename Cfg::SharedStorage& smem,
                                                  const typename Cfg::Tiles& tiles, const device::StaticSchedule& sched,
-                                                 int ptid) {
+                                                 int rank, int ptid) {
   using Shape = typename Cfg::Shape;
   const bool tma_thread = ptid == 0;
   if (!tma_thread && ptid != Cfg::kScaleThread) return;
@@ -92,12 +95,12 @@ __device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const 
   for (int j = 0;; ++j) {
     const int t = sched.item(j);
     if (t >= total) break;
-    const device::TileCoord tile = tiles.decode(t, 0);
+    const device::TileCoord tile = tiles.decode(t, rank);
     loader.begin_tile(tile, ptid);
     for (int kt = 0; kt < tile.k_tiles; ++kt) {
       pipe.producer_acquire(st);
       if (tma_thread) {
-        loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, 0);
+        loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, rank);
       } else {
         device::load_block_scales(pipe, st, &smem.scales[st.index], tm_sa, tile, kt);
       }
@@ -109,7 +112,7 @@ __device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const 
 template <class Cfg>
 __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const Fp8GemmParams& p,
                                                  typename Cfg::SharedStorage& smem, const typename Cfg::Tiles& tiles,
-                                                 const device::StaticSchedule& sched, int tid) {
+                                                 const device::StaticSchedule& sched, int rank, int tid) {
   using Shape = typename Cfg::Shape;
   constexpr int kBN = Shape::kBN;
   const int cwg = tid / 128 - 1;  // rows 64 cwg .. 64 cwg + 63 of the tile
@@ -122,9 +125,9 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     const int t = sched.item(j);
     // Read from shared memory per item, not held across the epilogue (where every register counts).
     if (t >= tiles.total_now()) break;
-    const device::TileCoord tile = tiles.decode(t, 0);
+    const device::TileCoord tile = tiles.decode(t, rank);
     device::mma_tile_fp8_blockwise<Shape>(acc, pipe, st, smem.stages[0], smem.scales, p.b_scales.of(tile), tile, cwg,
-                                          lt);
+                                          lt, static_cast<uint32_t>(rank));
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
     // A TMA box is clipped only at the tensor's edge, and rows past an expert belong to the next one: TMA
@@ -151,7 +154,8 @@ __global__ void __launch_bounds__(kFp8GemmThreads, 1)
   const typename Cfg::Tiles tiles{&smem.tiles, p.group_offsets != nullptr ? p.num_groups : 1, n_tiles, 0, p.K / 2};
   if (tid == 0) {
     const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
-    pipe.init(Cfg::kFullArrivals, Shape::kConsumerGroups);
+    // A stage is released by both consumer warpgroups of every CTA whose B half multicasts into it.
+    pipe.init(Cfg::kFullArrivals, Shape::kConsumerGroups * Shape::kCluster);
     smem.dense_offsets[0] = 0;
     smem.dense_offsets[1] = p.max_rows;
     device::mbarrier_init_fence();
@@ -159,14 +163,21 @@ __global__ void __launch_bounds__(kFp8GemmThreads, 1)
   __syncthreads();  // the dense offsets are read by every thread of build()
   tiles.build(p.group_offsets != nullptr ? p.group_offsets : smem.dense_offsets, p.max_rows, false, tid,
               kFp8GemmThreads);
-  const device::StaticSchedule sched{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
+  // In a cluster the peer multicasts into this CTA's shared memory and arrives on its barriers: both CTAs
+  // must have initialised them first.
+  if constexpr (Shape::kCluster > 1) device::cluster_sync();
+  const int rank = Shape::kCluster == 1 ? 0 : static_cast<int>(device::cluster_cta_rank());
+  const int cluster = Shape::kCluster == 1 ? static_cast<int>(blockIdx.x) : static_cast<int>(device::cluster_id_x());
+  const device::StaticSchedule sched{cluster, static_cast<int>(gridDim.x) / Shape::kCluster};
   if (tid < 128) {
     device::setmaxnreg_dec<Cfg::kProducerRegs>();
-    fp8_run_producer<Cfg>(&tm_a, &tm_b, &tm_sa, p, smem, tiles, sched, tid);
+    fp8_run_producer<Cfg>(&tm_a, &tm_b, &tm_sa, p, smem, tiles, sched, rank, tid);
   } else {
     device::setmaxnreg_inc<Cfg::kConsumerRegs>();
-    fp8_run_consumer<Cfg>(&tm_d, p, smem, tiles, sched, tid);
+    fp8_run_consumer<Cfg>(&tm_d, p, smem, tiles, sched, rank, tid);
   }
+  // No CTA may exit while its peer can still arrive on its barriers or multicast into its memory.
+  if constexpr (Shape::kCluster > 1) device::cluster_sync();
 #endif
 }
 

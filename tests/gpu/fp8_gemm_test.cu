@@ -186,8 +186,22 @@ int64_t count_not_nan(const std::vector<bf16>& got, int64_t from, int64_t to) {
   return written;
 }
 
-// A dense problem, run on the GPU and checked. spread: the exponent range of the per-group / per-block
-// magnitudes.
+// Elements whose bits differ between two downloads of the same buffer size.
+int64_t count_bitwise_differences(const std::vector<bf16>& x, const std::vector<bf16>& y) {
+  EXPECT_EQ(x.size(), y.size());
+  int64_t differ = 0;
+  for (size_t i = 0; i < std::min(x.size(), y.size()); ++i) {
+    uint16_t a, b;
+    std::memcpy(&a, &x[i], 2);
+    std::memcpy(&b, &y[i], 2);
+    differ += a != b;
+  }
+  return differ;
+}
+
+// A dense problem, run on the GPU and checked; then again (bitwise the same), and in 2-CTA clusters into a
+// freshly poisoned buffer (bitwise the same everywhere, rows past M untouched included). spread: the
+// exponent range of the per-group / per-block magnitudes.
 void run_dense(int64_t M, int N, int K, int spread) {
   const std::string what = "dense M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K);
   const Quantized a = quantize_activations(random_blocks(M, K, 1, spread), M, K);
@@ -214,14 +228,13 @@ void run_dense(int64_t M, int N, int K, int spread) {
   ASSERT_TRUE(again.is_ok()) << again.to_string();
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   const std::vector<bf16> got2 = dD.download();
-  int64_t differ = 0;
-  for (int64_t i = 0; i < M * N; ++i) {
-    uint16_t x, y;
-    std::memcpy(&x, &got[i], 2);
-    std::memcpy(&y, &got2[i], 2);
-    differ += x != y;
-  }
-  EXPECT_EQ(differ, 0) << what << ": two runs differ";
+  EXPECT_EQ(count_bitwise_differences(got, got2), 0) << what << ": two runs differ";
+
+  dD.poison();
+  const Status paired = fp8_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), M, N, K, nullptr, 2);
+  ASSERT_TRUE(paired.is_ok()) << what << ", 2-CTA clusters: " << paired.to_string();
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0) << what << ": 2-CTA clusters differ from single CTAs";
 }
 
 class Fp8GemmShapes : public ::testing::TestWithParam<std::tuple<int, int, int>> {};
@@ -298,6 +311,15 @@ TEST(Fp8Gemm, GroupedByExpert) {
     expect_close(compare(got, offsets[e], sizes[e], N, want, mag), "grouped expert " + std::to_string(e));
   }
   EXPECT_EQ(count_not_nan(got, rows * N, max_rows * N), 0) << "rows outside every expert were written";
+
+  // 2-CTA clusters (odd tile counts leave a CTA of a pair past its expert's rows): bitwise the same, the
+  // rows outside every expert untouched.
+  dD.poison();
+  const Status paired = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), doff.get(), E,
+                                            max_rows, N, K, nullptr, 2);
+  ASSERT_TRUE(paired.is_ok()) << paired.to_string();
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0) << "2-CTA clusters differ from single CTAs";
 }
 
 TEST(Fp8Gemm, EmptyInputsAreNoOps) {
@@ -355,6 +377,8 @@ TEST(Fp8Gemm, RejectsBadArguments) {
   expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, nullptr, 1, M, N, K, nullptr), "expert_offsets is null");
   expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, 64, nullptr), "multiple of 128");
   expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, -5, N, K, nullptr), "max_rows must be");
+  expect_invalid(fp8_gemm_nt(A, sa, B, sb, D, M, N, K, nullptr, 3), "cluster_size must be 1 or 2");
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, K, nullptr, 0), "cluster_size must be 1 or 2");
   // Nothing above may have launched anything: the poisoned output is untouched.
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_EQ(count_not_nan(dD.download(), 0, int64_t{M} * N), 0);

@@ -27,14 +27,15 @@ namespace megamoe::device {
 
 // acc = sum over the tile's K blocks of scale * (the block's wgmma sum). cwg: consumer warpgroup (rows
 // 64 cwg .. 64 cwg + 63 of the tile); lt: thread in the warpgroup; scales: the ring's A-scale slots;
-// b_scales: the tile's weight-block scales, one per K block (WeightScales::of).
+// b_scales: the tile's weight-block scales, one per K block (WeightScales::of); cta_rank: the CTA in its
+// cluster (a 2-CTA cluster's peer multicasts half of every stage, and is released too).
 template <class Shape>
 __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN / 2],
                                                        const StagePipeline<Shape::kStages>& pipe,
                                                        PipeState<Shape::kStages>& st, uint8_t* stages,
                                                        const StageScales* scales, const float* b_scales,
-                                                       const TileCoord& tile, int cwg, int lt) {
-  static_assert(Shape::kForm == GemmForm::kNT && Shape::kCluster == 1, "FP8 operands are both K-major, single CTAs");
+                                                       const TileCoord& tile, int cwg, int lt, uint32_t cta_rank) {
+  static_assert(Shape::kForm == GemmForm::kNT, "FP8 operands are both K-major");
   static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
   static_assert(Shape::kBK * 2 == 128 && Shape::kAStep == 32 && Shape::kBStep == 32, "a stage row is one K block");
   using Mma = WgmmaE4m3<Shape::kBN>;
@@ -67,7 +68,7 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
                             promotion_scale(a_scales, b_scale, cwg, warp, lane, 1)};
     wgmma_wait<0>();
     fence_accumulators(partial);
-    pipe.template consumer_release<1>(st, lt, 0);
+    pipe.template consumer_release<Shape::kCluster>(st, lt, cta_rank);
     promote_block(acc, partial, scale);
     st.advance();
   }
