@@ -262,7 +262,8 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward(const ep::Params& p, const
 }
 
 // dW2 = d_out^T (w * a) and dW13 = dh^T x (fp32, rows gathered where they come from a receive buffer), after
-// the dgrad GEMMs wrote w * a and dh.
+// the dgrad GEMMs wrote w * a and dh. The gathered operand is A of both GEMMs, the tile's narrower one
+// (128 columns; B has 256): dW13 is computed as x^T dh and stored transposed.
 Status ExpertParallelLayer::Impl::weight_gradients(const ep::Params& p, const BackwardArgs& args) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
@@ -274,12 +275,9 @@ Status ExpertParallelLayer::Impl::weight_gradients(const ep::Params& p, const Ba
                                                    static_cast<int>(H), static_cast<int>(I),
                                                    args.accumulate_weight_grads, stream, weight_grad_tuning(),
                                                    received_rows()));
-  kernels::GemmGather x_rows;
-  x_rows.b_rows = buffer<int32_t>(p.layout.row_src);
-  x_rows.b_source_rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
-  return kernels::grouped_gemm_tn(dh, buffer<__nv_bfloat16>(p.layout.recv_x), args.d_w13, expert_offsets(), EL, C,
-                                  static_cast<int>(2 * I), static_cast<int>(H), args.accumulate_weight_grads, stream,
-                                  weight_grad_tuning(), x_rows);
+  return kernels::grouped_gemm_tn(buffer<__nv_bfloat16>(p.layout.recv_x), dh, args.d_w13, expert_offsets(), EL, C,
+                                  static_cast<int>(H), static_cast<int>(2 * I), args.accumulate_weight_grads, stream,
+                                  weight_grad_tuning(), received_rows(), /*transpose_c=*/true);
 }
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -218,7 +218,7 @@ Status grouped_gemm_nn(const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bflo
 
 Status grouped_gemm_tn(const __nv_bfloat16* A, const __nv_bfloat16* B, float* C, const int32_t* group_offsets,
                        int num_groups, int64_t max_rows, int M, int N, bool accumulate, cudaStream_t stream,
-                       const GemmTuning& tuning, const GemmGather& gather) {
+                       const GemmTuning& tuning, const GemmGather& gather, bool transpose_c) {
   MEGAMOE_RETURN_IF_ERROR(check_common(A, B, C, group_offsets, num_groups, max_rows));
   if (M <= 0 || N <= 0 || M % 8 != 0 || N % 8 != 0) {
     return Status::invalid("M and N must be positive multiples of 8, got M=" + std::to_string(M) +
@@ -235,6 +235,7 @@ Status grouped_gemm_tn(const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
   p = base_params(group_offsets, num_groups, max_rows, M, N, 0, l.tuning);
   p.c32 = C;
   p.accumulate = accumulate ? 1 : 0;
+  p.transpose_c = transpose_c ? 1 : 0;
   // Work items of form 3 are as long as their expert's rows: hand out the longest first.
   p.longest_first = tuning.work_counter != nullptr ? 1 : 0;
   if (l.gather_a) {

@@ -141,12 +141,15 @@ Status grouped_gemm_nn(const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bflo
                        const GemmReadiness& readiness = {});
 
 // Form 3. A [max_rows, M], B [max_rows, N], C [num_groups, M, N] fp32. accumulate: C += A^T B, else C = A^T B
-// (an expert with 0 rows gets C[e] = 0, or C[e] unchanged when accumulating).
+// (an expert with 0 rows gets C[e] = 0, or C[e] unchanged when accumulating). transpose_c: C [num_groups, N, M]
+// holds each C[e] transposed (C[e][n][m] = (A^T B)[m][n], bitwise the values of the untransposed call), so
+// that the operand whose rows are gathered can be A, whichever of the two it is (A is the narrower operand
+// of a tile, 128 columns against 256, and gathered rows cost per byte: docs/PERF.md runs 14 and 32).
 // Boundary contract: the reduction of expert e runs over exactly its rows; K-tiles that straddle into the
 // next expert (or past max_rows) have the foreign rows of both operands zeroed in shared memory before the
 // tensor cores read them, so neither finite nor non-finite values of other experts leak in.
 Status grouped_gemm_tn(const __nv_bfloat16* A, const __nv_bfloat16* B, float* C, const int32_t* group_offsets,
                        int num_groups, int64_t max_rows, int M, int N, bool accumulate, cudaStream_t stream,
-                       const GemmTuning& tuning = {}, const GemmGather& gather = {});
+                       const GemmTuning& tuning = {}, const GemmGather& gather = {}, bool transpose_c = false);
 
 }  // namespace megamoe::kernels

@@ -143,8 +143,13 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
     const int n0 = tile.n_idx * kBN;
     if constexpr (Shape::kKGrouped) {
       float* C = p.c32 + static_cast<int64_t>(tile.e) * p.M * p.N;
-      device::epilogue_fp32<kBN>(acc, C, p.M, p.N, tile.m_idx * Shape::kBM + cwg * 64, n0, p.accumulate != 0,
-                                 smem.staging[cwg][0], 2 + cwg, lt);
+      const int m0 = tile.m_idx * Shape::kBM + cwg * 64;
+      if (p.transpose_c != 0) {
+        device::epilogue_fp32_transposed<kBN>(acc, C, p.M, p.N, m0, n0, p.accumulate != 0, smem.staging[cwg][0],
+                                              2 + cwg, lt);
+      } else {
+        device::epilogue_fp32<kBN>(acc, C, p.M, p.N, m0, n0, p.accumulate != 0, smem.staging[cwg][0], 2 + cwg, lt);
+      }
     } else {
       const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, n0, tile.n_idx, lt, lt >> 5, lt & 31};
       // A TMA box is clipped only at the tensor's edge, and rows past the expert belong to the next one: TMA

@@ -25,6 +25,7 @@ struct GemmKernelParams {
   device::EpilogueArgs epi;
   float* c32;      // form 3 output
   int accumulate;  // form 3
+  int transpose_c;  // form 3: c32 is [groups, N, M] (each C[e] stored transposed)
   int tma_store;   // 1: the C (and aux) tensor maps are valid and the outputs contiguous
   int* work_counter;  // non-null: dynamic scheduling (zeroed before the launch)
   int longest_first;  // form 3, dynamic: the experts with the most rows first

@@ -667,6 +667,33 @@ void run_k_grouped(int E, int max_per_group, int M, int N, bool accumulate, cons
   EXPECT_EQ(empty_nonzero, 0) << "an empty expert must give exactly 0 (or leave the accumulator unchanged)";
   std::printf("[gemm_test] TN cluster=%d tile_n=%d dynamic=%d E=%d rows=%d M=%d N=%d accumulate=%d: rel err %.3e\n",
               tuning.cluster_size, tuning.tile_n, tuning.work_counter != nullptr, E, rows, M, N, accumulate, err.rel);
+  // C stored transposed ([E, N, M], accumulating onto the transposed start values): the same bits.
+  const auto transposed = [&](const std::vector<float>& c) {
+    std::vector<float> t(c.size());
+    for (int e = 0; e < E; ++e)
+      for (int m = 0; m < M; ++m)
+        for (int n = 0; n < N; ++n) t[(size_t(e) * N + n) * M + m] = c[(size_t(e) * M + m) * N + n];
+    return t;
+  };
+  {
+    if (accumulate) {
+      dC.upload(transposed(init));
+    } else {
+      dC.poison();
+    }
+    ASSERT_TRUE(grouped_gemm_tn(dA.get(), dB.get(), dC.get(), dOff.get(), E, max_rows, M, N, accumulate, nullptr, tuning,
+                                {}, /*transpose_c=*/true)
+                    .is_ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto want_t = transposed(got);
+    const auto got_t = dC.download();
+    EXPECT_EQ(std::memcmp(want_t.data(), got_t.data(), got_t.size() * sizeof(float)), 0) << "transposed C differs";
+    if (accumulate) {
+      dC.upload(init);
+    } else {
+      dC.poison();
+    }
+  }
   if (tuning.cluster_size != 1) return;
   // A, B or both gathered by index from shuffled sources (the layer's weight gradients read rows of a
   // receive buffer): bitwise the same C.
@@ -698,6 +725,21 @@ void run_k_grouped(int E, int max_per_group, int M, int N, bool accumulate, cons
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const auto got_g = dC.download();
     EXPECT_EQ(std::memcmp(got.data(), got_g.data(), got.size() * sizeof(float)), 0) << "gathered operands " << which;
+    if (which != 1) continue;
+    // The layer's weight gradients: A gathered, C stored transposed.
+    if (accumulate) {
+      dC.upload(transposed(init));
+    } else {
+      dC.poison();
+    }
+    ASSERT_TRUE(grouped_gemm_tn(dSa.get(), dB.get(), dC.get(), dOff.get(), E, max_rows, M, N, accumulate, nullptr,
+                                tuning, g, /*transpose_c=*/true)
+                    .is_ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto got_gt = dC.download();
+    const auto want_gt = transposed(got);
+    EXPECT_EQ(std::memcmp(want_gt.data(), got_gt.data(), got_gt.size() * sizeof(float)), 0)
+        << "gathered A, transposed C differs";
   }
 }
 

@@ -212,28 +212,39 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
   }
 }
 
+// One pass of the fp32 epilogues: the warpgroup's 64 rows x 32 columns (columns 32 pass ..) of the
+// accumulators into a 128-byte-swizzled staging box of 64 rows x 128 bytes, (row, col) at
+// fp32_staged(row, col).
+template <int kBN>
+__device__ __forceinline__ void stage_fp32_pass(const float (&acc)[kBN / 2], int pass, uint8_t* staging, int lt) {
+  const int warp = lt >> 5, lane = lt & 31, q = lane & 3;
+#pragma unroll
+  for (int jj = 0; jj < 4; ++jj) {
+    const int j = pass * 4 + jj;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = Fragment::row(warp, lane, h);
+      const int c16 = (2 * jj + (q >> 1)) ^ (row & 7);
+      *reinterpret_cast<float2*>(staging + row * 128 + c16 * 16 + 8 * (q & 1)) =
+          make_float2(acc[Fragment::reg(j, h, 0)], acc[Fragment::reg(j, h, 1)]);
+    }
+  }
+}
+__device__ __forceinline__ int fp32_staged(int row, int col) {
+  return row * 128 + (((col >> 2) ^ (row & 7)) << 4) + 4 * (col & 3);
+}
+
 // fp32 output C[m, n] of a K-grouped tile (m0: first row of the warpgroup's slice of C), M x N, through one
 // staging box per pass of 32 columns; accumulate adds to the existing value (one fp32 rounding, no
 // atomics: every element has one owner).
 template <int kBN>
 __device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], float* C, int M, int N, int m0, int n0,
                                               bool accumulate, uint8_t* staging, int bar_id, int lt) {
-  const int warp = lt >> 5, lane = lt & 31, q = lane & 3;
   const int chunk = box_read_chunk(lt);
 #pragma unroll
   for (int pass = 0; pass < kBN / 32; ++pass) {
     if (n0 + pass * 32 >= N) break;  // uniform over the warpgroup
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) {
-      const int j = pass * 4 + jj;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = Fragment::row(warp, lane, h);
-        const int c16 = (2 * jj + (q >> 1)) ^ (row & 7);
-        *reinterpret_cast<float2*>(staging + row * 128 + c16 * 16 + 8 * (q & 1)) =
-            make_float2(acc[Fragment::reg(j, h, 0)], acc[Fragment::reg(j, h, 1)]);
-      }
-    }
+    stage_fp32_pass<kBN>(acc, pass, staging, lt);
     named_barrier_sync(bar_id, 128);
     const int col = n0 + pass * 32 + chunk * 4;
 #pragma unroll
@@ -250,6 +261,33 @@ __device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], float
           v.z += old.z;
           v.w += old.w;
         }
+        *dst = v;
+      }
+    }
+    named_barrier_sync(bar_id, 128);
+  }
+}
+
+// The same tile stored transposed: C is [N, M] and gets C[n, m] = acc(m, n). A warp reads 32 consecutive
+// rows of one staged column and stores them as 128 contiguous bytes of C's row n.
+template <int kBN>
+__device__ __forceinline__ void epilogue_fp32_transposed(const float (&acc)[kBN / 2], float* C, int M, int N, int m0,
+                                                         int n0, bool accumulate, uint8_t* staging, int bar_id,
+                                                         int lt) {
+#pragma unroll
+  for (int pass = 0; pass < kBN / 32; ++pass) {
+    if (n0 + pass * 32 >= N) break;  // uniform over the warpgroup
+    stage_fp32_pass<kBN>(acc, pass, staging, lt);
+    named_barrier_sync(bar_id, 128);
+#pragma unroll 4
+    for (int it = 0; it < 64 * 32 / 128; ++it) {
+      const int unit = lt + 128 * it;
+      const int row = unit & 63, col = unit >> 6;  // row of the slice (m), column of the pass (n)
+      const int m = m0 + row, n = n0 + pass * 32 + col;
+      if (m < M && n < N) {
+        float v = *reinterpret_cast<const float*>(staging + fp32_staged(row, col));
+        float* dst = C + static_cast<int64_t>(n) * M + m;
+        if (accumulate) v += *dst;
         *dst = v;
       }
     }
