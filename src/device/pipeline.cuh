@@ -66,6 +66,12 @@ struct StagePipeline {
   __device__ __forceinline__ bool consumer_ready(const PipeState<kStages>& s) const {
     return mbarrier_test(&full[s.index], s.phase);
   }
+  // Consumer thread, for its own reads of the stage (the barrier then counts every consumer thread): the
+  // form of release compute-sanitizer's racecheck follows when plain reads of the stage are followed by
+  // plain writes of the producer (cp.async), docs/PERF.md run 33.
+  __device__ __forceinline__ void consumer_release_own(const PipeState<kStages>& s) const {
+    mbarrier_arrive(&empty[s.index]);
+  }
   // Consumer warpgroup (lane_in_group = thread index in the warpgroup): releases the stage to this CTA's
   // producer and, in a 2-CTA cluster, to the peer's, whose TMA multicasts into it too.
   template <int kCluster>

@@ -17,7 +17,7 @@
 namespace megamoe::kernels {
 namespace {
 
-using Cfg1 = Fp8GemmConfig<1>;
+using Cfg1 = Fp8GemmConfig<1, false>;
 constexpr int kBM = Cfg1::Shape::kBM;
 constexpr int kBN = Cfg1::Shape::kBN;
 constexpr int kKBlock = 128;
@@ -73,18 +73,20 @@ Status check_cluster(int cluster_size) {
 
 template <class Cfg>
 Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
-              const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K, cudaStream_t stream) {
+              const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K, const Fp8GemmRows& by_index,
+              cudaStream_t stream) {
   constexpr int kCluster = Cfg::Shape::kCluster;
   int num_sms = 0;
   MEGAMOE_RETURN_IF_ERROR(device_sms(&num_sms));
   CUtensorMap tm_a{}, tm_b{}, tm_sa{}, tm_d{};
   const uint64_t rows = static_cast<uint64_t>(std::max<int64_t>(max_rows, 1));
-  {
-    const uint64_t dims[2] = {rows, static_cast<uint64_t>(K / kKBlock)};
-    const uint32_t box[2] = {static_cast<uint32_t>(device::kScaleBoxRows), 1};
-    MEGAMOE_RETURN_IF_ERROR(make_fp32_tensor_map_2d(&tm_sa, sa, dims, fp8_scale_pitch(static_cast<int64_t>(rows)), box));
-  }
-  {
+  if constexpr (!Cfg::kGatherA) {
+    {
+      const uint64_t dims[2] = {rows, static_cast<uint64_t>(K / kKBlock)};
+      const uint32_t box[2] = {static_cast<uint32_t>(device::kScaleBoxRows), 1};
+      MEGAMOE_RETURN_IF_ERROR(
+          make_fp32_tensor_map_2d(&tm_sa, sa, dims, fp8_scale_pitch(static_cast<int64_t>(rows)), box));
+    }
     const uint64_t dims[2] = {static_cast<uint64_t>(K), rows};
     const uint32_t box[2] = {64, static_cast<uint32_t>(kBM)};
     MEGAMOE_RETURN_IF_ERROR(map_e4m3(&tm_a, A, 2, dims, box));
@@ -96,7 +98,8 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
     const uint32_t box[3] = {64, static_cast<uint32_t>(kBN / 2), 1};
     MEGAMOE_RETURN_IF_ERROR(map_e4m3(&tm_b, B, 3, dims, box));
   }
-  {
+  const bool d_by_row = by_index.d_rows != nullptr;
+  if (!d_by_row) {
     const uint64_t dims[2] = {static_cast<uint64_t>(N), rows};
     const uint32_t box[2] = {64, 64};
     MEGAMOE_RETURN_IF_ERROR(make_bf16_tensor_map(&tm_d, D, 2, dims, box));
@@ -110,11 +113,17 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   p.src.b_row_step = kBN;
   p.src.b_half_offset = kBN / 2;
   p.b_scales = device::WeightScales{sb, K / kKBlock, (N + kKBlock - 1) / kKBlock};
-  p.epi.c = device::OutputRows{D, N, nullptr, nullptr};
+  if constexpr (Cfg::kGatherA) {
+    // The bf16-pair view of the e4m3 rows (K / 2 pairs a row), as the TMA path sees them.
+    p.src.a = device::gathered_rows(reinterpret_cast<const __nv_bfloat16*>(A), K / 2, by_index.a_rows,
+                                    by_index.a_source_rows);
+    p.sa_rows = sa;
+  }
+  p.epi.c = device::OutputRows{D, N, nullptr, by_index.d_rows};
   p.epi.aux = device::OutputRows{nullptr, N, nullptr, nullptr};
   p.epi.c_cols = N;
   p.epi.aux_cols = N;
-  p.tma_store = 1;
+  p.tma_store = d_by_row ? 0 : 1;  // rows stored through their pointers take the thread path
 
   auto kernel = fp8_gemm_kernel<Cfg>;
   // Set on every call (cheap, and correct on every device of a multi-GPU process).
@@ -151,13 +160,16 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   return Status::ok();
 }
 
-Status launch_for_cluster(int cluster_size, const uint8_t* A, const float* sa, const uint8_t* B, const float* sb,
-                          __nv_bfloat16* D, const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K,
-                          cudaStream_t stream) {
-  if (cluster_size == 2) {
-    return launch<Fp8GemmConfig<2>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, stream);
+Status launch_for(int cluster_size, const uint8_t* A, const float* sa, const uint8_t* B, const float* sb,
+                  __nv_bfloat16* D, const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K,
+                  const Fp8GemmRows& by_index, cudaStream_t stream) {
+  if (by_index.a_rows != nullptr) {
+    return launch<Fp8GemmConfig<1, true>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, stream);
   }
-  return launch<Cfg1>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, stream);
+  if (cluster_size == 2) {
+    return launch<Fp8GemmConfig<2, false>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, stream);
+  }
+  return launch<Cfg1>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, stream);
 }
 
 }  // namespace
@@ -172,12 +184,12 @@ Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const fl
   MEGAMOE_RETURN_IF_ERROR(check_pointer(A, "A"));
   MEGAMOE_RETURN_IF_ERROR(check_pointer(sa, "sa"));
   MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
-  return launch_for_cluster(cluster_size, A, sa, B, sb, D, nullptr, 1, M, N, K, stream);
+  return launch_for(cluster_size, A, sa, B, sb, D, nullptr, 1, M, N, K, Fp8GemmRows{}, stream);
 }
 
 Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
                            const int32_t* expert_offsets, int num_experts, int64_t max_rows, int N, int K,
-                           cudaStream_t stream, int cluster_size) {
+                           cudaStream_t stream, int cluster_size, const Fp8GemmRows& by_index) {
   MEGAMOE_RETURN_IF_ERROR(check_cluster(cluster_size));
   MEGAMOE_RETURN_IF_ERROR(check_shape(max_rows, "max_rows", N, K));
   if (num_experts < 1 || num_experts > kFp8GemmMaxExperts) {
@@ -185,19 +197,31 @@ Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, 
                            "], got " + std::to_string(num_experts));
   }
   MEGAMOE_RETURN_IF_ERROR(check_pointer(A, "A"));
-  MEGAMOE_RETURN_IF_ERROR(check_pointer(sa, "sa"));
   MEGAMOE_RETURN_IF_ERROR(check_pointer(B, "B"));
   MEGAMOE_RETURN_IF_ERROR(check_pointer(sb, "sb"));
-  MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
+  if (by_index.a_rows != nullptr) {
+    // Gathered scales are read 4 bytes at a time: fp32 alignment is enough.
+    if (sa == nullptr) return Status::invalid("fp8 GEMM: sa is null");
+    if ((reinterpret_cast<uintptr_t>(sa) & 3u) != 0) return Status::invalid("fp8 GEMM: sa must be 4-byte aligned");
+    if (by_index.a_source_rows < 1 || by_index.a_source_rows >= (int64_t{1} << 31)) {
+      return Status::invalid("fp8 GEMM: a_source_rows must be in [1, 2^31), got " +
+                             std::to_string(by_index.a_source_rows));
+    }
+    if (cluster_size != 1) return Status::invalid("fp8 GEMM: gathered A rows need cluster_size 1");
+  } else {
+    MEGAMOE_RETURN_IF_ERROR(check_pointer(sa, "sa"));
+  }
+  if (by_index.d_rows == nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
   if (expert_offsets == nullptr) return Status::invalid("fp8 GEMM: expert_offsets is null");
   if (max_rows == 0) return Status::ok();  // every expert is empty (offsets are clamped into [0, max_rows])
-  return launch_for_cluster(cluster_size, A, sa, B, sb, D, expert_offsets, num_experts, max_rows, N, K, stream);
+  return launch_for(cluster_size, A, sa, B, sb, D, expert_offsets, num_experts, max_rows, N, K, by_index, stream);
 }
 
 Status fp8_gemm_preload() {
   cudaFuncAttributes attributes{};
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Cfg1>));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<2>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<2, false>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, true>>));
   return Status::ok();
 }
 

@@ -55,11 +55,23 @@ constexpr int64_t fp8_scale_pitch(int64_t rows) { return (rows + 3) / 4 * 4; }
 Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D, int64_t M,
                    int N, int K, cudaStream_t stream, int cluster_size = 1);
 
+// Rows addressed by index (the layer's expert GEMMs, with no copy in expert order).
+//   a_rows: operand row r (r < max_rows) is row a_rows[r] of A, then the source [a_source_rows, K] (values
+//     clamped into range), and its scales are that source row's: sa is then [a_source_rows, K / 128]
+//     row-major (the layout a row's scales travel in with it), 4-byte aligned. Needs cluster_size 1.
+//   d_rows: D row r is stored at d_rows[r] (N bf16, 16-byte aligned; nullptr drops the row); D may be null.
+// Either way the output bits are those of the contiguous call on the same rows.
+struct Fp8GemmRows {
+  const int32_t* a_rows = nullptr;
+  int64_t a_source_rows = 0;
+  void* const* d_rows = nullptr;
+};
+
 // Grouped: A [max_rows, K], sa [K / 128, fp8_scale_pitch(max_rows)], B [num_experts, N, K],
-// sb [num_experts, ceil(N / 128), K / 128], D [max_rows, N].
+// sb [num_experts, ceil(N / 128), K / 128], D [max_rows, N] (see Fp8GemmRows for rows by index).
 Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
                            const int32_t* expert_offsets, int num_experts, int64_t max_rows, int N, int K,
-                           cudaStream_t stream, int cluster_size = 1);
+                           cudaStream_t stream, int cluster_size = 1, const Fp8GemmRows& by_index = {});
 
 // Loads the kernel now (under lazy module loading a first launch waits for running kernels).
 Status fp8_gemm_preload();

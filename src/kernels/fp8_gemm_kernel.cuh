@@ -6,6 +6,9 @@
 //     thread 0 issues the A and B boxes of each stage with TMA (TileLoader, the bf16 engine's loader: a stage
 //       of 128-byte rows is the same bytes for 128 e4m3 as for 64 bf16, see fp8_mainloop.cuh);
 //     thread 32 loads the stage's A scales with TMA (load_block_scales: sa of the tile's 128 rows);
+//     or, with A's rows gathered by index (the layer's receive buffer read in expert order), all 128 threads
+//     copy the stage's A rows and each one row's scale with cp.async (TileLoader's gathered tile,
+//     gather_block_scale), thread 0 still issuing B through TMA;
 //   warpgroups 1 and 2, the consumers (setmaxnreg up): 64 rows each; per stage wgmma x 4 into a temporary
 //     accumulator and the fp32 promotion with the scales (mma_tile_fp8_blockwise, which reads the weight
 //     block's scale from global memory one K block ahead), then the bf16 epilogue
@@ -40,12 +43,15 @@ struct Fp8GemmParams {
   int K;                            // e4m3 elements (a multiple of 128)
   device::OperandSources src;       // B panel rows of an n-tile (the TMA path of TileLoader)
   device::WeightScales b_scales;
-  device::EpilogueArgs epi;         // D through OutputRows (contiguous), no row scale
+  const float* sa_rows;             // gathered A: the source rows' scales [source rows, K / 128] row-major
+  device::EpilogueArgs epi;         // D through OutputRows (contiguous, or a pointer per row), no row scale
   int tma_store;                    // 1: the D tensor map is valid
 };
 
-template <int kCluster>
+template <int kCluster, bool kGatherA_>
 struct Fp8GemmConfig {
+  static_assert(!kGatherA_ || kCluster == 1, "gathered rows are not multicast");
+  static constexpr bool kGatherA = kGatherA_;
   static constexpr int kBN = 128;
   // 5 x 32 KB stages + 2 x 2 staging boxes (TMA stores keep a warpgroup's whole 64 x 128 slice in flight)
   // + the tile numbering's tables fit in 227 KB; a sixth stage does not.
@@ -53,10 +59,14 @@ struct Fp8GemmConfig {
   static constexpr int kSlots = kBN / 64;
   // The bf16-pair view: kBK = 64 "bf16" = 128 e4m3 = one K block (fp8_mainloop.cuh).
   using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, kCluster>;
-  using Loader = device::TileLoader<Shape, false, false>;
+  using Loader = device::TileLoader<Shape, kGatherA, false>;
   using Tiles = device::GroupedTiles<Shape::kBM, kBN, Shape::kBK, kCluster, false>;
-  // Full barrier of a stage: the operand TMA thread's expect-tx arrival plus the scale thread's.
-  static constexpr int kFullArrivals = Loader::kFullArrivals + device::kScaleArrivals;
+  // Full barrier of a stage: the operand TMA thread's expect-tx arrival plus the scale thread's; gathered,
+  // the TMA thread's plus every gathering thread's (its copies include its row's scale).
+  static constexpr int kFullArrivals = Loader::kFullArrivals + (kGatherA ? 0 : device::kScaleArrivals);
+  // Empty barrier of a stage: one release per consumer warpgroup of every CTA whose B half multicasts into
+  // it; gathered, every consumer thread's own (fp8_mainloop.cuh).
+  static constexpr int kEmptyArrivals = kGatherA ? 128 * Shape::kConsumerGroups : Shape::kConsumerGroups * kCluster;
   static constexpr int kScaleThread = 32;  // producer thread that loads the A scales (another warp than thread 0)
   // Consumers hold two fp32 accumulators of 64 registers each (acc, partial) plus addressing.
   static constexpr int kProducerRegs = 56;
@@ -87,24 +97,36 @@ __device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const 
                                                  int rank, int ptid) {
   using Shape = typename Cfg::Shape;
   const bool tma_thread = ptid == 0;
-  if (!tma_thread && ptid != Cfg::kScaleThread) return;
+  if (!Cfg::kGatherA && !tma_thread && ptid != Cfg::kScaleThread) return;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   typename Cfg::Loader loader{tm_a, tm_b, p.src, {}};
   device::PipeState<Shape::kStages> st;
   const int total = tiles.total();
+  const int k_blocks = p.K / 128;
   for (int j = 0;; ++j) {
     const int t = sched.item(j);
     if (t >= total) break;
     const device::TileCoord tile = tiles.decode(t, rank);
     loader.begin_tile(tile, ptid);
-    for (int kt = 0; kt < tile.k_tiles; ++kt) {
-      pipe.producer_acquire(st);
-      if (tma_thread) {
-        loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, rank);
-      } else {
-        device::load_block_scales(pipe, st, &smem.scales[st.index], tm_sa, tile, kt);
+    if constexpr (Cfg::kGatherA) {
+      // This thread's row of the tile: its scale goes with the stage's copies.
+      const int scale_row = ptid < tile.rows ? device::gather_row(p.src.a, tile.row0 + ptid) : -1;
+      for (int kt = 0; kt < tile.k_tiles; ++kt) {
+        pipe.producer_acquire(st);
+        device::gather_block_scale(&smem.scales[st.index], tile.row0, ptid, p.sa_rows, scale_row, k_blocks, kt);
+        loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, rank);  // then this thread's arrival
+        st.advance();
       }
-      st.advance();
+    } else {
+      for (int kt = 0; kt < tile.k_tiles; ++kt) {
+        pipe.producer_acquire(st);
+        if (tma_thread) {
+          loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, rank);
+        } else {
+          device::load_block_scales(pipe, st, &smem.scales[st.index], tm_sa, tile, kt);
+        }
+        st.advance();
+      }
     }
   }
 }
@@ -126,8 +148,9 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     // Read from shared memory per item, not held across the epilogue (where every register counts).
     if (t >= tiles.total_now()) break;
     const device::TileCoord tile = tiles.decode(t, rank);
-    device::mma_tile_fp8_blockwise<Shape>(acc, pipe, st, smem.stages[0], smem.scales, p.b_scales.of(tile), tile, cwg,
-                                          lt, static_cast<uint32_t>(rank));
+    device::mma_tile_fp8_blockwise<Shape, Cfg::kGatherA>(acc, pipe, st, smem.stages[0], smem.scales,
+                                                         p.b_scales.of(tile), tile, cwg, lt,
+                                                         static_cast<uint32_t>(rank));
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
     // A TMA box is clipped only at the tensor's edge, and rows past an expert belong to the next one: TMA
@@ -154,8 +177,7 @@ __global__ void __launch_bounds__(kFp8GemmThreads, 1)
   const typename Cfg::Tiles tiles{&smem.tiles, p.group_offsets != nullptr ? p.num_groups : 1, n_tiles, 0, p.K / 2};
   if (tid == 0) {
     const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
-    // A stage is released by both consumer warpgroups of every CTA whose B half multicasts into it.
-    pipe.init(Cfg::kFullArrivals, Shape::kConsumerGroups * Shape::kCluster);
+    pipe.init(Cfg::kFullArrivals, Cfg::kEmptyArrivals);
     smem.dense_offsets[0] = 0;
     smem.dense_offsets[1] = p.max_rows;
     device::mbarrier_init_fence();

@@ -320,6 +320,59 @@ TEST(Fp8Gemm, GroupedByExpert) {
   ASSERT_TRUE(paired.is_ok()) << paired.to_string();
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0) << "2-CTA clusters differ from single CTAs";
+
+  // Rows by index, as the layer runs it: A's rows (and their scales, row-major) gathered from a shuffled,
+  // larger source, D's rows stored through a pointer each into a shuffled destination. Every expert row must
+  // come out bitwise as above; destination rows no pointer names stay poisoned.
+  const int64_t source_rows = max_rows + 7;
+  std::vector<int32_t> order(static_cast<size_t>(source_rows));
+  for (int64_t i = 0; i < source_rows; ++i) order[i] = static_cast<int32_t>(i);
+  std::shuffle(order.begin(), order.end(), rng());
+  std::vector<int32_t> a_rows(static_cast<size_t>(max_rows)), dest(static_cast<size_t>(max_rows));
+  std::vector<uint8_t> source_q(static_cast<size_t>(source_rows * K), 0);
+  std::vector<float> source_scale(static_cast<size_t>(source_rows * (K / 128)), std::nanf(""));
+  for (int64_t r = 0; r < max_rows; ++r) {
+    a_rows[r] = order[r];
+    dest[r] = order[source_rows - 1 - r];  // another permutation of the rows
+    std::copy_n(a.q.begin() + r * K, K, source_q.begin() + int64_t{order[r]} * K);
+    std::copy_n(a.scale.begin() + r * (K / 128), K / 128, source_scale.begin() + int64_t{order[r]} * (K / 128));
+  }
+  DeviceBuffer<uint8_t> dSq(source_q.size());
+  DeviceBuffer<float> dSs(source_scale.size());
+  DeviceBuffer<int32_t> dRows(a_rows.size());
+  DeviceBuffer<bf16> dOut(static_cast<size_t>(source_rows * N));  // NaN-poisoned
+  dSq.upload(source_q);
+  dSs.upload(source_scale);
+  dRows.upload(a_rows);
+  std::vector<void*> pointers(static_cast<size_t>(max_rows), nullptr);
+  for (int64_t r = 0; r < rows; ++r) pointers[r] = dOut.get() + int64_t{dest[r]} * N;
+  DeviceBuffer<void*> dPointers(pointers.size());
+  dPointers.upload(pointers);
+  Fp8GemmRows by_index;
+  by_index.a_rows = dRows.get();
+  by_index.a_source_rows = source_rows;
+  by_index.d_rows = dPointers.get();
+  const Status gathered = fp8_grouped_gemm_nt(dSq.get(), dSs.get(), dB.get(), dsb.get(), nullptr, doff.get(), E,
+                                              max_rows, N, K, nullptr, 1, by_index);
+  ASSERT_TRUE(gathered.is_ok()) << gathered.to_string();
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<bf16> out = dOut.download();
+  std::vector<bf16> want(out), seen(out);  // the named rows of both, in row order; the rest dropped
+  std::vector<bool> named(static_cast<size_t>(source_rows), false);
+  for (int64_t r = 0; r < rows; ++r) named[dest[r]] = true;
+  want.resize(static_cast<size_t>(rows * N));
+  seen.resize(static_cast<size_t>(rows * N));
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy_n(got.begin() + r * N, N, want.begin() + r * N);
+    std::copy_n(out.begin() + int64_t{dest[r]} * N, N, seen.begin() + r * N);
+  }
+  EXPECT_EQ(count_bitwise_differences(want, seen), 0)
+      << "gathered A rows / D rows through pointers differ from the contiguous call";
+  int64_t unnamed_written = 0;
+  for (int64_t d = 0; d < source_rows; ++d) {
+    if (!named[d]) unnamed_written += count_not_nan(out, d * N, (d + 1) * N);
+  }
+  EXPECT_EQ(unnamed_written, 0) << "rows no pointer names were written";
 }
 
 TEST(Fp8Gemm, EmptyInputsAreNoOps) {
@@ -379,6 +432,17 @@ TEST(Fp8Gemm, RejectsBadArguments) {
   expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, -5, N, K, nullptr), "max_rows must be");
   expect_invalid(fp8_gemm_nt(A, sa, B, sb, D, M, N, K, nullptr, 3), "cluster_size must be 1 or 2");
   expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, K, nullptr, 0), "cluster_size must be 1 or 2");
+  Fp8GemmRows gather;
+  gather.a_rows = doff.get();
+  gather.a_source_rows = 0;
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, K, nullptr, 1, gather), "a_source_rows");
+  gather.a_source_rows = M;
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, K, nullptr, 2, gather),
+                 "gathered A rows need cluster_size 1");
+  const float* sa_odd = reinterpret_cast<const float*>(reinterpret_cast<const char*>(sa) + 2);
+  expect_invalid(fp8_grouped_gemm_nt(A, sa_odd, B, sb, D, doff.get(), 1, M, N, K, nullptr, 1, gather),
+                 "sa must be 4-byte aligned");
+  expect_invalid(fp8_grouped_gemm_nt(A, nullptr, B, sb, D, doff.get(), 1, M, N, K, nullptr, 1, gather), "sa is null");
   // Nothing above may have launched anything: the poisoned output is untouched.
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_EQ(count_not_nan(dD.download(), 0, int64_t{M} * N), 0);

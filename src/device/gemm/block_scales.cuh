@@ -8,7 +8,8 @@
 // scale is one float per K block for the whole tile: the consumer threads read it from global memory
 // themselves, one K block ahead (mma_tile_fp8_blockwise), instead of passing it through shared memory.
 // Neither path is an ordinary shared-memory hand-over between threads, so there is nothing for a proxy fence
-// or a race checker to order beyond the barrier wait.
+// or a race checker to order beyond the barrier wait. With A's rows gathered by index the scales are gathered
+// with them, by the producer threads' cp.async (gather_block_scale).
 #pragma once
 
 #include <cuda.h>
@@ -16,6 +17,8 @@
 #include <cstdint>
 
 #include "device/pipeline.cuh"
+#include "device/ptx/cp_async.cuh"
+#include "device/ptx/mbarrier.cuh"
 #include "device/ptx/tma.cuh"
 #include "device/sched/grouped_tiles.cuh"
 
@@ -50,6 +53,17 @@ struct WeightScales {
     return sb + (static_cast<int64_t>(tile.e) * n_blocks + tile.n_idx) * k_blocks;
   }
 };
+
+// Gathered rows: tile row r's scale for K block kb, copied by the gathering producer thread r with its row
+// copies (cp.async; its arrival on the stage's full barrier covers it). sa_rows: the source's scales
+// [source_rows, k_blocks] row-major; src_row: the source row of tile row r, or -1 (zero-filled: a row past the
+// expert, never stored). The slot is laid out as the TMA path lays it out (tile_scales).
+__device__ __forceinline__ void gather_block_scale(StageScales* slot, int row0, int r, const float* sa_rows, int src_row,
+                                                   int k_blocks, int kb) {
+  const bool valid = src_row >= 0;
+  const float* src = valid ? sa_rows + static_cast<int64_t>(src_row) * k_blocks + kb : sa_rows;
+  cp_async_4(smem_addr(slot->a + (row0 & 3) + r), src, valid);
+}
 
 // One thread: the A scales of K block kb of `tile` into the stage's slot, through `map_sa` (the fp32 tensor
 // [k_blocks, pitch] of sa, boxes of kScaleBoxRows rows x 1 K block), with this thread's arrival and

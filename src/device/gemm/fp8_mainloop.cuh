@@ -20,6 +20,7 @@
 #include "device/gemm/fp8_promotion.cuh"
 #include "device/gemm/shape.cuh"
 #include "device/pipeline.cuh"
+#include "device/ptx/sync.cuh"
 #include "device/ptx/wgmma.cuh"
 #include "device/sched/grouped_tiles.cuh"
 
@@ -28,8 +29,11 @@ namespace megamoe::device {
 // acc = sum over the tile's K blocks of scale * (the block's wgmma sum). cwg: consumer warpgroup (rows
 // 64 cwg .. 64 cwg + 63 of the tile); lt: thread in the warpgroup; scales: the ring's A-scale slots;
 // b_scales: the tile's weight-block scales, one per K block (WeightScales::of); cta_rank: the CTA in its
-// cluster (a 2-CTA cluster's peer multicasts half of every stage, and is released too).
-template <class Shape>
+// cluster (a 2-CTA cluster's peer multicasts half of every stage, and is released too). kGathered: A's rows
+// and their scales landed through the producer threads' cp.async (the generic proxy): the wgmma reads are
+// fenced after the wait, and every consumer thread releases the stage for its own reads of the scales (the
+// empty barrier then counts every consumer thread; StagePipeline::consumer_release_own).
+template <class Shape, bool kGathered = false>
 __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN / 2],
                                                        const StagePipeline<Shape::kStages>& pipe,
                                                        PipeState<Shape::kStages>& st, uint8_t* stages,
@@ -52,6 +56,7 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
     const float b_scale = b_next;
     if (kt + 1 < k_tiles) b_next = __ldg(b_scales + kt + 1);
     pipe.consumer_wait(st);
+    if constexpr (kGathered) fence_proxy_async_smem();
     const uint32_t sa = smem_addr(stages + st.index * Shape::kStageBytes);
     const uint32_t sb = sa + Shape::kABytes;
     const uint32_t a_base = sa + cwg * kBoxBytes;  // rows 64 cwg .. of the tile (64 rows x 128 bytes)
@@ -68,7 +73,12 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
                             promotion_scale(a_scales, b_scale, cwg, warp, lane, 1)};
     wgmma_wait<0>();
     fence_accumulators(partial);
-    pipe.template consumer_release<Shape::kCluster>(st, lt, cta_rank);
+    if constexpr (kGathered) {
+      static_assert(Shape::kCluster == 1, "gathered operands are not multicast");
+      pipe.consumer_release_own(st);
+    } else {
+      pipe.template consumer_release<Shape::kCluster>(st, lt, cta_rank);
+    }
     promote_block(acc, partial, scale);
     st.advance();
   }
