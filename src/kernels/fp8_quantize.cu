@@ -1,5 +1,6 @@
 #include <cuda_fp8.h>
 
+#include "device/epilogue/transforms.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/fp8_quantize.hpp"
 
@@ -47,6 +48,45 @@ __global__ void quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ x, 
       const int64_t row = group / groups_per_row, kb = group % groups_per_row;
       scales[pitch == 0 ? group : kb * pitch + row] = scale;
     }
+  }
+}
+
+// One warp per 1x128 group of a = silu(g) * u: lane holds 4 consecutive gate values and the 4 matching up
+// values (two 8-byte loads). Only rows [0, *rows_used) when rows_used is given (read once per warp).
+__global__ void swiglu_quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ h, int64_t rows, int64_t I,
+                                                  const int32_t* __restrict__ rows_used, int64_t pitch,
+                                                  uint8_t* __restrict__ aq, float* __restrict__ scales) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int64_t groups_per_row = I / kGroup;
+  int64_t limit = rows;
+  if (rows_used != nullptr) limit = min(max(static_cast<int64_t>(*rows_used), int64_t{0}), rows);
+  for (int64_t group = warp; group < limit * groups_per_row; group += warp_stride) {
+    const int64_t row = group / groups_per_row, kb = group % groups_per_row;
+    const int64_t col = kb * kGroup + lane * 4;
+    const __nv_bfloat16* h_row = h + row * 2 * I;
+    const uint2 gate = *reinterpret_cast<const uint2*>(h_row + col);
+    const uint2 up = *reinterpret_cast<const uint2*>(h_row + I + col);
+    const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gate);
+    const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&up);
+    float a[4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      a[2 * i] = device::swiglu(__low2float(g2[i]), __low2float(u2[i]));
+      a[2 * i + 1] = device::swiglu(__high2float(g2[i]), __high2float(u2[i]));
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(a[i]));
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const float scale = scale_from_amax(amax);
+    uint32_t bytes = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) bytes |= e4m3_of(a[i], scale) << (8 * i);
+    *reinterpret_cast<uint32_t*>(aq + row * I + col) = bytes;
+    if (lane == 0) scales[kb * pitch + row] = scale;
   }
 }
 
@@ -127,6 +167,32 @@ Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t co
   quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(x, num_groups, cols / kGroup, scales_pitch,
                                                                           q, scales);
   MEGAMOE_CHECK_LAUNCH(stream, "quantize_rows_1x128_kernel");
+  return Status::ok();
+}
+
+Status swiglu_quantize_rows_1x128(const __nv_bfloat16* h, int64_t rows, int64_t I, const int32_t* rows_used,
+                                  uint8_t* aq, float* scales, int64_t scales_pitch, cudaStream_t stream) {
+  if (rows < 0 || I <= 0 || I % kGroup != 0)
+    return Status::invalid("swiglu_quantize_rows_1x128: I must be a positive multiple of 128 and rows >= 0, got rows=" +
+                           std::to_string(rows) + " I=" + std::to_string(I));
+  if (scales_pitch < rows)
+    return Status::invalid("swiglu_quantize_rows_1x128: scales_pitch must be at least rows=" + std::to_string(rows) +
+                           ", got " + std::to_string(scales_pitch));
+  if (rows == 0) return Status::ok();
+  if (h == nullptr || aq == nullptr || scales == nullptr)
+    return Status::invalid("swiglu_quantize_rows_1x128: null pointer");
+  if ((reinterpret_cast<uintptr_t>(h) & 7u) != 0 || (reinterpret_cast<uintptr_t>(aq) & 3u) != 0)
+    return Status::invalid("swiglu_quantize_rows_1x128: h must be 8-byte and aq 4-byte aligned");
+  int device = 0;
+  int num_sms = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  // Sized for every row; with rows_used the warps past the used rows' groups find no work.
+  const int64_t blocks_needed = (rows * (I / kGroup) + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int blocks = static_cast<int>(blocks_needed < num_sms * 16 ? blocks_needed : num_sms * 16);
+  swiglu_quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(h, rows, I, rows_used, scales_pitch,
+                                                                                 aq, scales);
+  MEGAMOE_CHECK_LAUNCH(stream, "swiglu_quantize_rows_1x128_kernel");
   return Status::ok();
 }
 

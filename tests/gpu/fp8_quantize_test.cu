@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -171,6 +172,88 @@ TEST(Fp8QuantizeGpuTest, RejectsColumnsNotMultipleOf128) {
   const Status status = kernels::quantize_rows_1x128_bf16(x.get(), 4, 100, q.get(), scales.get(), nullptr);
   EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("multiple of 128"), std::string::npos) << status.message();
+}
+
+// GEMM1's h to GEMM2's FP8 operand: a = silu(g) * u quantized per 1x128 group along I, scales K-block-major.
+// The GPU's fp32 a comes from its fast sigmoid, so the check is against the exact a (double) within what
+// E4M3 rounding allows (half a step: 1/16 of the value, or half the smallest subnormal step of the group's
+// scale) plus the scale's own rounding; the scale must be amax / 448 of the exact a to 1e-5, an all-zero
+// group must get scale 1 and zero bytes, and rows past rows_used must stay untouched.
+TEST(Fp8QuantizeGpuTest, SwigluQuantizeMatchesExactActivation) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const int64_t rows = 37, I = 384, used = 30;
+  const int64_t pitch = rows + 3;  // not the rows: the K-block-major stride is honoured
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> log_magnitude(-6.0f, 3.0f);
+  std::vector<__nv_bfloat16> h(static_cast<size_t>(rows * 2 * I));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t kb = 0; kb < I / 128; ++kb) {
+      const float mg = std::exp2(log_magnitude(rng)), mu = std::exp2(log_magnitude(rng));  // per group
+      for (int64_t c = kb * 128; c < (kb + 1) * 128; ++c) {
+        h[r * 2 * I + c] = __float2bfloat16(normal(rng) * mg);
+        h[r * 2 * I + I + c] = __float2bfloat16(normal(rng) * mu);
+      }
+    }
+  }
+  for (int64_t c = 128; c < 256; ++c) h[5 * 2 * I + c] = __float2bfloat16(0.0f);  // row 5, group 1: a == 0
+  DeviceBuffer<__nv_bfloat16> dh(h.size());
+  DeviceBuffer<uint8_t> aq(static_cast<size_t>(rows * I));  // poisoned: 0xFF
+  DeviceBuffer<float> scales(static_cast<size_t>(pitch * (I / 128)));
+  DeviceBuffer<int32_t> rows_used(1);
+  dh.upload(h);
+  rows_used.upload({static_cast<int32_t>(used)});
+  ASSERT_TRUE(kernels::swiglu_quantize_rows_1x128(dh.get(), rows, I, rows_used.get(), aq.get(), scales.get(), pitch,
+                                                  nullptr)
+                  .is_ok());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<uint8_t> q = aq.download();
+  const std::vector<float> sc = scales.download();
+  int64_t bad_scales = 0, bad_values = 0, written_past = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t kb = 0; kb < I / 128; ++kb) {
+      const float scale = sc[kb * pitch + r];
+      if (r >= used) {
+        written_past += !std::isnan(scale);
+        for (int64_t c = kb * 128; c < (kb + 1) * 128; ++c) written_past += q[r * I + c] != 0xFF;
+        continue;
+      }
+      double a[128], amax = 0.0;
+      for (int c = 0; c < 128; ++c) {
+        const double g = __bfloat162float(h[r * 2 * I + kb * 128 + c]);
+        const double u = __bfloat162float(h[r * 2 * I + I + kb * 128 + c]);
+        a[c] = g / (1.0 + std::exp(-g)) * u;
+        amax = std::max(amax, std::fabs(a[c]));
+      }
+      const double want_scale = amax > 0.0 ? amax / 448.0 : 1.0;
+      if (!(std::fabs(scale - want_scale) <= 1e-5 * want_scale)) ++bad_scales;
+      for (int c = 0; c < 128; ++c) {
+        const double got = static_cast<double>(fp8::e4m3_to_float(q[r * I + kb * 128 + c])) * scale;
+        const double bound = std::fabs(a[c]) / 16.0 + scale * std::exp2(-10.0) + 1e-5 * amax;
+        if (!(std::fabs(got - a[c]) <= bound)) ++bad_values;
+      }
+    }
+  }
+  EXPECT_EQ(bad_scales, 0);
+  EXPECT_EQ(bad_values, 0);
+  EXPECT_EQ(written_past, 0) << "rows past rows_used were written";
+  EXPECT_EQ(sc[1 * pitch + 5], 1.0f) << "an all-zero group has scale 1";
+  for (int64_t c = 128; c < 256; ++c) EXPECT_EQ(q[5 * I + c] & 0x7F, 0) << "an all-zero group quantizes to zeros";
+  // Without rows_used every row is written.
+  ASSERT_TRUE(
+      kernels::swiglu_quantize_rows_1x128(dh.get(), rows, I, nullptr, aq.get(), scales.get(), pitch, nullptr).is_ok());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> sc_all = scales.download();
+  int64_t unwritten = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t kb = 0; kb < I / 128; ++kb) unwritten += std::isnan(sc_all[kb * pitch + r]);
+  EXPECT_EQ(unwritten, 0);
+  const Status bad = kernels::swiglu_quantize_rows_1x128(dh.get(), rows, 100, nullptr, aq.get(), scales.get(), pitch,
+                                                         nullptr);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(kernels::swiglu_quantize_rows_1x128(dh.get(), rows, I, nullptr, aq.get(), scales.get(), rows - 1, nullptr)
+                .code(),
+            StatusCode::kInvalidArgument);
 }
 
 }  // namespace
