@@ -217,10 +217,10 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
   BENCH_CHECK_CUDA(cudaMemset(D_pair, 0xFF, size_t(M) * N * sizeof(bf16)));
   auto ours = [&](int cluster_size, bf16* out) {
     if (groups == 0) {
-      BENCH_CHECK_OK(megamoe::kernels::fp8_gemm_nt(A, sa, B, sb, out, M, N, K, nullptr, cluster_size));
+      BENCH_CHECK_OK(megamoe::kernels::fp8_gemm_nt(A, sa, B, sb, out, M, N, K, nullptr, {cluster_size, 0}));
     } else {
       BENCH_CHECK_OK(
-          megamoe::kernels::fp8_grouped_gemm_nt(A, sa, B, sb, out, offsets, E, M, N, K, nullptr, cluster_size));
+          megamoe::kernels::fp8_grouped_gemm_nt(A, sa, B, sb, out, offsets, E, M, N, K, nullptr, {cluster_size, 0}));
     }
   };
   const double flop = 2.0 * double(M) * N * K;

@@ -64,9 +64,12 @@ Status map_e4m3(CUtensorMap* map, const void* base, int rank, const uint64_t* di
   return make_bf16_tensor_map(map, base, rank, dims, box);
 }
 
-Status check_cluster(int cluster_size) {
-  if (cluster_size != 1 && cluster_size != 2) {
-    return Status::invalid("fp8 GEMM: cluster_size must be 1 or 2, got " + std::to_string(cluster_size));
+Status check_tuning(const Fp8GemmTuning& tuning) {
+  if (tuning.cluster_size != 1 && tuning.cluster_size != 2) {
+    return Status::invalid("fp8 GEMM: cluster_size must be 1 or 2, got " + std::to_string(tuning.cluster_size));
+  }
+  if (tuning.max_ctas < 0) {
+    return Status::invalid("fp8 GEMM: max_ctas must be >= 0 (0 = every SM), got " + std::to_string(tuning.max_ctas));
   }
   return Status::ok();
 }
@@ -74,7 +77,7 @@ Status check_cluster(int cluster_size) {
 template <class Cfg>
 Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
               const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K, const Fp8GemmRows& by_index,
-              cudaStream_t stream) {
+              int max_ctas, cudaStream_t stream) {
   constexpr int kCluster = Cfg::Shape::kCluster;
   int num_sms = 0;
   MEGAMOE_RETURN_IF_ERROR(device_sms(&num_sms));
@@ -149,6 +152,8 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
     if (max_clusters < 1) return Status(StatusCode::kNotSupported, "fp8 GEMM: no 2-CTA cluster fits on this device");
     clusters = std::min(clusters, max_clusters);
   }
+  // A caller sharing the GPU (virtual ranks) caps the persistent grid at its share of the SMs.
+  if (max_ctas > 0) clusters = std::min(clusters, std::max(1, max_ctas / kCluster));
   if (offsets == nullptr) {  // dense: the work items (pairs of m-tiles in a cluster) are known here
     const int64_t m_units = ((max_rows + kBM - 1) / kBM + kCluster - 1) / kCluster;
     const int64_t items = m_units * ((N + kBN - 1) / kBN);
@@ -160,23 +165,26 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   return Status::ok();
 }
 
-Status launch_for(int cluster_size, const uint8_t* A, const float* sa, const uint8_t* B, const float* sb,
+Status launch_for(const Fp8GemmTuning& tuning, const uint8_t* A, const float* sa, const uint8_t* B, const float* sb,
                   __nv_bfloat16* D, const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K,
                   const Fp8GemmRows& by_index, cudaStream_t stream) {
+  const int cap = tuning.max_ctas;
   if (by_index.a_rows != nullptr) {
-    return launch<Fp8GemmConfig<1, true>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, stream);
+    return launch<Fp8GemmConfig<1, true>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, cap,
+                                          stream);
   }
-  if (cluster_size == 2) {
-    return launch<Fp8GemmConfig<2, false>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, stream);
+  if (tuning.cluster_size == 2) {
+    return launch<Fp8GemmConfig<2, false>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, cap,
+                                           stream);
   }
-  return launch<Cfg1>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, stream);
+  return launch<Cfg1>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, cap, stream);
 }
 
 }  // namespace
 
 Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D, int64_t M,
-                   int N, int K, cudaStream_t stream, int cluster_size) {
-  MEGAMOE_RETURN_IF_ERROR(check_cluster(cluster_size));
+                   int N, int K, cudaStream_t stream, const Fp8GemmTuning& tuning) {
+  MEGAMOE_RETURN_IF_ERROR(check_tuning(tuning));
   MEGAMOE_RETURN_IF_ERROR(check_shape(M, "M", N, K));
   MEGAMOE_RETURN_IF_ERROR(check_pointer(B, "B"));
   MEGAMOE_RETURN_IF_ERROR(check_pointer(sb, "sb"));
@@ -184,13 +192,13 @@ Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const fl
   MEGAMOE_RETURN_IF_ERROR(check_pointer(A, "A"));
   MEGAMOE_RETURN_IF_ERROR(check_pointer(sa, "sa"));
   MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
-  return launch_for(cluster_size, A, sa, B, sb, D, nullptr, 1, M, N, K, Fp8GemmRows{}, stream);
+  return launch_for(tuning, A, sa, B, sb, D, nullptr, 1, M, N, K, Fp8GemmRows{}, stream);
 }
 
 Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
                            const int32_t* expert_offsets, int num_experts, int64_t max_rows, int N, int K,
-                           cudaStream_t stream, int cluster_size, const Fp8GemmRows& by_index) {
-  MEGAMOE_RETURN_IF_ERROR(check_cluster(cluster_size));
+                           cudaStream_t stream, const Fp8GemmTuning& tuning, const Fp8GemmRows& by_index) {
+  MEGAMOE_RETURN_IF_ERROR(check_tuning(tuning));
   MEGAMOE_RETURN_IF_ERROR(check_shape(max_rows, "max_rows", N, K));
   if (num_experts < 1 || num_experts > kFp8GemmMaxExperts) {
     return Status::invalid("fp8 GEMM: num_experts must be in [1, " + std::to_string(kFp8GemmMaxExperts) +
@@ -207,14 +215,14 @@ Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, 
       return Status::invalid("fp8 GEMM: a_source_rows must be in [1, 2^31), got " +
                              std::to_string(by_index.a_source_rows));
     }
-    if (cluster_size != 1) return Status::invalid("fp8 GEMM: gathered A rows need cluster_size 1");
+    if (tuning.cluster_size != 1) return Status::invalid("fp8 GEMM: gathered A rows need cluster_size 1");
   } else {
     MEGAMOE_RETURN_IF_ERROR(check_pointer(sa, "sa"));
   }
   if (by_index.d_rows == nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
   if (expert_offsets == nullptr) return Status::invalid("fp8 GEMM: expert_offsets is null");
   if (max_rows == 0) return Status::ok();  // every expert is empty (offsets are clamped into [0, max_rows])
-  return launch_for(cluster_size, A, sa, B, sb, D, expert_offsets, num_experts, max_rows, N, K, by_index, stream);
+  return launch_for(tuning, A, sa, B, sb, D, expert_offsets, num_experts, max_rows, N, K, by_index, stream);
 }
 
 Status fp8_gemm_preload() {

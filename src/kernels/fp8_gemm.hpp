@@ -24,15 +24,16 @@
 // with expert_offsets[E] <= max_rows, read only by the kernel (clamped into [0, max_rows]; a decreasing pair
 // reads as an empty expert). Rows of D outside every expert are not written.
 //
-// cluster_size 2: CTAs run in pairs that take vertically adjacent tiles of the same 128 columns, each loading
-// half of their weight panel and multicasting it to both (less L2 traffic per tile); the output is bitwise
-// that of cluster_size 1 (every element is summed by one thread in the same K order either way).
+// Launch shape (Fp8GemmTuning): cluster_size 2 runs CTAs in pairs that take vertically adjacent tiles of the
+// same 128 columns, each loading half of their weight panel and multicasting it to both (less L2 traffic per
+// tile); the output is bitwise that of cluster_size 1 (every element is summed by one thread in the same K
+// order either way). max_ctas caps the persistent grid (virtual ranks share one GPU; 0 = every SM).
 //
 // Requirements (checked, kInvalidArgument with a message otherwise): K a positive multiple of 128; N a
 // positive multiple of 8 (a partial last 128-column tile is supported: its weight block has the scale of
 // the block's existing rows); every pointer 16-byte aligned and non-null (dense: A, sa and D may be null
 // when M == 0, which is a no-op); M (dense) / max_rows (grouped) in [0, 2^31 - 128); num_experts in
-// [1, 1024]; cluster_size 1 or 2. Device: sm_90 (kNotSupported otherwise, and when no 2-CTA cluster fits).
+// [1, 1024]; cluster_size 1 or 2, max_ctas >= 0. Device: sm_90 (kNotSupported otherwise, and when no 2-CTA cluster fits).
 // Tensor-map encoding failures are returned.
 #pragma once
 
@@ -47,13 +48,18 @@ namespace megamoe::kernels {
 
 inline constexpr int kFp8GemmMaxExperts = 1024;
 
+struct Fp8GemmTuning {
+  int cluster_size = 1;
+  int max_ctas = 0;
+};
+
 // Floats between two K blocks of sa: rows rounded up to a multiple of 4 (16 bytes).
 constexpr int64_t fp8_scale_pitch(int64_t rows) { return (rows + 3) / 4 * 4; }
 
 // Dense: A [M, K], sa [K / 128, fp8_scale_pitch(M)], B [N, K], sb [ceil(N / 128), K / 128], D [M, N] bf16
 // row-major.
 Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D, int64_t M,
-                   int N, int K, cudaStream_t stream, int cluster_size = 1);
+                   int N, int K, cudaStream_t stream, const Fp8GemmTuning& tuning = {});
 
 // Rows addressed by index (the layer's expert GEMMs, with no copy in expert order).
 //   a_rows: operand row r (r < max_rows) is row a_rows[r] of A, then the source [a_source_rows, K] (values
@@ -71,7 +77,7 @@ struct Fp8GemmRows {
 // sb [num_experts, ceil(N / 128), K / 128], D [max_rows, N] (see Fp8GemmRows for rows by index).
 Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
                            const int32_t* expert_offsets, int num_experts, int64_t max_rows, int N, int K,
-                           cudaStream_t stream, int cluster_size = 1, const Fp8GemmRows& by_index = {});
+                           cudaStream_t stream, const Fp8GemmTuning& tuning = {}, const Fp8GemmRows& by_index = {});
 
 // Loads the kernel now (under lazy module loading a first launch waits for running kernels).
 Status fp8_gemm_preload();

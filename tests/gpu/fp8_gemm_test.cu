@@ -231,7 +231,7 @@ void run_dense(int64_t M, int N, int K, int spread) {
   EXPECT_EQ(count_bitwise_differences(got, got2), 0) << what << ": two runs differ";
 
   dD.poison();
-  const Status paired = fp8_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), M, N, K, nullptr, 2);
+  const Status paired = fp8_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), M, N, K, nullptr, Fp8GemmTuning{2, 0});
   ASSERT_TRUE(paired.is_ok()) << what << ", 2-CTA clusters: " << paired.to_string();
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0) << what << ": 2-CTA clusters differ from single CTAs";
@@ -316,7 +316,7 @@ TEST(Fp8Gemm, GroupedByExpert) {
   // rows outside every expert untouched.
   dD.poison();
   const Status paired = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), doff.get(), E,
-                                            max_rows, N, K, nullptr, 2);
+                                            max_rows, N, K, nullptr, Fp8GemmTuning{2, 0});
   ASSERT_TRUE(paired.is_ok()) << paired.to_string();
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0) << "2-CTA clusters differ from single CTAs";
@@ -353,7 +353,7 @@ TEST(Fp8Gemm, GroupedByExpert) {
   by_index.a_source_rows = source_rows;
   by_index.d_rows = dPointers.get();
   const Status gathered = fp8_grouped_gemm_nt(dSq.get(), dSs.get(), dB.get(), dsb.get(), nullptr, doff.get(), E,
-                                              max_rows, N, K, nullptr, 1, by_index);
+                                              max_rows, N, K, nullptr, Fp8GemmTuning{}, by_index);
   ASSERT_TRUE(gathered.is_ok()) << gathered.to_string();
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   const std::vector<bf16> out = dOut.download();
@@ -430,19 +430,22 @@ TEST(Fp8Gemm, RejectsBadArguments) {
   expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, nullptr, 1, M, N, K, nullptr), "expert_offsets is null");
   expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, 64, nullptr), "multiple of 128");
   expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, -5, N, K, nullptr), "max_rows must be");
-  expect_invalid(fp8_gemm_nt(A, sa, B, sb, D, M, N, K, nullptr, 3), "cluster_size must be 1 or 2");
-  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, K, nullptr, 0), "cluster_size must be 1 or 2");
+  expect_invalid(fp8_gemm_nt(A, sa, B, sb, D, M, N, K, nullptr, Fp8GemmTuning{3, 0}), "cluster_size must be 1 or 2");
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, K, nullptr, Fp8GemmTuning{0, 0}),
+                 "cluster_size must be 1 or 2");
+  expect_invalid(fp8_gemm_nt(A, sa, B, sb, D, M, N, K, nullptr, Fp8GemmTuning{1, -1}), "max_ctas");
   Fp8GemmRows gather;
   gather.a_rows = doff.get();
   gather.a_source_rows = 0;
-  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, K, nullptr, 1, gather), "a_source_rows");
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, K, nullptr, Fp8GemmTuning{}, gather), "a_source_rows");
   gather.a_source_rows = M;
-  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, K, nullptr, 2, gather),
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, K, nullptr, Fp8GemmTuning{2, 0}, gather),
                  "gathered A rows need cluster_size 1");
   const float* sa_odd = reinterpret_cast<const float*>(reinterpret_cast<const char*>(sa) + 2);
-  expect_invalid(fp8_grouped_gemm_nt(A, sa_odd, B, sb, D, doff.get(), 1, M, N, K, nullptr, 1, gather),
+  expect_invalid(fp8_grouped_gemm_nt(A, sa_odd, B, sb, D, doff.get(), 1, M, N, K, nullptr, Fp8GemmTuning{}, gather),
                  "sa must be 4-byte aligned");
-  expect_invalid(fp8_grouped_gemm_nt(A, nullptr, B, sb, D, doff.get(), 1, M, N, K, nullptr, 1, gather), "sa is null");
+  expect_invalid(fp8_grouped_gemm_nt(A, nullptr, B, sb, D, doff.get(), 1, M, N, K, nullptr, Fp8GemmTuning{}, gather),
+                 "sa is null");
   // Nothing above may have launched anything: the poisoned output is untouched.
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_EQ(count_not_nan(dD.download(), 0, int64_t{M} * N), 0);
