@@ -34,7 +34,12 @@ struct Shape {
   int64_t row_capacity;
   int32_t dot_parts;  // partial sums of the routing-weight gradient per (token, slot): n-tiles of da
   int32_t recompute_h;  // 1: the forward keeps no h, the backward recomputes it into the dh buffer (h == dh)
+  int32_t fp8;          // 1: blockwise FP8 (the e4m3 operands and their scales below have room)
 };
+
+// Floats between two K blocks of K-block-major activation scales: rows rounded up to a multiple of 4 (16 bytes),
+// the layout the FP8 GEMM reads (kernels/fp8_gemm.hpp, fp8_scale_pitch).
+inline constexpr int64_t k_block_scale_pitch(int64_t rows) { return (rows + 3) / 4 * 4; }
 
 inline constexpr int64_t kAlign = 256;
 inline constexpr int64_t align_up(int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
@@ -83,6 +88,18 @@ struct WorkspaceLayout {
   int64_t token_done = 0;      // uint32 [T]: y rows stored home per token (one per slot and GEMM2 n-tile)
   int64_t row_signal = 0;      // pointer [C]: the row's token_done counter on its source rank (route_rows)
   int64_t fused_work = 0;      // int32: work-item counter of the fused forward's GEMMs (dynamic schedule)
+  // blockwise FP8 (shape.fp8; empty otherwise): e4m3 bytes and fp32 1x128 / 128x128 scales
+  int64_t x_q = 0;             // e4m3 [T, H]: this rank's tokens, quantized before the dispatch
+  int64_t x_s = 0;             // f32 [T, H / 128]
+  int64_t recv_xq = 0;         // e4m3 [R, T, H]: the received token rows
+  int64_t recv_xs = 0;         // f32 [R, T, H / 128]: their scales, a row's together
+  int64_t h_f32 = 0;           // f32 [C, 2I]: GEMM1's output, unrounded (a is quantized from it)
+  int64_t a_q = 0;             // e4m3 [C, I]: GEMM2's operand
+  int64_t a_s = 0;             // f32 [I / 128, k_block_scale_pitch(C)]: K-block-major
+  int64_t w13_q = 0;           // e4m3 [E_local, 2I, H]: the call's W13, 128x128 blocks
+  int64_t w13_s = 0;           // f32 [E_local, 2I / 128, H / 128]
+  int64_t w2_q = 0;            // e4m3 [E_local, H, I]
+  int64_t w2_s = 0;            // f32 [E_local, H / 128, I / 128]
   int64_t total = 0;
 
   // 128-row blocks of the expert-major rows: at most one partial block per expert besides the full ones.
@@ -133,6 +150,18 @@ struct WorkspaceLayout {
     l.token_done = take(4 * T);
     l.row_signal = take(8 * C);
     l.fused_work = take(4);
+    const int64_t q = s.fp8 ? 1 : 0;  // FP8 buffers take no room otherwise
+    l.x_q = take(q * T * H);
+    l.x_s = take(q * 4 * T * (H / 128));
+    l.recv_xq = take(q * R * T * H);
+    l.recv_xs = take(q * 4 * R * T * (H / 128));
+    l.h_f32 = take(q * 4 * C * 2 * I);
+    l.a_q = take(q * C * I);
+    l.a_s = take(q * 4 * (I / 128) * k_block_scale_pitch(C));
+    l.w13_q = take(q * EL * 2 * I * H);
+    l.w13_s = take(q * 4 * EL * (2 * I / 128) * (H / 128));
+    l.w2_q = take(q * EL * H * I);
+    l.w2_s = take(q * 4 * EL * (H / 128) * (I / 128));
     l.total = at;
     return l;
   }

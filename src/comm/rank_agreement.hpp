@@ -20,7 +20,7 @@ struct RankFingerprint {
   static constexpr int kMessageBytes = 200;
 
   uint32_t magic = kMagic;
-  uint32_t layout_version = 3;  // bumped whenever the workspace layout changes between builds
+  uint32_t layout_version = 4;  // bumped whenever the workspace layout changes between builds
   int32_t rank = -1;
   int32_t setup_code = 0;       // StatusCode of this rank's local setup (0 = ready)
   int64_t hidden = 0;

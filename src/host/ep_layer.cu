@@ -10,6 +10,8 @@
 #include "comm/ep_workspace.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/ep_kernels.hpp"
+#include "kernels/fp8_gemm.hpp"
+#include "kernels/fp8_quantize.hpp"
 #include "kernels/fused_forward.hpp"
 #include "kernels/grouped_gemm.hpp"
 #include "megamoe/layer.hpp"
@@ -46,11 +48,24 @@ int64_t worst_case_rows(const LayerConfig& c) {
   return c.num_ranks * c.max_tokens_per_rank * std::min(c.top_k, c.experts_per_rank());
 }
 
+// Blockwise FP8 on the GPU so far: the modular forward (docs/FP8.md). Its 1x128 groups and 128x128 blocks
+// must tile H and I exactly.
+Status check_fp8(const LayerConfig& config, const LayerOptions& options) {
+  if (config.hidden % 128 != 0 || config.intermediate % 128 != 0)
+    return Status::invalid("fp8-blockwise needs hidden and intermediate to be multiples of 128 (the scale blocks), "
+                           "got hidden=" + std::to_string(config.hidden) +
+                           " intermediate=" + std::to_string(config.intermediate));
+  if (options.forward_path != ForwardPath::kModular || options.backward_path != BackwardPath::kModular)
+    return Status(StatusCode::kNotSupported, "fp8-blockwise runs the modular forward only so far (no fused kernels)");
+  if (options.recompute_h)
+    return Status(StatusCode::kNotSupported, "fp8-blockwise has no backward yet, so no recompute_h");
+  return Status::ok();
+}
+
 Status resolve_capacity(const LayerConfig& config, const LayerOptions& options, int64_t* capacity) {
   MEGAMOE_RETURN_IF_ERROR(validate(config));
-  if (config.precision != Precision::kBF16)
-    return Status(StatusCode::kNotSupported, "the GPU layer runs bf16 only so far; fp8-blockwise is not implemented");
   MEGAMOE_RETURN_IF_ERROR(validate(options));
+  if (config.precision == Precision::kFP8Blockwise) MEGAMOE_RETURN_IF_ERROR(check_fp8(config, options));
   *capacity = options.expert_row_capacity > 0 ? options.expert_row_capacity : worst_case_rows(config);
   if (*capacity >= (int64_t{1} << 31))
     return Status::invalid("expert_row_capacity must stay below 2^31 rows, got " + std::to_string(*capacity) +
@@ -96,6 +111,7 @@ ep::Shape make_shape(const LayerConfig& c, int rank, int64_t capacity) {
   s.row_capacity = capacity;
   s.dot_parts = kernels::grouped_gemm_n_tiles(static_cast<int>(c.intermediate), dgrad_tuning());
   s.recompute_h = 0;
+  s.fp8 = c.precision == Precision::kFP8Blockwise ? 1 : 0;
   return s;
 }
 
@@ -197,6 +213,8 @@ struct ExpertParallelLayer::Impl {
 
   // GEMM1 with SwiGLU -> GEMM2, y rows delivered to the sources' combine slots.
   Status expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2) const;
+  // The same in blockwise FP8, on the e4m3 rows the FP8 dispatch delivered.
+  Status expert_mlp_forward_fp8(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2) const;
   // h = x W13^T over the received rows, a = silu(g) * u in its epilogue; with keep_h h itself is stored too.
   Status gemm1_swiglu(const ep::Params& p, const __nv_bfloat16* w13, bool keep_h) const;
   // dgrad GEMMs with the SwiGLU backward and d_topk_weights, d_x rows home, weight-gradient GEMMs.
@@ -229,6 +247,45 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward(const ep::Params& p, const 
   home.row_pointers = buffer<void*>(p.layout.row_dest);
   return kernels::grouped_gemm_nt(a, w2, buffer<__nv_bfloat16>(p.layout.combine), expert_offsets(), EL, C,
                                   static_cast<int>(H), static_cast<int>(I), home, stream, gemm_tuning());
+}
+
+// Blockwise FP8 (docs/FP8.md): the call's weights quantized in 128x128 blocks (every call: the layer does not
+// yet know when they change); h = xq W13q^T over the received e4m3 rows and their scales (gathered by index),
+// kept in fp32 (by arithmetic, not measured: from a bf16 h about one element of a in 60 would round to the
+// other e4m3 neighbour than the reference's, about 1% of error in out);
+// a = silu(g) u quantized in 1x128 groups along I; y = aq W2q^T, each row stored straight into its combine
+// slot on the source rank.
+Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, const __nv_bfloat16* w13,
+                                                         const __nv_bfloat16* w2) const {
+  const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
+  const int EL = static_cast<int>(config.experts_per_rank());
+  cudaStream_t stream = placement.stream;
+  auto* w13_q = buffer<uint8_t>(p.layout.w13_q);
+  auto* w13_s = buffer<float>(p.layout.w13_s);
+  auto* w2_q = buffer<uint8_t>(p.layout.w2_q);
+  auto* w2_s = buffer<float>(p.layout.w2_s);
+  // Expert weights [E, N, K] with N a multiple of 128 quantize as one matrix of E * N rows.
+  MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(w13, EL * 2 * I, H, w13_q, w13_s, stream));
+  MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(w2, EL * H, I, w2_q, w2_s, stream));
+  const kernels::Fp8GemmTuning tuning{1, max_blocks};
+  auto* h = buffer<float>(p.layout.h_f32);
+  kernels::Fp8GemmRows received;
+  received.a_rows = buffer<int32_t>(p.layout.row_src);
+  received.a_source_rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
+  received.d_fp32 = h;
+  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs),
+                                                       w13_q, w13_s, nullptr, expert_offsets(), EL, C,
+                                                       static_cast<int>(2 * I), static_cast<int>(H), stream, tuning,
+                                                       received));
+  auto* a_q = buffer<uint8_t>(p.layout.a_q);
+  auto* a_s = buffer<float>(p.layout.a_s);
+  // Only the rows the experts hold (expert_offsets[EL], counted on the device).
+  MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_quantize_rows_1x128(h, C, I, expert_offsets() + EL, a_q, a_s,
+                                                              ep::k_block_scale_pitch(C), stream));
+  kernels::Fp8GemmRows home;
+  home.d_rows = buffer<void*>(p.layout.row_dest);
+  return kernels::fp8_grouped_gemm_nt(a_q, a_s, w2_q, w2_s, nullptr, expert_offsets(), EL, C, static_cast<int>(H),
+                                      static_cast<int>(I), stream, tuning, home);
 }
 
 // da = d_out W2 (W2 read N-major, d_out rows gathered from the receive buffer); its epilogue: dh =
@@ -393,12 +450,23 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
     fused.timeline = m.fused_timeline;
     MEGAMOE_RETURN_IF_ERROR(ep::launch_fused_forward(p, fused, m.max_blocks, stream));
   } else {
+    const bool fp8 = p.shape.fp8 != 0;
     MEGAMOE_RETURN_IF_ERROR(ep::launch_layout(p, args.topk_idx, idx64, stream, m.max_blocks));
-    MEGAMOE_RETURN_IF_ERROR(
-        ep::launch_dispatch(p, args.x, args.topk_idx, idx64, args.topk_weights, stream, m.max_blocks));
+    if (fp8) {
+      // x quantized per token (1x128 groups along H) before the dispatch, which then moves e4m3 rows.
+      MEGAMOE_RETURN_IF_ERROR(kernels::quantize_rows_1x128_bf16(args.x, args.num_tokens, m.config.hidden,
+                                                                m.buffer<uint8_t>(p.layout.x_q),
+                                                                m.buffer<float>(p.layout.x_s), stream));
+      MEGAMOE_RETURN_IF_ERROR(
+          ep::launch_dispatch_fp8(p, args.topk_idx, idx64, args.topk_weights, stream, m.max_blocks));
+    } else {
+      MEGAMOE_RETURN_IF_ERROR(
+          ep::launch_dispatch(p, args.x, args.topk_idx, idx64, args.topk_weights, stream, m.max_blocks));
+    }
     MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierDispatched, stream));
     MEGAMOE_RETURN_IF_ERROR(ep::launch_route_rows(p, stream, m.max_blocks));
-    MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward(p, args.w13, args.w2));
+    MEGAMOE_RETURN_IF_ERROR(fp8 ? m.expert_mlp_forward_fp8(p, args.w13, args.w2)
+                                : m.expert_mlp_forward(p, args.w13, args.w2));
     MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierCombined, stream));
     MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_forward(p, args.topk_weights, args.out, stream, m.max_blocks));
   }
@@ -413,6 +481,8 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
 Status ExpertParallelLayer::check_backward(const BackwardArgs& args) const {
   const Impl& m = *impl_;
   if (!m.has_forward) return Status::invalid("backward called before any forward on this rank");
+  if (m.params.shape.fp8 != 0)
+    return Status(StatusCode::kNotSupported, "fp8-blockwise has a forward only so far; the backward is not implemented");
   if (args.d_w13 == nullptr || args.d_w2 == nullptr) return Status::invalid("backward: d_w13 and d_w2 are required");
   if (m.forward_tokens > 0 && (args.d_out == nullptr || args.d_x == nullptr || args.d_topk_weights == nullptr))
     return Status::invalid("backward: d_out, d_x and d_topk_weights are required when num_tokens > 0");

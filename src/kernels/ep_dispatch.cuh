@@ -10,12 +10,36 @@
 
 namespace megamoe::ep {
 
-// One warp: token t to each of its destination ranks. recv_buffer: the offset of recv_x (forward) or
-// recv_dout (backward); weights == nullptr for the backward (rows only). sent, optional (shared memory,
-// R entries): lane 0 counts each destination the token went to.
-template <typename Index>
-__device__ __forceinline__ void dispatch_token(const Params& p, const __nv_bfloat16* __restrict__ rows,
-                                               int64_t recv_buffer, const Index* __restrict__ idx,
+// What a token's row is on the wire. Bf16Row: its bf16 row, into the buffer at recv_buffer (recv_x in the
+// forward, recv_dout in the backward).
+struct Bf16Row {
+  const __nv_bfloat16* rows;
+  int64_t recv_buffer;
+  __device__ __forceinline__ void send(const Params& p, int64_t t, char* peer, int64_t recv, int lane) const {
+    const int64_t H = p.shape.hidden;
+    warp_copy_row(rows + t * H, at<__nv_bfloat16>(peer, recv_buffer) + recv * H, H, lane);
+  }
+};
+
+// Fp8Row (blockwise FP8 forward): its e4m3 row and the row's H / 128 scales, quantized on this rank into x_q
+// and x_s, into recv_xq and recv_xs: half the bytes of the bf16 row, plus 1 / 64 of them for the scales.
+struct Fp8Row {
+  __device__ __forceinline__ void send(const Params& p, int64_t t, char* peer, int64_t recv, int lane) const {
+    const int64_t H = p.shape.hidden, groups = H / 128;
+    // The e4m3 bytes as bf16 pairs (H / 2 of them: a whole number of 16-byte pieces, H % 128 == 0).
+    warp_copy_row(at<__nv_bfloat16>(p.local, p.layout.x_q) + t * (H / 2),
+                  at<__nv_bfloat16>(peer, p.layout.recv_xq) + recv * (H / 2), H / 2, lane);
+    const float* from = at<float>(p.local, p.layout.x_s) + t * groups;
+    float* to = at<float>(peer, p.layout.recv_xs) + recv * groups;
+    for (int64_t i = lane; i < groups; i += 32) to[i] = from[i];
+  }
+};
+
+// One warp: token t to each of its destination ranks, its row as `row` sends it; weights == nullptr for the
+// backward (rows only). sent, optional (shared memory, R entries): lane 0 counts each destination the token
+// went to.
+template <typename Index, class Row>
+__device__ __forceinline__ void dispatch_token(const Params& p, const Row& row, const Index* __restrict__ idx,
                                                const float* __restrict__ weights, int64_t t, int lane,
                                                uint32_t* sent) {
   const Shape& s = p.shape;
@@ -28,7 +52,7 @@ __device__ __forceinline__ void dispatch_token(const Params& p, const __nv_bfloa
     if (d < 0) continue;
     const int64_t recv = static_cast<int64_t>(s.rank) * s.max_tokens + dest_slot[t * K + j];
     char* peer = p.peers[d];
-    warp_copy_row(rows + t * s.hidden, at<__nv_bfloat16>(peer, recv_buffer) + recv * s.hidden, s.hidden, lane);
+    row.send(p, t, peer, recv, lane);
     if (sent != nullptr && lane == 0) atomicAdd(&sent[d], 1u);
     if (weights == nullptr) continue;
     if (lane == 0) at<int32_t>(peer, p.layout.recv_token)[recv] = static_cast<int32_t>(t);

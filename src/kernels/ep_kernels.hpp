@@ -32,6 +32,10 @@ Status launch_layout(const Params& p, const void* topk_idx, bool idx_is_int64, c
 // with the routing, without (backward, reusing the forward's routing) into recv_dout.
 Status launch_dispatch(const Params& p, const __nv_bfloat16* rows, const void* topk_idx, bool idx_is_int64,
                        const float* weights, cudaStream_t stream, int max_blocks);
+// Blockwise FP8 forward: the rows quantized into this rank's x_q / x_s go to recv_xq / recv_xs, with the
+// routing as launch_dispatch sends it.
+Status launch_dispatch_fp8(const Params& p, const void* topk_idx, bool idx_is_int64, const float* weights,
+                           cudaStream_t stream, int max_blocks);
 
 // Receiver: expert-major row offsets from every source's counts, capacity check, and per row its
 // receive-buffer row, weight and destinations on the source (ep_route_rows.cu).

@@ -102,7 +102,8 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
     MEGAMOE_RETURN_IF_ERROR(map_e4m3(&tm_b, B, 3, dims, box));
   }
   const bool d_by_row = by_index.d_rows != nullptr;
-  if (!d_by_row) {
+  const bool d_fp32 = by_index.d_fp32 != nullptr;
+  if (!d_by_row && !d_fp32) {
     const uint64_t dims[2] = {static_cast<uint64_t>(N), rows};
     const uint32_t box[2] = {64, 64};
     MEGAMOE_RETURN_IF_ERROR(make_bf16_tensor_map(&tm_d, D, 2, dims, box));
@@ -126,7 +127,8 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   p.epi.aux = device::OutputRows{nullptr, N, nullptr, nullptr};
   p.epi.c_cols = N;
   p.epi.aux_cols = N;
-  p.tma_store = d_by_row ? 0 : 1;  // rows stored through their pointers take the thread path
+  p.tma_store = d_by_row || d_fp32 ? 0 : 1;  // rows stored through their pointers take the thread path
+  p.d32 = by_index.d_fp32;
 
   auto kernel = fp8_gemm_kernel<Cfg>;
   // Set on every call (cheap, and correct on every device of a multi-GPU process).
@@ -219,7 +221,10 @@ Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, 
   } else {
     MEGAMOE_RETURN_IF_ERROR(check_pointer(sa, "sa"));
   }
-  if (by_index.d_rows == nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
+  if (by_index.d_rows != nullptr && by_index.d_fp32 != nullptr)
+    return Status::invalid("fp8 GEMM: d_rows and d_fp32 exclude each other");
+  if (by_index.d_fp32 != nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointer(by_index.d_fp32, "d_fp32"));
+  if (by_index.d_rows == nullptr && by_index.d_fp32 == nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
   if (expert_offsets == nullptr) return Status::invalid("fp8 GEMM: expert_offsets is null");
   if (max_rows == 0) return Status::ok();  // every expert is empty (offsets are clamped into [0, max_rows])
   return launch_for(tuning, A, sa, B, sb, D, expert_offsets, num_experts, max_rows, N, K, by_index, stream);

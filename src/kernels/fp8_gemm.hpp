@@ -66,11 +66,14 @@ Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const fl
 //     clamped into range), and its scales are that source row's: sa is then [a_source_rows, K / 128]
 //     row-major (the layout a row's scales travel in with it), 4-byte aligned. Needs cluster_size 1.
 //   d_rows: D row r is stored at d_rows[r] (N bf16, 16-byte aligned; nullptr drops the row); D may be null.
-// Either way the output bits are those of the contiguous call on the same rows.
+//   d_fp32: D stored unrounded instead, fp32 [max_rows, N] contiguous (16-byte aligned; D may be null): the
+//     accumulator the bf16 D rounds, for a consumer that quantizes it again (the FP8 layer's h).
+// Either way the output bits are those of the contiguous call on the same rows (d_fp32: before rounding).
 struct Fp8GemmRows {
   const int32_t* a_rows = nullptr;
   int64_t a_source_rows = 0;
   void* const* d_rows = nullptr;
+  float* d_fp32 = nullptr;
 };
 
 // Grouped: A [max_rows, K], sa [K / 128, fp8_scale_pitch(max_rows)], B [num_experts, N, K],

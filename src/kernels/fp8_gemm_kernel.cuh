@@ -45,6 +45,7 @@ struct Fp8GemmParams {
   device::WeightScales b_scales;
   const float* sa_rows;             // gathered A: the source rows' scales [source rows, K / 128] row-major
   device::EpilogueArgs epi;         // D through OutputRows (contiguous, or a pointer per row), no row scale
+  float* d32;                       // non-null: D stored in fp32 instead, [max_rows, N] contiguous
   int tma_store;                    // 1: the D tensor map is valid
 };
 
@@ -153,6 +154,12 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
                                                          static_cast<uint32_t>(rank));
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
+    if (p.d32 != nullptr) {
+      // The slice's rows inside the expert: rows [slice0, slice0 + valid) of D.
+      device::epilogue_fp32<kBN>(acc, p.d32, s.slice0 + max(s.valid, 0), p.N, s.slice0, s.n0, false,
+                                 smem.staging[cwg][0], 2 + cwg, lt);
+      continue;
+    }
     // A TMA box is clipped only at the tensor's edge, and rows past an expert belong to the next one: TMA
     // stores need the whole slice inside the group (uniform over the warpgroup).
     store.begin_tile(p.tma_store != 0 && s.valid >= 64, p.epi.c, p.epi.aux, s.slice0, s.valid);

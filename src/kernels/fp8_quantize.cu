@@ -52,8 +52,8 @@ __global__ void quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ x, 
 }
 
 // One warp per 1x128 group of a = silu(g) * u: lane holds 4 consecutive gate values and the 4 matching up
-// values (two 8-byte loads). Only rows [0, *rows_used) when rows_used is given (read once per warp).
-__global__ void swiglu_quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ h, int64_t rows, int64_t I,
+// values (two 16-byte loads). Only rows [0, *rows_used) when rows_used is given (read once per warp).
+__global__ void swiglu_quantize_rows_1x128_kernel(const float* __restrict__ h, int64_t rows, int64_t I,
                                                   const int32_t* __restrict__ rows_used, int64_t pitch,
                                                   uint8_t* __restrict__ aq, float* __restrict__ scales) {
   const int lane = threadIdx.x % 32;
@@ -65,17 +65,11 @@ __global__ void swiglu_quantize_rows_1x128_kernel(const __nv_bfloat16* __restric
   for (int64_t group = warp; group < limit * groups_per_row; group += warp_stride) {
     const int64_t row = group / groups_per_row, kb = group % groups_per_row;
     const int64_t col = kb * kGroup + lane * 4;
-    const __nv_bfloat16* h_row = h + row * 2 * I;
-    const uint2 gate = *reinterpret_cast<const uint2*>(h_row + col);
-    const uint2 up = *reinterpret_cast<const uint2*>(h_row + I + col);
-    const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gate);
-    const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&up);
-    float a[4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      a[2 * i] = device::swiglu(__low2float(g2[i]), __low2float(u2[i]));
-      a[2 * i + 1] = device::swiglu(__high2float(g2[i]), __high2float(u2[i]));
-    }
+    const float* h_row = h + row * 2 * I;
+    const float4 g = *reinterpret_cast<const float4*>(h_row + col);
+    const float4 u = *reinterpret_cast<const float4*>(h_row + I + col);
+    const float a[4] = {device::swiglu(g.x, u.x), device::swiglu(g.y, u.y), device::swiglu(g.z, u.z),
+                        device::swiglu(g.w, u.w)};
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(a[i]));
@@ -170,7 +164,7 @@ Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t co
   return Status::ok();
 }
 
-Status swiglu_quantize_rows_1x128(const __nv_bfloat16* h, int64_t rows, int64_t I, const int32_t* rows_used,
+Status swiglu_quantize_rows_1x128(const float* h, int64_t rows, int64_t I, const int32_t* rows_used,
                                   uint8_t* aq, float* scales, int64_t scales_pitch, cudaStream_t stream) {
   if (rows < 0 || I <= 0 || I % kGroup != 0)
     return Status::invalid("swiglu_quantize_rows_1x128: I must be a positive multiple of 128 and rows >= 0, got rows=" +
@@ -181,8 +175,8 @@ Status swiglu_quantize_rows_1x128(const __nv_bfloat16* h, int64_t rows, int64_t 
   if (rows == 0) return Status::ok();
   if (h == nullptr || aq == nullptr || scales == nullptr)
     return Status::invalid("swiglu_quantize_rows_1x128: null pointer");
-  if ((reinterpret_cast<uintptr_t>(h) & 7u) != 0 || (reinterpret_cast<uintptr_t>(aq) & 3u) != 0)
-    return Status::invalid("swiglu_quantize_rows_1x128: h must be 8-byte and aq 4-byte aligned");
+  if ((reinterpret_cast<uintptr_t>(h) & 15u) != 0 || (reinterpret_cast<uintptr_t>(aq) & 3u) != 0)
+    return Status::invalid("swiglu_quantize_rows_1x128: h must be 16-byte and aq 4-byte aligned");
   int device = 0;
   int num_sms = 0;
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));

@@ -18,13 +18,14 @@ namespace megamoe::kernels {
 Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t cols, uint8_t* q, float* scales,
                                 cudaStream_t stream, int64_t scales_pitch = 0);
 
-// GEMM1's output h [rows, 2I] bf16 (gate columns 0..I-1, then up columns) -> a = silu(g) * u in fp32, as the
-// SwiGLU epilogues compute it (device/epilogue/transforms.cuh), quantized in 1x128 groups along I by the rules
-// of quantize_rows_1x128 (on the fp32 a, not on a rounded to bf16): aq [rows, I] E4M3 bytes and the scales
+// GEMM1's output h [rows, 2I] fp32 (gate columns 0..I-1, then up columns; unrounded, so that a is quantized
+// from the values the FP8 reference quantizes) -> a = silu(g) * u in fp32, as the SwiGLU epilogues compute it
+// (device/epilogue/transforms.cuh), quantized in 1x128 groups along I by the rules of quantize_rows_1x128:
+// aq [rows, I] E4M3 bytes and the scales
 // K-block-major, group (row, kb) at scales[kb * scales_pitch + row] (scales_pitch >= rows; the FP8 GEMM's
 // layout, kernels/fp8_gemm.hpp). rows_used, optional device int: only rows [0, *rows_used) (clamped into
 // [0, rows]) are read and written, the layer's expert rows counted on the device. Asynchronous on `stream`.
-Status swiglu_quantize_rows_1x128(const __nv_bfloat16* h, int64_t rows, int64_t I, const int32_t* rows_used,
+Status swiglu_quantize_rows_1x128(const float* h, int64_t rows, int64_t I, const int32_t* rows_used,
                                   uint8_t* aq, float* scales, int64_t scales_pitch, cudaStream_t stream);
 
 // w [rows, cols] bf16 row-major (cols a multiple of 128, rows any) -> q [rows, cols] E4M3 bytes and one fp32

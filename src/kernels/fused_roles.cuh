@@ -78,7 +78,7 @@ __device__ void dispatch_role(const ep::Params& L, const __nv_bfloat16* rows, in
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kFusedWarps;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kFusedWarps + threadIdx.x / 32; t < L.num_tokens; t += warps)
-    ep::dispatch_token(L, rows, recv_buffer, idx, weights, t, lane, sent);
+    ep::dispatch_token(L, ep::Bf16Row{rows, recv_buffer}, idx, weights, t, lane, sent);
   __syncthreads();
   for (int d = threadIdx.x; d < R; d += kFusedThreads) {
     if (sent[d] == 0) continue;

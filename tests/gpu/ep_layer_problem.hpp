@@ -18,6 +18,7 @@
 #include "megamoe/config.hpp"
 #include "megamoe/layer.hpp"
 #include "megamoe/reference.hpp"
+#include "megamoe/reference_fp8.hpp"
 #include "megamoe/status.hpp"
 
 namespace megamoe::testing::ep_problem {
@@ -97,7 +98,14 @@ struct Expected {
   std::map<int64_t, std::vector<float>> d_w13, d_w2;    // by global expert
 };
 
-inline Expected run_reference(const Problem& p) {
+// The problem as one rank holding the routed experts only (compact ids in routing order), all ranks' tokens
+// in rank order.
+struct CompactProblem {
+  LayerConfig config;
+  std::vector<reference::RankInputs<float>> in;
+};
+
+inline CompactProblem compact_problem(const Problem& p) {
   const LayerConfig& c = p.config;
   const int64_t H = c.hidden, I = c.intermediate, K = c.top_k;
   const int64_t R = c.num_ranks;
@@ -124,6 +132,48 @@ inline Expected run_reference(const Problem& p) {
     for (int64_t k = 0; k < 2 * I * H; ++k) r0.w13[i * 2 * I * H + k] = p.w13_value(p.routed[i], k);
     for (int64_t k = 0; k < H * I; ++k) r0.w2[i * H * I + k] = p.w2_value(p.routed[i], k);
   }
+  return CompactProblem{compact, std::move(in)};
+}
+
+// Rows [token0, token0 + T) of a compact [tokens, width] result, per rank.
+inline std::vector<std::vector<float>> split_by_rank(const Problem& p, const std::vector<float>& all, int64_t width) {
+  std::vector<std::vector<float>> per_rank;
+  int64_t token0 = 0;
+  for (const auto& x : p.x) {
+    const int64_t T = static_cast<int64_t>(x.size()) / p.config.hidden;
+    per_rank.emplace_back(all.begin() + token0 * width, all.begin() + (token0 + T) * width);
+    token0 += T;
+  }
+  return per_rank;
+}
+
+// The blockwise FP8 CPU reference's forward (it quantizes where the GPU's FP8 path does), per rank.
+inline std::vector<std::vector<float>> run_reference_fp8_forward(const Problem& p) {
+  const CompactProblem compact = compact_problem(p);
+  std::vector<std::vector<float>> out;
+  const Status s = reference::forward_fp8(compact.config, compact.in, &out);
+  EXPECT_TRUE(s.is_ok()) << s.to_string();
+  if (!s.is_ok()) return {};
+  return split_by_rank(p, out[0], p.config.hidden);
+}
+
+// The exact (fp32) reference's forward, per rank.
+inline std::vector<std::vector<float>> run_reference_forward(const Problem& p) {
+  const CompactProblem compact = compact_problem(p);
+  std::vector<std::vector<float>> out;
+  const Status s = reference::forward(compact.config, compact.in, &out);
+  EXPECT_TRUE(s.is_ok()) << s.to_string();
+  if (!s.is_ok()) return {};
+  return split_by_rank(p, out[0], p.config.hidden);
+}
+
+inline Expected run_reference(const Problem& p) {
+  const LayerConfig& c = p.config;
+  const int64_t H = c.hidden, I = c.intermediate, K = c.top_k;
+  const int64_t R = c.num_ranks;
+  CompactProblem compact_p = compact_problem(p);
+  const LayerConfig& compact = compact_p.config;
+  const std::vector<reference::RankInputs<float>>& in = compact_p.in;
   std::vector<std::vector<float>> out, d_out(1);
   for (int64_t r = 0; r < R; ++r) d_out[0].insert(d_out[0].end(), p.d_out[r].begin(), p.d_out[r].end());
   std::vector<reference::RankGradients<float>> grads;
@@ -132,15 +182,9 @@ inline Expected run_reference(const Problem& p) {
   const Status backward_status = reference::backward(compact, in, d_out, &grads);
   EXPECT_TRUE(backward_status.is_ok()) << backward_status.to_string();
   Expected e;
-  int64_t token0 = 0;
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t T = static_cast<int64_t>(p.x[r].size()) / H;
-    e.out.emplace_back(out[0].begin() + token0 * H, out[0].begin() + (token0 + T) * H);
-    e.d_x.emplace_back(grads[0].d_x.begin() + token0 * H, grads[0].d_x.begin() + (token0 + T) * H);
-    e.d_weights.emplace_back(grads[0].d_topk_weights.begin() + token0 * K,
-                             grads[0].d_topk_weights.begin() + (token0 + T) * K);
-    token0 += T;
-  }
+  e.out = split_by_rank(p, out[0], H);
+  e.d_x = split_by_rank(p, grads[0].d_x, H);
+  e.d_weights = split_by_rank(p, grads[0].d_topk_weights, K);
   for (size_t i = 0; i < p.routed.size(); ++i) {
     e.d_w13[p.routed[i]].assign(grads[0].d_w13.begin() + i * 2 * I * H, grads[0].d_w13.begin() + (i + 1) * 2 * I * H);
     e.d_w2[p.routed[i]].assign(grads[0].d_w2.begin() + i * H * I, grads[0].d_w2.begin() + (i + 1) * H * I);

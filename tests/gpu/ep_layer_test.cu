@@ -38,6 +38,8 @@ using testing::ep_problem::Problem;
 using testing::ep_problem::RankTensors;
 using testing::ep_problem::relative_error;
 using testing::ep_problem::run_reference;
+using testing::ep_problem::run_reference_forward;
+using testing::ep_problem::run_reference_fp8_forward;
 using testing::ep_problem::to_float;
 using testing::ep_problem::upload;
 
@@ -315,6 +317,88 @@ INSTANTIATE_TEST_SUITE_P(
                       Scenario{"Narrow_R4_ManyTokensMasked", narrow(), 4, {520, 0, 301, 777}, Routing::kMaskedAndRagged,
                                16}),
     scenario_name);
+
+// ---- blockwise FP8: the modular forward ----
+
+// Shapes whose H and I are multiples of the 128-wide scale blocks, routing of every kind, 1 to 4 virtual
+// ranks. The forward must be within 1e-2 of the FP8 CPU reference (which quantizes x, W13, a and W2 at the
+// same points; the GPU also rounds h and y to bf16 and accumulates in the tensor cores' order), bitwise the
+// same on a second run, and its distance to the exact reference is printed. The backward is refused.
+TEST(EpLayerFp8Test, ForwardMatchesTheFp8Reference) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  LayerConfig shape;
+  shape.hidden = 256;
+  shape.intermediate = 384;
+  shape.num_experts = 16;
+  shape.top_k = 4;
+  shape.precision = Precision::kFP8Blockwise;
+  const std::vector<Scenario> scenarios = {
+      Scenario{"Fp8_R1", shape, 1, {300}, Routing::kRandom},
+      Scenario{"Fp8_R2", shape, 2, {131, 77}, Routing::kRandom},
+      Scenario{"Fp8_R4_MaskedT0", shape, 4, {0, 45, 90, 13}, Routing::kMaskedAndRagged},
+      Scenario{"Fp8_R4_AllToOneExpert", shape, 4, {30, 0, 17, 41}, Routing::kAllToOneExpert},
+  };
+  for (const Scenario& sc : scenarios) {
+    const uint64_t seed = std::random_device{}();
+    SCOPED_TRACE(sc.name + ", seed " + std::to_string(seed));
+    const Problem p = make_problem(sc, seed);
+    std::unique_ptr<VirtualRankGroup> group;
+    const Status created = VirtualRankGroup::create(p.config, scenario_options(), &group);
+    ASSERT_TRUE(created.is_ok()) << created.to_string();
+    std::vector<RankTensors> t = upload(p);
+    std::vector<std::vector<float>> first, second;
+    for (auto* outputs : {&first, &second}) {
+      for (int r = 0; r < sc.ranks; ++r) t[r].out.poison();
+      MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+      for (int r = 0; r < sc.ranks; ++r) {
+        const Status s = group->layer(r).forward(forward_args_of(t[r], sc.tokens[r]));
+        ASSERT_TRUE(s.is_ok()) << s.to_string();
+      }
+      const Status synced = group->synchronize_and_check();
+      ASSERT_TRUE(synced.is_ok()) << synced.to_string();
+      for (int r = 0; r < sc.ranks; ++r) outputs->push_back(to_float(t[r].out.download()));
+    }
+    const std::vector<std::vector<float>> want = run_reference_fp8_forward(p);
+    const std::vector<std::vector<float>> exact = run_reference_forward(p);
+    ASSERT_EQ(want.size(), static_cast<size_t>(sc.ranks));
+    double worst = 0, worst_exact = 0;
+    for (int r = 0; r < sc.ranks; ++r) {
+      int64_t nans = 0;
+      const double err = relative_error(first[r], want[r], &nans);
+      const double err_exact = relative_error(first[r], exact[r], &nans);
+      EXPECT_EQ(nans, 0) << "rank " << r;
+      EXPECT_LE(err, 1e-2) << "rank " << r << ": out against the FP8 reference";
+      EXPECT_EQ(0, std::memcmp(first[r].data(), second[r].data(), first[r].size() * 4)) << "rank " << r;
+      worst = std::max(worst, err);
+      worst_exact = std::max(worst_exact, err_exact);
+    }
+    std::printf("[ fp8 ] %s: out within %.3e of the FP8 reference, %.3e of the exact one\n", sc.name.c_str(), worst,
+                worst_exact);
+    const Status refused = group->layer(0).backward(backward_args_of(t[0]));
+    EXPECT_EQ(refused.code(), StatusCode::kNotSupported) << refused.to_string();
+  }
+}
+
+// FP8 options the layer does not run yet are refused at creation, with the reason.
+TEST(EpLayerFp8Test, UnsupportedCombinationsAreRefused) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  LayerConfig c;
+  c.hidden = 256;
+  c.intermediate = 128;
+  c.num_experts = 8;
+  c.top_k = 2;
+  c.num_ranks = 1;
+  c.max_tokens_per_rank = 16;
+  c.precision = Precision::kFP8Blockwise;
+  std::unique_ptr<VirtualRankGroup> group;
+  const Status fused = VirtualRankGroup::create(c, with_forward(ForwardPath::kFused), &group);
+  EXPECT_EQ(fused.code(), StatusCode::kNotSupported) << fused.to_string();
+  LayerConfig odd = c;
+  odd.intermediate = 192;  // not a multiple of 128
+  const Status shape = VirtualRankGroup::create(odd, scenario_options(), &group);
+  EXPECT_EQ(shape.code(), StatusCode::kInvalidArgument) << shape.to_string();
+  EXPECT_NE(shape.message().find("multiples of 128"), std::string::npos) << shape.message();
+}
 
 // ---- failures: each gives its error, names the cause, and never hangs ----
 

@@ -373,6 +373,26 @@ TEST(Fp8Gemm, GroupedByExpert) {
     if (!named[d]) unnamed_written += count_not_nan(out, d * N, (d + 1) * N);
   }
   EXPECT_EQ(unnamed_written, 0) << "rows no pointer names were written";
+
+  // D in fp32 (gathered A as above): rounded to bf16 it gives the bf16 call's bits; rows outside every
+  // expert stay untouched.
+  DeviceBuffer<float> dD32(static_cast<size_t>(max_rows * N));  // NaN-poisoned
+  Fp8GemmRows unrounded;
+  unrounded.a_rows = dRows.get();
+  unrounded.a_source_rows = source_rows;
+  unrounded.d_fp32 = dD32.get();
+  const Status wide = fp8_grouped_gemm_nt(dSq.get(), dSs.get(), dB.get(), dsb.get(), nullptr, doff.get(), E, max_rows,
+                                          N, K, nullptr, Fp8GemmTuning{}, unrounded);
+  ASSERT_TRUE(wide.is_ok()) << wide.to_string();
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> d32 = dD32.download();
+  std::vector<bf16> rounded(static_cast<size_t>(rows * N));
+  for (int64_t i = 0; i < rows * N; ++i) rounded[i] = __float2bfloat16(d32[i]);
+  std::vector<bf16> got_rows(got.begin(), got.begin() + rows * N);
+  EXPECT_EQ(count_bitwise_differences(got_rows, rounded), 0) << "fp32 D, rounded, differs from the bf16 D";
+  int64_t written_outside = 0;
+  for (int64_t i = rows * N; i < max_rows * N; ++i) written_outside += !std::isnan(d32[i]);
+  EXPECT_EQ(written_outside, 0) << "fp32 D rows outside every expert were written";
 }
 
 TEST(Fp8Gemm, EmptyInputsAreNoOps) {

@@ -186,18 +186,18 @@ TEST(Fp8QuantizeGpuTest, SwigluQuantizeMatchesExactActivation) {
   std::mt19937 rng(std::random_device{}());
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_real_distribution<float> log_magnitude(-6.0f, 3.0f);
-  std::vector<__nv_bfloat16> h(static_cast<size_t>(rows * 2 * I));
+  std::vector<float> h(static_cast<size_t>(rows * 2 * I));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t kb = 0; kb < I / 128; ++kb) {
       const float mg = std::exp2(log_magnitude(rng)), mu = std::exp2(log_magnitude(rng));  // per group
       for (int64_t c = kb * 128; c < (kb + 1) * 128; ++c) {
-        h[r * 2 * I + c] = __float2bfloat16(normal(rng) * mg);
-        h[r * 2 * I + I + c] = __float2bfloat16(normal(rng) * mu);
+        h[r * 2 * I + c] = normal(rng) * mg;
+        h[r * 2 * I + I + c] = normal(rng) * mu;
       }
     }
   }
-  for (int64_t c = 128; c < 256; ++c) h[5 * 2 * I + c] = __float2bfloat16(0.0f);  // row 5, group 1: a == 0
-  DeviceBuffer<__nv_bfloat16> dh(h.size());
+  for (int64_t c = 128; c < 256; ++c) h[5 * 2 * I + c] = 0.0f;  // row 5, group 1: a == 0
+  DeviceBuffer<float> dh(h.size());
   DeviceBuffer<uint8_t> aq(static_cast<size_t>(rows * I));  // poisoned: 0xFF
   DeviceBuffer<float> scales(static_cast<size_t>(pitch * (I / 128)));
   DeviceBuffer<int32_t> rows_used(1);
@@ -220,8 +220,8 @@ TEST(Fp8QuantizeGpuTest, SwigluQuantizeMatchesExactActivation) {
       }
       double a[128], amax = 0.0;
       for (int c = 0; c < 128; ++c) {
-        const double g = __bfloat162float(h[r * 2 * I + kb * 128 + c]);
-        const double u = __bfloat162float(h[r * 2 * I + I + kb * 128 + c]);
+        const double g = h[r * 2 * I + kb * 128 + c];
+        const double u = h[r * 2 * I + I + kb * 128 + c];
         a[c] = g / (1.0 + std::exp(-g)) * u;
         amax = std::max(amax, std::fabs(a[c]));
       }
