@@ -2,8 +2,8 @@
 // docs/MODEL.md):
 // forward and forward+backward, median of many runs with CUDA events, two input sets alternating; the
 // modular path, the fused forward with the modular backward, both fused (LayerOptions::forward_path,
-// backward_path) and both fused with the backward recomputing h (recompute_h) timed interleaved, run for run;
-// and the cost
+// backward_path), both fused with the backward recomputing h (recompute_h) and the blockwise FP8 forward
+// (with its distance to the bf16 output) timed interleaved, run for run; and the cost
 // of expert parallelism: E = 128 on 8 virtual ranks of 2048 tokens each against the same problem on one
 // rank (E = 128, T = 16384), both paths.
 // The PyTorch baseline of the same configs (benchmarks/bench_layer_torch.py) runs just before in the same
@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -53,6 +54,8 @@ struct Result {
   float fused_forward_ms = 0, fused_total_ms = 0;  // fused forward and backward, timed interleaved with the above
   float fused_forward_modular_backward_ms = 0;      // the fused forward, the modular backward
   float fused_recompute_total_ms = 0;               // both fused, the backward recomputing h (recompute_h)
+  float fp8_forward_ms = 0;                         // the blockwise FP8 forward (modular), interleaved too
+  double fp8_out_distance = 0;                      // ||out_fp8 - out_bf16|| / ||out_bf16|| on the same inputs
   double gemm_ms = 0, other_ms = 0;  // kernel time per forward + backward, from the profile
   int kernels = 0;                   // kernels per forward + backward
 };
@@ -74,7 +77,7 @@ constexpr GemmStep kGemmSteps[6] = {{"GEMM1 x.W13^T + SwiGLU (gathered x)", 2},
 // runs. first_gemm: the first of kGemmSteps that is a launch of its own (2 with the fused forward, whose two
 // GEMMs run inside its kernel).
 void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, int iters, double pairs, int64_t H,
-                     int64_t I, Result* r, int first_gemm = 0) {
+                     int64_t I, Result* r, int first_gemm = 0, const char* per = "forward + backward") {
   auto& profile = megamoe::bench::KernelProfile::instance();
   BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
   if (!profile.start()) return;
@@ -88,9 +91,9 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
     auto& e = by_name[k.name];
     e.first += 1;
     e.second += k.ms();
-    if (k.name == "grouped_gemm_kernel") gemm_ms[first_gemm + gemm_index++ % (6 - first_gemm)] += k.ms();
+    if (k.name == "grouped_gemm_kernel" && first_gemm < 6) gemm_ms[first_gemm + gemm_index++ % (6 - first_gemm)] += k.ms();
   }
-  std::printf("  kernel time per forward + backward (CUPTI, mean of %d):\n", iters);
+  std::printf("  kernel time per %s (CUPTI, mean of %d):\n", per, iters);
   std::printf("  %-44s %6s %9s\n", "kernel", "calls", "ms");
   double gemm = 0, other = 0;
   int calls = 0;
@@ -184,6 +187,10 @@ Result run(int64_t H, int64_t I, int iters) {
   BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &fused_group));
   fused_options.recompute_h = true;
   BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &recompute_group));
+  std::unique_ptr<megamoe::VirtualRankGroup> fp8_group;  // the blockwise FP8 forward (no FP8 backward yet)
+  megamoe::LayerConfig c8 = c;
+  c8.precision = megamoe::Precision::kFP8Blockwise;
+  BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c8, megamoe::LayerOptions{}, &fp8_group));
   cudaStream_t stream = group->stream(0);
 
   constexpr int kSets = 2;  // alternate two token sets so x and d_out are not L2-resident between runs
@@ -264,16 +271,18 @@ Result run(int64_t H, int64_t I, int iters) {
     return ms;
   };
   // Modular and fused interleaved run for run, so that clock drift falls on both alike.
-  std::vector<float> fwd, total, fused_fwd, fused_total, half_total, recompute_total;
+  std::vector<float> fwd, total, fused_fwd, fused_total, half_total, recompute_total, fp8_fwd;
   for (int it = -3; it < iters; ++it) {
     const int s = (it + 3) % kSets;
     const float f_mod = timed(*group, [&] { forward_on(*group, s); });
+    const float f_fp8 = timed(*fp8_group, [&] { forward_on(*fp8_group, s); });
     const float f_fus = timed(*fused_group, [&] { forward_on(*fused_group, s); });
     const float t_mod = timed(*group, [&] { step_on(*group, s); });
     const float t_fus = timed(*fused_group, [&] { step_on(*fused_group, s); });
     const float t_half = timed(*half_group, [&] { step_on(*half_group, s); });
     const float t_rec = timed(*recompute_group, [&] { step_on(*recompute_group, s); });
     if (it < 0) continue;
+    fp8_fwd.push_back(f_fp8);
     half_total.push_back(t_half);
     recompute_total.push_back(t_rec);
     fwd.push_back(f_mod);
@@ -285,6 +294,7 @@ Result run(int64_t H, int64_t I, int iters) {
   BENCH_CHECK_OK(fused_group->synchronize_and_check());
   BENCH_CHECK_OK(half_group->synchronize_and_check());
   BENCH_CHECK_OK(recompute_group->synchronize_and_check());
+  BENCH_CHECK_OK(fp8_group->synchronize_and_check());
   print_fused_timeline(fused_group->layer(0), [&] { forward_on(*fused_group, 0); }, fused_group->stream(0),
                        c.forward_flops(T * K), "forward", kForwardPhases);
   // dgrad1 (H I per row) and dgrad2 (2 H I per row): 6 H I flops per routed row.
@@ -297,6 +307,24 @@ Result run(int64_t H, int64_t I, int iters) {
   r.fused_total_ms = median(fused_total);
   r.fused_forward_modular_backward_ms = median(half_total);
   r.fused_recompute_total_ms = median(recompute_total);
+  r.fp8_forward_ms = median(fp8_fwd);
+  {
+    // How far the FP8 forward lands from the bf16 one on the same inputs (set 0).
+    std::vector<__nv_bfloat16> a(T * H), b(T * H);
+    forward_on(*group, 0);
+    BENCH_CHECK_OK(group->synchronize_and_check());
+    BENCH_CHECK_CUDA(cudaMemcpy(a.data(), out, 2 * T * H, cudaMemcpyDeviceToHost));
+    forward_on(*fp8_group, 0);
+    BENCH_CHECK_OK(fp8_group->synchronize_and_check());
+    BENCH_CHECK_CUDA(cudaMemcpy(b.data(), out, 2 * T * H, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < T * H; ++i) {
+      const double d = static_cast<double>(__bfloat162float(b[i])) - __bfloat162float(a[i]);
+      num += d * d;
+      den += static_cast<double>(__bfloat162float(a[i])) * __bfloat162float(a[i]);
+    }
+    r.fp8_out_distance = std::sqrt(num / std::max(den, 1e-300));
+  }
 #if MEGAMOE_BENCH_CUPTI
   print_breakdown([&](int it) { step_on(*group, it % kSets); }, stream, 10, static_cast<double>(T * K), H, I, &r);
   BENCH_CHECK_OK(group->synchronize_and_check());
@@ -310,6 +338,10 @@ Result run(int64_t H, int64_t I, int iters) {
                     I, &fused_breakdown, first_gemm);
     BENCH_CHECK_OK(g->synchronize_and_check());
   }
+  std::printf("  fp8 forward:\n");
+  print_breakdown([&](int it) { forward_on(*fp8_group, it % kSets); }, fp8_group->stream(0), 10,
+                  static_cast<double>(T * K), H, I, &fused_breakdown, 6, "FP8 forward");
+  BENCH_CHECK_OK(fp8_group->synchronize_and_check());
 #endif
   const double pairs = static_cast<double>(T * K);
   r.forward_tflops = c.forward_flops(static_cast<int64_t>(pairs)) / (r.forward_ms * 1e-3) / 1e12;
@@ -514,6 +546,14 @@ int main(int argc, char** argv) {
                 r.fused_forward_modular_backward_ms, r.fused_total_ms, fused_total_tflops,
                 r.fused_total_ms / r.total_ms, r.fused_recompute_total_ms);
   }
+  std::printf("blockwise FP8 forward (modular) vs bf16 modular forward (interleaved, median of %d):\n", iters);
+  std::printf("| layer H, I | bf16 fwd ms | fp8 fwd ms | TFLOP/s | bf16 / fp8 | ||out_fp8 - out_bf16|| / ||out_bf16|| |\n");
+  for (const Result& r : results) {
+    std::printf("| %lld, %lld | %.3f | %.3f | %.1f | %.3fx | %.3e |\n", static_cast<long long>(r.hidden),
+                static_cast<long long>(r.intermediate), r.forward_ms, r.fp8_forward_ms,
+                r.forward_tflops * r.forward_ms / r.fp8_forward_ms, r.forward_ms / r.fp8_forward_ms,
+                r.fp8_out_distance);
+  }
   if (with_ep) {
     std::printf("cost of expert parallelism: Qwen3-30B shape, E=128, top-8; 8 virtual ranks x 2048 tokens vs "
                 "1 rank x 16384 (interleaved, median of %d)\n", iters);
@@ -548,11 +588,11 @@ int main(int argc, char** argv) {
                    "\"forward_tflops\": %.2f, \"total_tflops\": %.2f, \"gemm_kernel_ms\": %.4f, "
                    "\"other_kernel_ms\": %.4f, \"kernels\": %d, \"fused_forward_ms\": %.4f, "
                    "\"fused_total_ms\": %.4f, \"fused_forward_modular_backward_ms\": %.4f, "
-                   "\"fused_recompute_total_ms\": %.4f}",
+                   "\"fused_recompute_total_ms\": %.4f, \"fp8_forward_ms\": %.4f, \"fp8_out_distance\": %.4e}",
                    i ? ", " : "", static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate),
                    r.forward_ms, r.total_ms, r.forward_tflops, r.total_tflops, r.gemm_ms, r.other_ms, r.kernels,
                    r.fused_forward_ms, r.fused_total_ms, r.fused_forward_modular_backward_ms,
-                   r.fused_recompute_total_ms);
+                   r.fused_recompute_total_ms, r.fp8_forward_ms, r.fp8_out_distance);
     }
     std::fprintf(f, "]\n");
     std::fclose(f);
