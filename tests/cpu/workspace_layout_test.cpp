@@ -1,0 +1,90 @@
+// The symmetric workspace's layout (src/comm/ep_workspace.hpp): every buffer inside the slice, aligned, and
+// apart from the others; the blockwise FP8 buffers sized for their tensors, and taking no room in a bf16
+// layer.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/ep_workspace.hpp"
+
+namespace megamoe::ep {
+namespace {
+
+Shape shape(bool fp8) {
+  Shape s{};
+  s.hidden = 384;
+  s.intermediate = 256;
+  s.num_experts = 8;
+  s.experts_per_rank = 4;
+  s.top_k = 2;
+  s.num_ranks = 2;
+  s.rank = 0;
+  s.max_tokens = 37;
+  s.row_capacity = 2 * 37 * 2 + 5;
+  s.dot_parts = 1;
+  s.recompute_h = 0;
+  s.fp8 = fp8 ? 1 : 0;
+  return s;
+}
+
+struct Buffer {
+  const char* name;
+  int64_t offset, bytes;
+};
+
+// The FP8 buffers with the bytes their tensors need.
+std::vector<Buffer> fp8_buffers(const WorkspaceLayout& l, const Shape& s) {
+  const int64_t H = s.hidden, I = s.intermediate, R = s.num_ranks, T = s.max_tokens, C = s.row_capacity;
+  const int64_t EL = s.experts_per_rank;
+  return {{"x_q", l.x_q, T * H},
+          {"x_s", l.x_s, 4 * T * (H / 128)},
+          {"recv_xq", l.recv_xq, R * T * H},
+          {"recv_xs", l.recv_xs, 4 * R * T * (H / 128)},
+          {"h_f32", l.h_f32, 4 * C * 2 * I},
+          {"a_q", l.a_q, C * I},
+          {"a_s", l.a_s, 4 * (I / 128) * k_block_scale_pitch(C)},
+          {"w13_q", l.w13_q, EL * 2 * I * H},
+          {"w13_s", l.w13_s, 4 * EL * (2 * I / 128) * (H / 128)},
+          {"w2_q", l.w2_q, EL * H * I},
+          {"w2_s", l.w2_s, 4 * EL * (H / 128) * (I / 128)}};
+}
+
+TEST(WorkspaceLayoutTest, Fp8BuffersFitApartAndAligned) {
+  const Shape s = shape(true);
+  const WorkspaceLayout l = WorkspaceLayout::make(s);
+  std::vector<Buffer> buffers = fp8_buffers(l, s);
+  // The buffers every precision has, by their element counts (enough to tell an overlap).
+  buffers.push_back({"combine", l.combine, 2 * int64_t{s.max_tokens} * s.top_k * s.hidden});
+  buffers.push_back({"recv_x", l.recv_x, 2 * int64_t{s.num_ranks} * s.max_tokens * s.hidden});
+  buffers.push_back({"h", l.h, 2 * s.row_capacity * 2 * s.intermediate});
+  buffers.push_back({"fused_work", l.fused_work, 4});
+  std::sort(buffers.begin(), buffers.end(), [](const Buffer& a, const Buffer& b) { return a.offset < b.offset; });
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const Buffer& b = buffers[i];
+    EXPECT_GT(b.bytes, 0) << b.name;
+    EXPECT_EQ(b.offset % 16, 0) << b.name << " is not 16-byte aligned";
+    EXPECT_LE(b.offset + b.bytes, l.total) << b.name << " runs past the slice";
+    if (i + 1 < buffers.size()) {
+      EXPECT_LE(b.offset + b.bytes, buffers[i + 1].offset) << b.name << " overlaps " << buffers[i + 1].name;
+    }
+  }
+}
+
+TEST(WorkspaceLayoutTest, Bf16LayerGivesFp8BuffersNoRoom) {
+  const Shape s16 = shape(false), s8 = shape(true);
+  const WorkspaceLayout l16 = WorkspaceLayout::make(s16), l8 = WorkspaceLayout::make(s8);
+  int64_t fp8_bytes = 0;
+  for (const Buffer& b : fp8_buffers(l8, s8)) fp8_bytes += b.bytes;
+  // Every FP8 buffer of the bf16 layout sits at its end, empty; the FP8 layout is larger by at least the
+  // FP8 tensors' bytes (alignment may add a little).
+  for (const Buffer& b : fp8_buffers(l16, s16)) EXPECT_EQ(b.offset, l16.total) << b.name;
+  EXPECT_GE(l8.total - l16.total, fp8_bytes);
+  EXPECT_LT(l8.total - l16.total, fp8_bytes + 11 * kAlign);
+}
+
+}  // namespace
+}  // namespace megamoe::ep
