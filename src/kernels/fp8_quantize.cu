@@ -138,7 +138,55 @@ __global__ void __launch_bounds__(kBlockThreads) quantize_blocks_128x128_kernel(
   if (t == 0) scales[blockIdx.x] = scale;
 }
 
+// One block of 256 threads per 64 x 64 byte tile of one group's [N, K] matrix: each thread loads 16 bytes of
+// a row into shared memory and stores 16 bytes of a column. The first tile of every 128 x 128 block also
+// moves that block's scale.
+constexpr int kTransposeTile = 64;
+__global__ void __launch_bounds__(256) transpose_blocks_128x128_kernel(const uint8_t* __restrict__ q,
+                                                                     const float* __restrict__ scales, int64_t N,
+                                                                     int64_t K, uint8_t* __restrict__ qt,
+                                                                     float* __restrict__ scales_t) {
+  __shared__ uint8_t tile[kTransposeTile][kTransposeTile + 16];
+  const int64_t tiles_k = K / kTransposeTile;
+  const int64_t e = blockIdx.z;
+  const int64_t n0 = (blockIdx.x / tiles_k) * kTransposeTile, k0 = (blockIdx.x % tiles_k) * kTransposeTile;
+  const int t = threadIdx.x;
+  const int row = t / 4, chunk = (t % 4) * 16;
+  const uint8_t* src = q + e * N * K;
+  *reinterpret_cast<uint4*>(&tile[row][chunk]) =
+      *reinterpret_cast<const uint4*>(src + (n0 + row) * K + k0 + chunk);
+  __syncthreads();
+  // Output row k0 + row holds the tile's column `row`: bytes of rows chunk .. chunk + 15.
+  alignas(16) uint8_t out[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) out[i] = tile[chunk + i][row];
+  *reinterpret_cast<uint4*>(qt + e * N * K + (k0 + row) * N + n0 + chunk) = *reinterpret_cast<const uint4*>(out);
+  if (t == 0 && n0 % 128 == 0 && k0 % 128 == 0) {
+    const int64_t nb = n0 / 128, kb = k0 / 128, n_blocks = N / 128, k_blocks = K / 128;
+    scales_t[(e * k_blocks + kb) * n_blocks + nb] = scales[(e * n_blocks + nb) * k_blocks + kb];
+  }
+}
+
 }  // namespace
+
+Status transpose_blocks_128x128_e4m3(const uint8_t* q, const float* scales, int64_t groups, int64_t N, int64_t K,
+                                     uint8_t* qt, float* scales_t, cudaStream_t stream) {
+  if (groups < 0 || N < 0 || K < 0 || N % kGroup != 0 || K % kGroup != 0)
+    return Status::invalid("transpose_blocks_128x128: N and K must be multiples of 128 and groups >= 0, got groups=" +
+                           std::to_string(groups) + " N=" + std::to_string(N) + " K=" + std::to_string(K));
+  if (groups == 0 || N == 0 || K == 0) return Status::ok();
+  if (q == nullptr || scales == nullptr || qt == nullptr || scales_t == nullptr)
+    return Status::invalid("transpose_blocks_128x128: null pointer");
+  if ((reinterpret_cast<uintptr_t>(q) & 15u) != 0 || (reinterpret_cast<uintptr_t>(qt) & 15u) != 0)
+    return Status::invalid("transpose_blocks_128x128: q and qt must be 16-byte aligned");
+  const int64_t tiles = (N / kTransposeTile) * (K / kTransposeTile);
+  if (tiles >= (int64_t{1} << 31) || groups > 65535)
+    return Status::invalid("transpose_blocks_128x128: too many tiles or groups");
+  const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(groups));
+  transpose_blocks_128x128_kernel<<<grid, 256, 0, stream>>>(q, scales, N, K, qt, scales_t);
+  MEGAMOE_CHECK_LAUNCH(stream, "transpose_blocks_128x128_kernel");
+  return Status::ok();
+}
 
 Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t cols, uint8_t* q, float* scales,
                                 cudaStream_t stream, int64_t scales_pitch) {

@@ -36,4 +36,12 @@ Status swiglu_quantize_rows_1x128(const float* h, int64_t rows, int64_t I, const
 Status quantize_blocks_128x128_bf16(const __nv_bfloat16* w, int64_t rows, int64_t cols, uint8_t* q, float* scales,
                                     cudaStream_t stream);
 
+// The transposed copies the backward's FP8 GEMMs read (both operands of an FP8 wgmma are K-major): `groups`
+// matrices q [N, K] of E4M3 bytes with their 128 x 128 block scales [N / 128, K / 128] (row-major, per group,
+// as quantize_blocks_128x128_bf16 makes them) -> qt [K, N] and scales_t [K / 128, N / 128]. A 128 x 128 block's
+// amax is the same set of values either way, so the result is bit for bit the quantization of the transposed
+// matrix. N and K multiples of 128; q and qt 16-byte aligned. Asynchronous on `stream`.
+Status transpose_blocks_128x128_e4m3(const uint8_t* q, const float* scales, int64_t groups, int64_t N, int64_t K,
+                                     uint8_t* qt, float* scales_t, cudaStream_t stream);
+
 }  // namespace megamoe::kernels

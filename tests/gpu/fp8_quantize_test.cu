@@ -256,5 +256,46 @@ TEST(Fp8QuantizeGpuTest, SwigluQuantizeMatchesExactActivation) {
             StatusCode::kInvalidArgument);
 }
 
+// Expert weights quantized in 128 x 128 blocks and transposed on the GPU must be bit for bit the CPU
+// quantization of the transposed matrices (values and scales), for every expert.
+TEST(Fp8QuantizeGpuTest, TransposedBlocksAreTheTransposeQuantized) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const int64_t E = 3, N = 256, K = 384;
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> log_magnitude(-8.0f, 4.0f);
+  std::vector<__nv_bfloat16> w(static_cast<size_t>(E * N * K));
+  std::vector<float> w_float(w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    w[i] = __float2bfloat16(normal(rng) * std::exp2(log_magnitude(rng)));
+    w_float[i] = __bfloat162float(w[i]);
+  }
+  DeviceBuffer<__nv_bfloat16> dw(w.size());
+  DeviceBuffer<uint8_t> q(w.size()), qt(w.size());
+  const int64_t blocks = E * (N / 128) * (K / 128);
+  DeviceBuffer<float> s(blocks), st(blocks);
+  dw.upload(w);
+  ASSERT_TRUE(kernels::quantize_blocks_128x128_bf16(dw.get(), E * N, K, q.get(), s.get(), nullptr).is_ok());
+  ASSERT_TRUE(kernels::transpose_blocks_128x128_e4m3(q.get(), s.get(), E, N, K, qt.get(), st.get(), nullptr).is_ok());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<uint8_t> got_q = qt.download();
+  const std::vector<float> got_s = st.download();
+  int64_t q_mismatches = 0, s_mismatches = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    std::vector<float> wt(static_cast<size_t>(K * N));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) wt[k * N + n] = w_float[(e * N + n) * K + k];
+    std::vector<uint8_t> want_q(wt.size());
+    std::vector<float> want_s(static_cast<size_t>((K / 128) * (N / 128)));
+    fp8::quantize_blocks_128x128(wt.data(), K, N, want_q.data(), want_s.data());
+    for (size_t i = 0; i < want_q.size(); ++i) q_mismatches += got_q[e * K * N + i] != want_q[i];
+    for (size_t i = 0; i < want_s.size(); ++i) s_mismatches += !(got_s[e * want_s.size() + i] == want_s[i]);
+  }
+  EXPECT_EQ(q_mismatches, 0);
+  EXPECT_EQ(s_mismatches, 0);
+  EXPECT_EQ(kernels::transpose_blocks_128x128_e4m3(q.get(), s.get(), E, N, 200, qt.get(), st.get(), nullptr).code(),
+            StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace megamoe
