@@ -320,7 +320,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ---- blockwise FP8: the modular forward ----
 
-// Shapes whose H and I are multiples of the 128-wide scale blocks, routing of every kind, 1 to 4 virtual
+// Shapes whose H and I are multiples of the 128-wide scale blocks, routing of every kind, 1 to 8 virtual
 // ranks. The forward must be within 1e-2 of the FP8 CPU reference (which quantizes x, W13, a and W2 at the
 // same points; the GPU also rounds h and y to bf16 and accumulates in the tensor cores' order), bitwise the
 // same on a second run, and its distance to the exact reference is printed. The backward is refused.
@@ -337,6 +337,7 @@ TEST(EpLayerFp8Test, ForwardMatchesTheFp8Reference) {
       Scenario{"Fp8_R2", shape, 2, {131, 77}, Routing::kRandom},
       Scenario{"Fp8_R4_MaskedT0", shape, 4, {0, 45, 90, 13}, Routing::kMaskedAndRagged},
       Scenario{"Fp8_R4_AllToOneExpert", shape, 4, {30, 0, 17, 41}, Routing::kAllToOneExpert},
+      Scenario{"Fp8_R8_MaskedT0", shape, 8, {9, 0, 21, 4, 16, 7, 30, 2}, Routing::kMaskedAndRagged},
   };
   for (const Scenario& sc : scenarios) {
     const uint64_t seed = std::random_device{}();
