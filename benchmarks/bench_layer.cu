@@ -47,6 +47,8 @@ float median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
+constexpr std::array<int, 4> kWaveLags = {1, 2, 4, 16};  // 16: every first-GEMM item first (16 experts)
+
 struct Result {
   int64_t hidden, intermediate;
   float forward_ms, total_ms;
@@ -56,6 +58,8 @@ struct Result {
   float fused_recompute_total_ms = 0;               // both fused, the backward recomputing h (recompute_h)
   float fp8_forward_ms = 0;                         // the blockwise FP8 forward (modular), interleaved too
   double fp8_out_distance = 0;                      // ||out_fp8 - out_bf16|| / ||out_bf16|| on the same inputs
+  // Both fused kernels under each wave lag of kWaveLags (ExpertParallelLayer::set_fused_wave_lag), interleaved.
+  std::array<float, 4> lag_forward_ms{}, lag_total_ms{};
   double gemm_ms = 0, other_ms = 0;  // kernel time per forward + backward, from the profile
   int kernels = 0;                   // kernels per forward + backward
 };
@@ -309,6 +313,28 @@ Result run(int64_t H, int64_t I, int iters) {
   r.fused_recompute_total_ms = median(recompute_total);
   r.fp8_forward_ms = median(fp8_fwd);
   {
+    // The order of the expert waves (issue: is the fused GEMM window's loss in how GEMM1 and GEMM2 items share
+    // the L2?): each lag in turn, run for run.
+    std::array<std::vector<float>, kWaveLags.size()> lag_fwd, lag_total;
+    for (int it = -1; it < iters; ++it) {
+      const int s = (it + 1) % kSets;
+      for (size_t l = 0; l < kWaveLags.size(); ++l) {
+        BENCH_CHECK_OK(fused_group->layer(0).set_fused_wave_lag(kWaveLags[l]));
+        const float f = timed(*fused_group, [&] { forward_on(*fused_group, s); });
+        const float t = timed(*fused_group, [&] { step_on(*fused_group, s); });
+        if (it < 0) continue;
+        lag_fwd[l].push_back(f);
+        lag_total[l].push_back(t);
+      }
+    }
+    BENCH_CHECK_OK(fused_group->layer(0).set_fused_wave_lag(1));
+    BENCH_CHECK_OK(fused_group->synchronize_and_check());
+    for (size_t l = 0; l < kWaveLags.size(); ++l) {
+      r.lag_forward_ms[l] = median(lag_fwd[l]);
+      r.lag_total_ms[l] = median(lag_total[l]);
+    }
+  }
+  {
     // How far the FP8 forward lands from the bf16 one on the same inputs (set 0).
     std::vector<__nv_bfloat16> a(T * H), b(T * H);
     forward_on(*group, 0);
@@ -545,6 +571,15 @@ int main(int argc, char** argv) {
                 r.fused_forward_ms, fused_tflops, r.fused_forward_ms / r.forward_ms, r.total_ms,
                 r.fused_forward_modular_backward_ms, r.fused_total_ms, fused_total_tflops,
                 r.fused_total_ms / r.total_ms, r.fused_recompute_total_ms);
+  }
+  std::printf("both fused kernels by wave lag (GEMM2 of expert e after GEMM1 of e + lag; interleaved, median of %d):\n",
+              iters);
+  std::printf("| layer H, I | lag | fused fwd ms | fused fwd+bwd ms |\n");
+  for (const Result& r : results) {
+    for (size_t l = 0; l < kWaveLags.size(); ++l) {
+      std::printf("| %lld, %lld | %d | %.3f | %.3f |\n", static_cast<long long>(r.hidden),
+                  static_cast<long long>(r.intermediate), kWaveLags[l], r.lag_forward_ms[l], r.lag_total_ms[l]);
+    }
   }
   std::printf("blockwise FP8 forward (modular) vs bf16 modular forward (interleaved, median of %d):\n", iters);
   std::printf("| layer H, I | bf16 fwd ms | fp8 fwd ms | TFLOP/s | bf16 / fp8 | ||out_fp8 - out_bf16|| / ||out_bf16|| |\n");

@@ -141,6 +141,11 @@ class ExpertParallelLayer {
   static constexpr int kFusedTimelineStamps = 10;
   Status set_fused_timeline(uint64_t* stamps);
   int fused_forward_ctas() const;
+  // Tuning of the fused kernels' work order (measurements; the results do not depend on it): the second
+  // GEMM's items of expert e come after the first GEMM's items of expert e + lag (default 1; 0 = right after
+  // the expert's own first-GEMM items; a lag of at least the local expert count puts every first-GEMM item
+  // first). Must be >= 0; takes effect at the next call.
+  Status set_fused_wave_lag(int lag);
 
   const LayerConfig& config() const;
   int64_t expert_row_capacity() const;

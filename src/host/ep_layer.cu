@@ -183,6 +183,7 @@ struct ExpertParallelLayer::Impl {
   const __nv_bfloat16* forward_w13 = nullptr;
   const __nv_bfloat16* forward_w2 = nullptr;
   uint64_t* fused_timeline = nullptr;
+  int fused_wave_lag = 1;
 
   template <typename T>
   T* buffer(int64_t offset) const {
@@ -348,6 +349,12 @@ Status ExpertParallelLayer::set_fused_timeline(uint64_t* stamps) {
   return Status::ok();
 }
 
+Status ExpertParallelLayer::set_fused_wave_lag(int lag) {
+  if (lag < 0) return Status::invalid("the fused kernels' wave lag must be >= 0, got " + std::to_string(lag));
+  impl_->fused_wave_lag = lag;
+  return Status::ok();
+}
+
 int ExpertParallelLayer::fused_forward_ctas() const { return std::max(1, impl_->max_blocks); }
 int64_t ExpertParallelLayer::expert_row_capacity() const { return impl_->params.shape.row_capacity; }
 
@@ -448,6 +455,7 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
     fused.w2 = args.w2;
     fused.out = args.out;
     fused.timeline = m.fused_timeline;
+    fused.wave_lag = m.fused_wave_lag;
     MEGAMOE_RETURN_IF_ERROR(ep::launch_fused_forward(p, fused, m.max_blocks, stream));
   } else {
     const bool fp8 = p.shape.fp8 != 0;
@@ -516,6 +524,7 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
     fused.d_x = args.d_x;
     fused.d_topk_weights = args.d_topk_weights;
     fused.timeline = m.fused_timeline;
+    fused.wave_lag = m.fused_wave_lag;
     MEGAMOE_RETURN_IF_ERROR(ep::launch_fused_backward(p, fused, m.max_blocks, stream));
     MEGAMOE_RETURN_IF_ERROR(m.weight_gradients(p, args));
     // The weight-gradient GEMMs read recv_x and recv_dout, which a peer's next call writes once it has passed

@@ -94,7 +94,7 @@ Status launch_fused_forward(const Params& p, const FusedForwardArgs& a, int max_
   k.timeline = a.timeline;
   const int ctas = std::max(1, max_blocks);
   k.layout_blocks = layout_blocks(p.num_tokens, ctas);
-  k.wave_lag = 1;
+  k.wave_lag = static_cast<int>(std::min<int64_t>(std::max(a.wave_lag, 0), EL));  // past EL: the same order
   k.n_tiles[0] = static_cast<int>(2 * I / kBN);
   k.n_tiles[1] = static_cast<int>((H + kBN - 1) / kBN);
   k.k_tiles[0] = static_cast<int>((H + kBK - 1) / kBK);
@@ -156,7 +156,7 @@ Status launch_fused_backward(const Params& p, const FusedBackwardArgs& a, int ma
   k.d_topk_weights = a.d_topk_weights;
   k.timeline = a.timeline;
   const int ctas = std::max(1, max_blocks);
-  k.wave_lag = 1;
+  k.wave_lag = static_cast<int>(std::min<int64_t>(std::max(a.wave_lag, 0), EL));  // past EL: the same order
   k.n_tiles[0] = static_cast<int>((I + kBN - 1) / kBN);
   k.n_tiles[1] = static_cast<int>((H + kBN - 1) / kBN);
   k.k_tiles[0] = static_cast<int>((H + kBK - 1) / kBK);

@@ -38,6 +38,7 @@ struct FusedForwardArgs {
   const __nv_bfloat16* w2 = nullptr;
   __nv_bfloat16* out = nullptr;
   uint64_t* timeline = nullptr;  // diagnostics (ExpertParallelLayer::set_fused_timeline)
+  int wave_lag = 1;              // ExpertParallelLayer::set_fused_wave_lag
 };
 
 struct FusedBackwardArgs {
@@ -47,6 +48,7 @@ struct FusedBackwardArgs {
   __nv_bfloat16* d_x = nullptr;
   float* d_topk_weights = nullptr;
   uint64_t* timeline = nullptr;  // diagnostics (ExpertParallelLayer::set_fused_timeline)
+  int wave_lag = 1;              // ExpertParallelLayer::set_fused_wave_lag
 };
 
 // Whether the fused forward runs this shape (local experts, ranks, the layout's and routing's shared-memory

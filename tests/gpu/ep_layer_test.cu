@@ -745,6 +745,27 @@ void next_forward_waits_for_peer_backward(const LayerOptions& options) {
   }
 }
 
+// The fused kernels' work order (the wave lag) is a tuning: every lag gives the same bits, forward and
+// backward, the counters clean for the next call.
+TEST(FusedForwardOrderTest, WaveLagChangesNoBits) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  SmallRun run = small_problem(2, Routing::kRandom);
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(
+      VirtualRankGroup::create(run.p.config, with_paths(ForwardPath::kFused, BackwardPath::kFused), &group).is_ok());
+  Outputs first;
+  run_gpu(run.p, *group, run.t, &first);
+  if (HasFatalFailure()) return;
+  for (int lag : {0, 2, 4, 1000}) {
+    for (int r = 0; r < group->num_ranks(); ++r) ASSERT_TRUE(group->layer(r).set_fused_wave_lag(lag).is_ok());
+    Outputs again;
+    run_gpu(run.p, *group, run.t, &again);
+    if (HasFatalFailure()) return;
+    expect_same_bits(first, again, run.p, "wave lag " + std::to_string(lag));
+  }
+  EXPECT_EQ(group->layer(0).set_fused_wave_lag(-1).code(), StatusCode::kInvalidArgument);
+}
+
 TEST(EpLayerOrderTest, NextForwardWaitsForThePeersBackward) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   next_forward_waits_for_peer_backward(LayerOptions{});
