@@ -79,6 +79,11 @@ struct ForwardArgs {
   const __nv_bfloat16* w13 = nullptr;        // [E_local, 2I, H]
   const __nv_bfloat16* w2 = nullptr;         // [E_local, H, I]
   __nv_bfloat16* out = nullptr;              // [T, H]
+  // fp8-blockwise layers quantize w13 and w2 once per version. 0 (the default): unknown, quantized on every
+  // call. Any other value promises that w13 and w2 hold the values they held in this layer's last call with
+  // the same pointers and version, whose quantized copies are then reused: bump it whenever the weights
+  // change (an optimizer step). A CUDA graph captured with a reused version replays without quantizing.
+  uint64_t weights_version = 0;
 };
 
 struct BackwardArgs {

@@ -184,6 +184,10 @@ struct ExpertParallelLayer::Impl {
   const __nv_bfloat16* forward_w2 = nullptr;
   uint64_t* fused_timeline = nullptr;
   int fused_wave_lag = 1;
+  // fp8-blockwise: which weights the workspace's quantized copies hold (ForwardArgs::weights_version).
+  const void* quantized_w13 = nullptr;
+  const void* quantized_w2 = nullptr;
+  uint64_t quantized_version = 0;
 
   template <typename T>
   T* buffer(int64_t offset) const {
@@ -214,8 +218,10 @@ struct ExpertParallelLayer::Impl {
 
   // GEMM1 with SwiGLU -> GEMM2, y rows delivered to the sources' combine slots.
   Status expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2) const;
-  // The same in blockwise FP8, on the e4m3 rows the FP8 dispatch delivered.
-  Status expert_mlp_forward_fp8(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2) const;
+  // The same in blockwise FP8, on the e4m3 rows the FP8 dispatch delivered; quantize_weights: refresh the
+  // quantized copies of w13 and w2 first.
+  Status expert_mlp_forward_fp8(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2,
+                                bool quantize_weights) const;
   // h = x W13^T over the received rows, a = silu(g) * u in its epilogue; with keep_h h itself is stored too.
   Status gemm1_swiglu(const ep::Params& p, const __nv_bfloat16* w13, bool keep_h) const;
   // dgrad GEMMs with the SwiGLU backward and d_topk_weights, d_x rows home, weight-gradient GEMMs.
@@ -250,14 +256,14 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward(const ep::Params& p, const 
                                   static_cast<int>(H), static_cast<int>(I), home, stream, gemm_tuning());
 }
 
-// Blockwise FP8 (docs/FP8.md): the call's weights quantized in 128x128 blocks (every call: the layer does not
-// yet know when they change); h = xq W13q^T over the received e4m3 rows and their scales (gathered by index),
+// Blockwise FP8 (docs/FP8.md): the weights quantized in 128x128 blocks when they changed (the caller's
+// weights_version says so); h = xq W13q^T over the received e4m3 rows and their scales (gathered by index),
 // kept in fp32 (by arithmetic, not measured: from a bf16 h about one element of a in 60 would round to the
 // other e4m3 neighbour than the reference's, about 1% of error in out);
 // a = silu(g) u quantized in 1x128 groups along I; y = aq W2q^T, each row stored straight into its combine
 // slot on the source rank.
 Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, const __nv_bfloat16* w13,
-                                                         const __nv_bfloat16* w2) const {
+                                                         const __nv_bfloat16* w2, bool quantize_weights) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
   cudaStream_t stream = placement.stream;
@@ -266,8 +272,10 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
   auto* w2_q = buffer<uint8_t>(p.layout.w2_q);
   auto* w2_s = buffer<float>(p.layout.w2_s);
   // Expert weights [E, N, K] with N a multiple of 128 quantize as one matrix of E * N rows.
-  MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(w13, EL * 2 * I, H, w13_q, w13_s, stream));
-  MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(w2, EL * H, I, w2_q, w2_s, stream));
+  if (quantize_weights) {
+    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(w13, EL * 2 * I, H, w13_q, w13_s, stream));
+    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(w2, EL * H, I, w2_q, w2_s, stream));
+  }
   const kernels::Fp8GemmTuning tuning{1, max_blocks};
   auto* h = buffer<float>(p.layout.h_f32);
   kernels::Fp8GemmRows received;
@@ -473,8 +481,18 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
     }
     MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierDispatched, stream));
     MEGAMOE_RETURN_IF_ERROR(ep::launch_route_rows(p, stream, m.max_blocks));
-    MEGAMOE_RETURN_IF_ERROR(fp8 ? m.expert_mlp_forward_fp8(p, args.w13, args.w2)
-                                : m.expert_mlp_forward(p, args.w13, args.w2));
+    if (fp8) {
+      const bool same_weights = args.weights_version != 0 && args.weights_version == m.quantized_version &&
+                                args.w13 == m.quantized_w13 && args.w2 == m.quantized_w2;
+      // Forgotten until the quantization is enqueued: a call that fails before it leaves no stale promise.
+      m.quantized_version = 0;
+      MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward_fp8(p, args.w13, args.w2, !same_weights));
+      m.quantized_w13 = args.w13;
+      m.quantized_w2 = args.w2;
+      m.quantized_version = args.weights_version;
+    } else {
+      MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward(p, args.w13, args.w2));
+    }
     MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierCombined, stream));
     MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_forward(p, args.topk_weights, args.out, stream, m.max_blocks));
   }

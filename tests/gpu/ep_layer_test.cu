@@ -380,6 +380,44 @@ TEST(EpLayerFp8Test, ForwardMatchesTheFp8Reference) {
   }
 }
 
+// ForwardArgs::weights_version: a repeated nonzero version reuses the quantized weights (so weights changed
+// behind it are not seen: the promise is the caller's), a new version or 0 quantizes them again.
+TEST(EpLayerFp8Test, WeightsVersionReusesTheQuantizedWeights) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  LayerConfig shape;
+  shape.hidden = 256;
+  shape.intermediate = 128;
+  shape.num_experts = 4;
+  shape.top_k = 2;
+  shape.precision = Precision::kFP8Blockwise;
+  const Scenario sc{"Fp8_versions", shape, 1, {64}, Routing::kRandom, 4};
+  const Problem p = make_problem(sc, std::random_device{}());
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(p.config, scenario_options(), &group).is_ok());
+  std::vector<RankTensors> t = upload(p);
+  const auto forward = [&](uint64_t version) {
+    ForwardArgs f = forward_args_of(t[0], sc.tokens[0]);
+    f.weights_version = version;
+    t[0].out.poison();
+    EXPECT_TRUE(group->layer(0).forward(f).is_ok());
+    EXPECT_TRUE(group->synchronize_and_check().is_ok());
+    return to_float(t[0].out.download());
+  };
+  const std::vector<float> before = forward(5);
+  // New values in W13, same pointer.
+  const int64_t w13_count = shape.num_experts * 2 * shape.intermediate * shape.hidden;
+  ASSERT_TRUE(kernels::fill_hashed_bf16(t[0].w13.get(), w13_count, p.seed_of(9), 0, p.w13_scale));
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> promised = forward(5);
+  EXPECT_EQ(0, std::memcmp(before.data(), promised.data(), before.size() * 4))
+      << "the same version must reuse the quantized weights";
+  const std::vector<float> bumped = forward(6);
+  EXPECT_NE(0, std::memcmp(before.data(), bumped.data(), before.size() * 4)) << "a new version must requantize";
+  const std::vector<float> unknown = forward(0);
+  EXPECT_EQ(0, std::memcmp(bumped.data(), unknown.data(), bumped.size() * 4))
+      << "version 0 quantizes the current weights";
+}
+
 // FP8 options the layer does not run yet are refused at creation, with the reason.
 TEST(EpLayerFp8Test, UnsupportedCombinationsAreRefused) {
   MEGAMOE_SKIP_WITHOUT_GPU();
