@@ -40,7 +40,7 @@ extern "C" {
 /* Bumped whenever a signature or a struct below changes; bindings refuse a library of another version.
  * Functions and structs added without changing existing ones keep the version: a binding finds out that
  * a library lacks them by their symbols (the Python binding checks every one it declares). */
-#define MEGAMOE_ABI_VERSION 2
+#define MEGAMOE_ABI_VERSION 3
 
 #define MEGAMOE_OK 0
 #define MEGAMOE_INVALID_ARGUMENT 1
@@ -93,6 +93,9 @@ typedef struct megamoe_forward_args {
   const void* w13;             /* [E_local, 2I, H] */
   const void* w2;              /* [E_local, H, I] */
   void* out;                   /* [T, H] */
+  uint64_t weights_version;    /* fp8-blockwise: 0 = quantize w13 / w2 on every call; a repeated nonzero value
+                                  with the same pointers promises unchanged weights (their quantized copies
+                                  are reused). Added in ABI version 3. */
 } megamoe_forward_args;
 
 /* One rank's backward; uses the routing of the latest forward of the same group. */

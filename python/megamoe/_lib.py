@@ -16,7 +16,7 @@ import pathlib
 import threading
 import warnings
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 OK = 0
 INVALID_ARGUMENT = 1
@@ -79,6 +79,7 @@ class ForwardArgs(ctypes.Structure):
         ("w13", ctypes.c_void_p),
         ("w2", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
+        ("weights_version", ctypes.c_uint64),  # fp8-blockwise layers: 0 = quantize the weights on every call
     ]
 
 

@@ -152,6 +152,7 @@ Status to_forward_args(const megamoe_forward_args& a, megamoe::ForwardArgs* f) {
   f->w13 = static_cast<const __nv_bfloat16*>(a.w13);
   f->w2 = static_cast<const __nv_bfloat16*>(a.w2);
   f->out = static_cast<__nv_bfloat16*>(a.out);
+  f->weights_version = a.weights_version;
   return Status::ok();
 }
 

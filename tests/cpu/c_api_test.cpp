@@ -102,6 +102,15 @@ TEST(CApiTest, DefaultOptionsMatchTheLibrary) {
   EXPECT_EQ(sizeof(megamoe_options), 32u);
 }
 
+// The layout the Python binding mirrors (python/tests/test_c_abi.py checks the same numbers on its side).
+TEST(CApiTest, ForwardArgsLayout) {
+  EXPECT_EQ(offsetof(megamoe_forward_args, topk_weights), 32u);
+  EXPECT_EQ(offsetof(megamoe_forward_args, weights_version), 64u);
+  EXPECT_EQ(sizeof(megamoe_forward_args), 72u);
+  EXPECT_EQ(offsetof(megamoe_backward_args, accumulate_weight_grads), 40u);
+  EXPECT_EQ(sizeof(megamoe_backward_args), 48u);
+}
+
 TEST(CApiTest, CreateWithInvalidConfigFailsBeforeTouchingTheGpu) {
   megamoe_config c = small_config();
   c.top_k = 0;
