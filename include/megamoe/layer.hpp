@@ -82,7 +82,8 @@ struct ForwardArgs {
   // fp8-blockwise layers quantize w13 and w2 once per version. 0 (the default): unknown, quantized on every
   // call. Any other value promises that w13 and w2 hold the values they held in this layer's last call with
   // the same pointers and version, whose quantized copies are then reused: bump it whenever the weights
-  // change (an optimizer step). A CUDA graph captured with a reused version replays without quantizing.
+  // change (an optimizer step). A CUDA graph captured with a reused version replays without quantizing; a
+  // captured call never counts as the one that quantized a version.
   uint64_t weights_version = 0;
 };
 

@@ -487,9 +487,14 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
       // Forgotten until the quantization is enqueued: a call that fails before it leaves no stale promise.
       m.quantized_version = 0;
       MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward_fp8(p, args.w13, args.w2, !same_weights));
-      m.quantized_w13 = args.w13;
-      m.quantized_w2 = args.w2;
-      m.quantized_version = args.weights_version;
+      // Under stream capture the quantization is only recorded (it runs when the graph does): no promise.
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      MEGAMOE_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
+      if (capture == cudaStreamCaptureStatusNone) {
+        m.quantized_w13 = args.w13;
+        m.quantized_w2 = args.w2;
+        m.quantized_version = args.weights_version;
+      }
     } else {
       MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward(p, args.w13, args.w2));
     }

@@ -71,6 +71,10 @@ Status check_tuning(const Fp8GemmTuning& tuning) {
   if (tuning.max_ctas < 0) {
     return Status::invalid("fp8 GEMM: max_ctas must be >= 0 (0 = every SM), got " + std::to_string(tuning.max_ctas));
   }
+  if (tuning.max_ctas > 0 && tuning.max_ctas < tuning.cluster_size) {
+    return Status::invalid("fp8 GEMM: max_ctas (" + std::to_string(tuning.max_ctas) +
+                           ") is below one cluster of cluster_size CTAs");
+  }
   return Status::ok();
 }
 

@@ -59,7 +59,7 @@ struct GemmEpilogue {
   // nullptr drops the row). Excludes scatter_rows; aux rows stay contiguous.
   void* const* row_pointers = nullptr;
   // SwiGLU forward: optional h output [rows, N] (gate columns then up columns, unscaled).
-  // SwiGLU backward: optional row_scale * a output [rows, N], a = silu(g) * u recomputed from h.
+  // SwiGLU backward: required row_scale * a output [rows, N], a = silu(g) * u recomputed from h.
   __nv_bfloat16* aux_out = nullptr;
   // SwiGLU backward: required h input [rows, 2N], indexed by the source row.
   const __nv_bfloat16* h_in = nullptr;

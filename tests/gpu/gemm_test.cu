@@ -829,6 +829,10 @@ TEST(GroupedGemm, RejectsBadArguments) {
   epi.activation = GemmActivation::kSwiGLUBackward;
   EXPECT_EQ(grouped_gemm_nn(d.get(), d.get(), d.get(), off.get(), 1, 8, 64, 64, epi, nullptr).code(),
             StatusCode::kInvalidArgument);  // h_in missing
+  epi.h_in = d.get();
+  const Status no_aux = grouped_gemm_nn(d.get(), d.get(), d.get(), off.get(), 1, 8, 64, 64, epi, nullptr);
+  EXPECT_EQ(no_aux.code(), StatusCode::kInvalidArgument);  // aux_out missing
+  EXPECT_NE(no_aux.message().find("aux_out"), std::string::npos) << no_aux.message();
   GemmEpilogue both;
   DeviceBuffer<void*> ptrs(8);
   DeviceBuffer<int32_t> rows(8);

@@ -31,8 +31,17 @@ namespace megamoe::device {
 // b_scales: the tile's weight-block scales, one per K block (WeightScales::of); cta_rank: the CTA in its
 // cluster (a 2-CTA cluster's peer multicasts half of every stage, and is released too). kGathered: A's rows
 // and their scales landed through the producer threads' cp.async (the generic proxy): the wgmma reads are
-// fenced after the wait, and every consumer thread releases the stage for its own reads of the scales (the
-// empty barrier then counts every consumer thread; StagePipeline::consumer_release_own).
+// fenced after the wait.
+// Every consumer thread reads the stage's A scales with plain loads, and the next fill of the slot may come
+// before a warp that lags its warpgroup has read them, so every consumer thread releases the stage for its
+// own reads (StagePipeline::consumer_release_own: the empty barrier counts kFp8EmptyArrivals); in a 2-CTA
+// cluster one thread per warpgroup also releases the peer's copy, whose multicast B half it read through
+// wgmma only.
+// Arrivals on a stage's empty barrier under mma_tile_fp8_blockwise: every consumer thread of the CTA, and
+// one per consumer warpgroup of the cluster peer.
+template <class Shape>
+inline constexpr int kFp8EmptyArrivals = 128 * Shape::kConsumerGroups + (Shape::kCluster > 1 ? Shape::kConsumerGroups : 0);
+
 template <class Shape, bool kGathered = false>
 __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN / 2],
                                                        const StagePipeline<Shape::kStages>& pipe,
@@ -73,11 +82,10 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
                             promotion_scale(a_scales, b_scale, cwg, warp, lane, 1)};
     wgmma_wait<0>();
     fence_accumulators(partial);
-    if constexpr (kGathered) {
-      static_assert(Shape::kCluster == 1, "gathered operands are not multicast");
-      pipe.consumer_release_own(st);
-    } else {
-      pipe.template consumer_release<Shape::kCluster>(st, lt, cta_rank);
+    pipe.consumer_release_own(st);
+    if constexpr (Shape::kCluster > 1) {
+      static_assert(!kGathered, "gathered operands are not multicast");
+      if (lt == 0) mbarrier_arrive_cluster_peer(&pipe.empty[st.index], cta_rank ^ 1);
     }
     promote_block(acc, partial, scale);
     st.advance();
