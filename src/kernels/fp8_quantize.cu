@@ -84,6 +84,80 @@ __global__ void swiglu_quantize_rows_1x128_kernel(const float* __restrict__ h, i
   }
 }
 
+// One warp per row: for each 128-column group kb of I, lane holds 4 consecutive columns; the gate group kb
+// and the up group I / 128 + kb of dh are quantized from them (two amaxes), and the row's <g, a> is summed
+// in a fixed order (per lane over kb, then the butterfly): the same bits every run.
+__global__ void swiglu_backward_quantize_rows_1x128_kernel(const float* __restrict__ g, const float* __restrict__ h,
+                                                           const float* __restrict__ row_weight, int64_t rows,
+                                                           int64_t I, const int32_t* __restrict__ rows_used,
+                                                           int64_t pitch, uint8_t* __restrict__ dh_q,
+                                                           float* __restrict__ dh_s, float* __restrict__ wa,
+                                                           float* const* __restrict__ dot_rows, int dot_parts) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  int64_t limit = rows;
+  if (rows_used != nullptr) limit = min(max(static_cast<int64_t>(*rows_used), int64_t{0}), rows);
+  const int64_t groups = I / kGroup;
+  for (int64_t row = warp; row < limit; row += warp_stride) {
+    const float w = row_weight[row];
+    const float* g_row = g + row * I;
+    const float* h_row = h + row * 2 * I;
+    float dot = 0.0f;
+    for (int64_t kb = 0; kb < groups; ++kb) {
+      const int64_t col = kb * kGroup + lane * 4;
+      const float4 gv = *reinterpret_cast<const float4*>(g_row + col);
+      const float4 hg = *reinterpret_cast<const float4*>(h_row + col);
+      const float4 hu = *reinterpret_cast<const float4*>(h_row + I + col);
+      const float gs[4] = {gv.x, gv.y, gv.z, gv.w}, gate[4] = {hg.x, hg.y, hg.z, hg.w}, up[4] = {hu.x, hu.y, hu.z, hu.w};
+      float dg[4], du[4], a[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const device::SwiGLUGrad d = device::swiglu_backward(w * gs[i], gate[i], up[i]);
+        dg[i] = d.dg;
+        du[i] = d.du;
+        a[i] = d.a;
+        dot += gs[i] * d.a;
+      }
+      float amax_g = 0.0f, amax_u = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        amax_g = fmaxf(amax_g, fabsf(dg[i]));
+        amax_u = fmaxf(amax_u, fabsf(du[i]));
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        amax_g = fmaxf(amax_g, __shfl_xor_sync(0xffffffffu, amax_g, offset));
+        amax_u = fmaxf(amax_u, __shfl_xor_sync(0xffffffffu, amax_u, offset));
+      }
+      const float scale_g = scale_from_amax(amax_g), scale_u = scale_from_amax(amax_u);
+      uint32_t bytes_g = 0, bytes_u = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        bytes_g |= e4m3_of(dg[i], scale_g) << (8 * i);
+        bytes_u |= e4m3_of(du[i], scale_u) << (8 * i);
+      }
+      *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + col) = bytes_g;
+      *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + I + col) = bytes_u;
+      if (lane == 0) {
+        dh_s[kb * pitch + row] = scale_g;
+        dh_s[(groups + kb) * pitch + row] = scale_u;
+      }
+      if (wa != nullptr) {
+        *reinterpret_cast<float4*>(wa + row * I + col) = make_float4(w * a[0], w * a[1], w * a[2], w * a[3]);
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    if (dot_rows != nullptr) {
+      float* dst = dot_rows[row];
+      if (dst != nullptr) {
+        for (int part = lane; part < dot_parts; part += 32) dst[part] = part == 0 ? dot : 0.0f;
+      }
+    }
+  }
+}
+
 // One block of 256 threads per 128 x 128 weight block: thread t reads 8 values (16 bytes) of rows t / 16 +
 // 16 i, i = 0..7, at columns 8 (t % 16) .. + 7; the block's amax is reduced over warps in shared memory.
 constexpr int kBlockThreads = 256;
@@ -235,6 +309,36 @@ Status swiglu_quantize_rows_1x128(const float* h, int64_t rows, int64_t I, const
   swiglu_quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(h, rows, I, rows_used, scales_pitch,
                                                                                  aq, scales);
   MEGAMOE_CHECK_LAUNCH(stream, "swiglu_quantize_rows_1x128_kernel");
+  return Status::ok();
+}
+
+Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const float* row_weight, int64_t rows,
+                                           int64_t I, const int32_t* rows_used, uint8_t* dh_q, float* dh_s,
+                                           int64_t scales_pitch, float* wa, float* const* dot_rows, int dot_parts,
+                                           cudaStream_t stream) {
+  if (rows < 0 || I <= 0 || I % kGroup != 0)
+    return Status::invalid("swiglu_backward_quantize_rows_1x128: I must be a positive multiple of 128 and rows >= 0, "
+                           "got rows=" + std::to_string(rows) + " I=" + std::to_string(I));
+  if (scales_pitch < rows)
+    return Status::invalid("swiglu_backward_quantize_rows_1x128: scales_pitch must be at least rows=" +
+                           std::to_string(rows) + ", got " + std::to_string(scales_pitch));
+  if (dot_rows != nullptr && dot_parts < 1)
+    return Status::invalid("swiglu_backward_quantize_rows_1x128: dot_parts must be >= 1 with dot_rows");
+  if (rows == 0) return Status::ok();
+  if (g == nullptr || h == nullptr || row_weight == nullptr || dh_q == nullptr || dh_s == nullptr)
+    return Status::invalid("swiglu_backward_quantize_rows_1x128: null pointer");
+  if ((reinterpret_cast<uintptr_t>(g) & 15u) != 0 || (reinterpret_cast<uintptr_t>(h) & 15u) != 0 ||
+      (reinterpret_cast<uintptr_t>(wa) & 15u) != 0 || (reinterpret_cast<uintptr_t>(dh_q) & 3u) != 0)
+    return Status::invalid("swiglu_backward_quantize_rows_1x128: g, h and wa must be 16-byte, dh_q 4-byte aligned");
+  int device = 0;
+  int num_sms = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t blocks_needed = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int blocks = static_cast<int>(blocks_needed < num_sms * 16 ? blocks_needed : num_sms * 16);
+  swiglu_backward_quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+      g, h, row_weight, rows, I, rows_used, scales_pitch, dh_q, dh_s, wa, dot_rows, dot_parts);
+  MEGAMOE_CHECK_LAUNCH(stream, "swiglu_backward_quantize_rows_1x128_kernel");
   return Status::ok();
 }
 

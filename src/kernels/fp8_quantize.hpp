@@ -36,6 +36,18 @@ Status swiglu_quantize_rows_1x128(const float* h, int64_t rows, int64_t I, const
 Status quantize_blocks_128x128_bf16(const __nv_bfloat16* w, int64_t rows, int64_t cols, uint8_t* q, float* scales,
                                     cudaStream_t stream);
 
+// The FP8 backward's step between its two dgrads (docs/FP8.md, the planned backward), per routed row r of
+// [0, rows) (or [0, *rows_used)): g [rows, I] fp32, the dgrad of GEMM2 before the routing weight; h [rows, 2I]
+// fp32 from the forward; w = row_weight[r]. da = w g; dh = SwiGLU'(da) (gate columns, then up columns), as the
+// bf16 epilogue computes it (device/epilogue/transforms.cuh), quantized 1x128 along 2I: dh_q [rows, 2I] and
+// K-block-major scales dh_s [2I / 128, scales_pitch]. Optional: wa [rows, I] fp32 = w a (a = silu(g_h) u_h,
+// for the weight gradient), and the routing-weight gradient <g, a> summed in a fixed order into
+// dot_rows[r][0] (the row's other dot_parts - 1 partials set to 0; a null row pointer skips the row).
+Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const float* row_weight, int64_t rows,
+                                           int64_t I, const int32_t* rows_used, uint8_t* dh_q, float* dh_s,
+                                           int64_t scales_pitch, float* wa, float* const* dot_rows, int dot_parts,
+                                           cudaStream_t stream);
+
 // The transposed copies the backward's FP8 GEMMs read (both operands of an FP8 wgmma are K-major): `groups`
 // matrices q [N, K] of E4M3 bytes with their 128 x 128 block scales [N / 128, K / 128] (row-major, per group,
 // as quantize_blocks_128x128_bf16 makes them) -> qt [K, N] and scales_t [K / 128, N / 128]. A 128 x 128 block's

@@ -256,6 +256,95 @@ TEST(Fp8QuantizeGpuTest, SwigluQuantizeMatchesExactActivation) {
             StatusCode::kInvalidArgument);
 }
 
+// The FP8 backward's step between its dgrads: dh = SwiGLU'(w g) from the fp32 h, quantized 1x128 along 2I
+// (gate and up groups apart), w a, and <g, a> into the row's first partial. Checked against the exact
+// arithmetic (double, exact sigmoid) within E4M3 rounding for dh, to 1e-5 for the rest; rows past rows_used
+// and rows without a partials pointer are left alone.
+TEST(Fp8QuantizeGpuTest, SwigluBackwardQuantizeMatchesExactArithmetic) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const int64_t rows = 29, I = 256, used = 25, parts = 3;
+  const int64_t pitch = rows + 3;
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> log_magnitude(-5.0f, 3.0f), weight(0.05f, 1.0f);
+  std::vector<float> g(static_cast<size_t>(rows * I)), h(static_cast<size_t>(rows * 2 * I)), w(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    w[r] = weight(rng);
+    const float mg = std::exp2(log_magnitude(rng)), mh = std::exp2(log_magnitude(rng));
+    for (int64_t c = 0; c < I; ++c) g[r * I + c] = normal(rng) * mg;
+    for (int64_t c = 0; c < 2 * I; ++c) h[r * 2 * I + c] = normal(rng) * mh;
+  }
+  DeviceBuffer<float> dg(g.size()), dh_in(h.size()), dw(w.size()), dh_s(static_cast<size_t>(pitch * (2 * I / 128)));
+  DeviceBuffer<float> wa(g.size()), partials(static_cast<size_t>(rows * parts));
+  DeviceBuffer<uint8_t> dh_q(h.size());
+  DeviceBuffer<int32_t> rows_used(1);
+  dg.upload(g);
+  dh_in.upload(h);
+  dw.upload(w);
+  rows_used.upload({static_cast<int32_t>(used)});
+  std::vector<float*> dot_rows(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) dot_rows[r] = r == 3 ? nullptr : partials.get() + r * parts;
+  DeviceBuffer<float*> d_dot_rows(dot_rows.size());
+  d_dot_rows.upload(dot_rows);
+  ASSERT_TRUE(kernels::swiglu_backward_quantize_rows_1x128(dg.get(), dh_in.get(), dw.get(), rows, I, rows_used.get(),
+                                                           dh_q.get(), dh_s.get(), pitch, wa.get(), d_dot_rows.get(),
+                                                           static_cast<int>(parts), nullptr)
+                  .is_ok());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<uint8_t> q = dh_q.download();
+  const std::vector<float> sc = dh_s.download(), got_wa = wa.download(), got_dots = partials.download();
+  int64_t bad_scales = 0, bad_values = 0, bad_wa = 0, bad_dots = 0, written_past = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r >= used) {
+      for (int64_t c = 0; c < 2 * I; ++c) written_past += q[r * 2 * I + c] != 0xFF;
+      for (int64_t p = 0; p < parts; ++p) written_past += !std::isnan(got_dots[r * parts + p]);
+      continue;
+    }
+    std::vector<double> dh(static_cast<size_t>(2 * I));
+    double dot = 0, dot_mag = 0;
+    for (int64_t c = 0; c < I; ++c) {
+      const double gg = h[r * 2 * I + c], uu = h[r * 2 * I + I + c], s = 1.0 / (1.0 + std::exp(-gg));
+      const double da = static_cast<double>(w[r]) * g[r * I + c], a = gg * s * uu;
+      dh[c] = da * uu * s * (1.0 + gg * (1.0 - s));
+      dh[I + c] = da * gg * s;
+      dot += g[r * I + c] * a;
+      dot_mag += std::fabs(g[r * I + c] * a);
+      const double want_wa = w[r] * a;
+      if (!(std::fabs(got_wa[r * I + c] - want_wa) <= 1e-5 * std::fabs(want_wa) + 1e-30)) ++bad_wa;
+    }
+    for (int64_t kb = 0; kb < 2 * I / 128; ++kb) {
+      double amax = 0;
+      for (int c = 0; c < 128; ++c) amax = std::max(amax, std::fabs(dh[kb * 128 + c]));
+      const double want_scale = amax > 0 ? amax / 448.0 : 1.0;
+      const float scale = sc[kb * pitch + r];
+      if (!(std::fabs(scale - want_scale) <= 1e-5 * want_scale)) ++bad_scales;
+      for (int c = 0; c < 128; ++c) {
+        const double v = dh[kb * 128 + c];
+        const double got = static_cast<double>(fp8::e4m3_to_float(q[r * 2 * I + kb * 128 + c])) * scale;
+        if (!(std::fabs(got - v) <= std::fabs(v) / 16.0 + scale * std::exp2(-10.0) + 1e-5 * amax)) ++bad_values;
+      }
+    }
+    if (r == 3) {
+      for (int64_t p = 0; p < parts; ++p) written_past += !std::isnan(got_dots[r * parts + p]);
+    } else {
+      // The fast sigmoid's few-ulp error per term, plus fp32 summation over I terms (at most I * 2^-23 of the
+      // magnitudes).
+      if (!(std::fabs(got_dots[r * parts] - dot) <= (1e-5 + static_cast<double>(I) * std::exp2(-23.0)) * dot_mag + 1e-30))
+        ++bad_dots;
+      for (int64_t p = 1; p < parts; ++p) bad_dots += got_dots[r * parts + p] != 0.0f;
+    }
+  }
+  EXPECT_EQ(bad_scales, 0);
+  EXPECT_EQ(bad_values, 0);
+  EXPECT_EQ(bad_wa, 0);
+  EXPECT_EQ(bad_dots, 0);
+  EXPECT_EQ(written_past, 0) << "rows past rows_used, or without a partials pointer, were written";
+  EXPECT_EQ(kernels::swiglu_backward_quantize_rows_1x128(dg.get(), dh_in.get(), dw.get(), rows, I, nullptr, dh_q.get(),
+                                                         dh_s.get(), pitch, wa.get(), d_dot_rows.get(), 0, nullptr)
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
 // Expert weights quantized in 128 x 128 blocks and transposed on the GPU must be bit for bit the CPU
 // quantization of the transposed matrices (values and scales), for every expert.
 TEST(Fp8QuantizeGpuTest, TransposedBlocksAreTheTransposeQuantized) {
