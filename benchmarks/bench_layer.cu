@@ -95,7 +95,8 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
     auto& e = by_name[k.name];
     e.first += 1;
     e.second += k.ms();
-    if (k.name == "grouped_gemm_kernel" && first_gemm < 6) gemm_ms[first_gemm + gemm_index++ % (6 - first_gemm)] += k.ms();
+    if (k.name == "grouped_gemm_kernel" && first_gemm < 6)
+      gemm_ms[first_gemm + gemm_index++ % (6 - first_gemm)] += k.ms();
   }
   std::printf("  kernel time per %s (CUPTI, mean of %d):\n", per, iters);
   std::printf("  %-44s %6s %9s\n", "kernel", "calls", "ms");
@@ -582,7 +583,8 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("blockwise FP8 forward (modular) vs bf16 modular forward (interleaved, median of %d):\n", iters);
-  std::printf("| layer H, I | bf16 fwd ms | fp8 fwd ms | TFLOP/s | bf16 / fp8 | ||out_fp8 - out_bf16|| / ||out_bf16|| |\n");
+  std::printf("| layer H, I | bf16 fwd ms | fp8 fwd ms | TFLOP/s | bf16 / fp8 | "
+              "||out_fp8 - out_bf16|| / ||out_bf16|| |\n");
   for (const Result& r : results) {
     std::printf("| %lld, %lld | %.3f | %.3f | %.1f | %.3fx | %.3e |\n", static_cast<long long>(r.hidden),
                 static_cast<long long>(r.intermediate), r.forward_ms, r.fp8_forward_ms,

@@ -282,10 +282,9 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
   received.a_rows = buffer<int32_t>(p.layout.row_src);
   received.a_source_rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
   received.d_fp32 = h;
-  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs),
-                                                       w13_q, w13_s, nullptr, expert_offsets(), EL, C,
-                                                       static_cast<int>(2 * I), static_cast<int>(H), stream, tuning,
-                                                       received));
+  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(
+      buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs), w13_q, w13_s, nullptr, expert_offsets(), EL,
+      C, static_cast<int>(2 * I), static_cast<int>(H), stream, tuning, received));
   auto* a_q = buffer<uint8_t>(p.layout.a_q);
   auto* a_s = buffer<float>(p.layout.a_s);
   // Only the rows the experts hold (expert_offsets[EL], counted on the device).
@@ -452,6 +451,9 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
   ep::Params p = m.params;
   p.num_tokens = args.num_tokens;
   const bool idx64 = args.topk_idx_type == IndexType::kInt64;
+  // Asked before anything is enqueued: a failure after the first launch would leave peers at a barrier.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (p.shape.fp8 != 0) MEGAMOE_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
 
   if (m.options.forward_path == ForwardPath::kFused) {
     ep::FusedForwardArgs fused;
@@ -488,8 +490,6 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
       m.quantized_version = 0;
       MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward_fp8(p, args.w13, args.w2, !same_weights));
       // Under stream capture the quantization is only recorded (it runs when the graph does): no promise.
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      MEGAMOE_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
       if (capture == cudaStreamCaptureStatusNone) {
         m.quantized_w13 = args.w13;
         m.quantized_w2 = args.w2;
@@ -513,7 +513,8 @@ Status ExpertParallelLayer::check_backward(const BackwardArgs& args) const {
   const Impl& m = *impl_;
   if (!m.has_forward) return Status::invalid("backward called before any forward on this rank");
   if (m.params.shape.fp8 != 0)
-    return Status(StatusCode::kNotSupported, "fp8-blockwise has a forward only so far; the backward is not implemented");
+    return Status(StatusCode::kNotSupported,
+                  "fp8-blockwise has a forward only so far; the backward is not implemented");
   if (args.d_w13 == nullptr || args.d_w2 == nullptr) return Status::invalid("backward: d_w13 and d_w2 are required");
   if (m.forward_tokens > 0 && (args.d_out == nullptr || args.d_x == nullptr || args.d_topk_weights == nullptr))
     return Status::invalid("backward: d_out, d_x and d_topk_weights are required when num_tokens > 0");

@@ -91,7 +91,7 @@ __global__ void swiglu_backward_quantize_rows_1x128_kernel(const float* __restri
                                                            const float* __restrict__ row_weight, int64_t rows,
                                                            int64_t I, const int32_t* __restrict__ rows_used,
                                                            int64_t pitch, uint8_t* __restrict__ dh_q,
-                                                           float* __restrict__ dh_s, float* __restrict__ wa,
+                                                           float* __restrict__ dh_s, float* __restrict__ a_out,
                                                            float* const* __restrict__ dot_rows, int dot_parts) {
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -143,9 +143,7 @@ __global__ void swiglu_backward_quantize_rows_1x128_kernel(const float* __restri
         dh_s[kb * pitch + row] = scale_g;
         dh_s[(groups + kb) * pitch + row] = scale_u;
       }
-      if (wa != nullptr) {
-        *reinterpret_cast<float4*>(wa + row * I + col) = make_float4(w * a[0], w * a[1], w * a[2], w * a[3]);
-      }
+      if (a_out != nullptr) *reinterpret_cast<float4*>(a_out + row * I + col) = make_float4(a[0], a[1], a[2], a[3]);
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
@@ -314,7 +312,7 @@ Status swiglu_quantize_rows_1x128(const float* h, int64_t rows, int64_t I, const
 
 Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const float* row_weight, int64_t rows,
                                            int64_t I, const int32_t* rows_used, uint8_t* dh_q, float* dh_s,
-                                           int64_t scales_pitch, float* wa, float* const* dot_rows, int dot_parts,
+                                           int64_t scales_pitch, float* a_out, float* const* dot_rows, int dot_parts,
                                            cudaStream_t stream) {
   if (rows < 0 || I <= 0 || I % kGroup != 0)
     return Status::invalid("swiglu_backward_quantize_rows_1x128: I must be a positive multiple of 128 and rows >= 0, "
@@ -328,8 +326,8 @@ Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const
   if (g == nullptr || h == nullptr || row_weight == nullptr || dh_q == nullptr || dh_s == nullptr)
     return Status::invalid("swiglu_backward_quantize_rows_1x128: null pointer");
   if ((reinterpret_cast<uintptr_t>(g) & 15u) != 0 || (reinterpret_cast<uintptr_t>(h) & 15u) != 0 ||
-      (reinterpret_cast<uintptr_t>(wa) & 15u) != 0 || (reinterpret_cast<uintptr_t>(dh_q) & 3u) != 0)
-    return Status::invalid("swiglu_backward_quantize_rows_1x128: g, h and wa must be 16-byte, dh_q 4-byte aligned");
+      (reinterpret_cast<uintptr_t>(a_out) & 15u) != 0 || (reinterpret_cast<uintptr_t>(dh_q) & 3u) != 0)
+    return Status::invalid("swiglu_backward_quantize_rows_1x128: g, h and a_out must be 16-byte, dh_q 4-byte aligned");
   int device = 0;
   int num_sms = 0;
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
@@ -337,7 +335,7 @@ Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const
   const int64_t blocks_needed = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const int blocks = static_cast<int>(blocks_needed < num_sms * 16 ? blocks_needed : num_sms * 16);
   swiglu_backward_quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
-      g, h, row_weight, rows, I, rows_used, scales_pitch, dh_q, dh_s, wa, dot_rows, dot_parts);
+      g, h, row_weight, rows, I, rows_used, scales_pitch, dh_q, dh_s, a_out, dot_rows, dot_parts);
   MEGAMOE_CHECK_LAUNCH(stream, "swiglu_backward_quantize_rows_1x128_kernel");
   return Status::ok();
 }

@@ -40,12 +40,13 @@ Status quantize_blocks_128x128_bf16(const __nv_bfloat16* w, int64_t rows, int64_
 // [0, rows) (or [0, *rows_used)): g [rows, I] fp32, the dgrad of GEMM2 before the routing weight; h [rows, 2I]
 // fp32 from the forward; w = row_weight[r]. da = w g; dh = SwiGLU'(da) (gate columns, then up columns), as the
 // bf16 epilogue computes it (device/epilogue/transforms.cuh), quantized 1x128 along 2I: dh_q [rows, 2I] and
-// K-block-major scales dh_s [2I / 128, scales_pitch]. Optional: wa [rows, I] fp32 = w a (a = silu(g_h) u_h,
-// for the weight gradient), and the routing-weight gradient <g, a> summed in a fixed order into
-// dot_rows[r][0] (the row's other dot_parts - 1 partials set to 0; a null row pointer skips the row).
+// K-block-major scales dh_s [2I / 128, scales_pitch]. Optional: a_out [rows, I] fp32 = a = silu(g_h) u_h
+// (unweighted: the FP8 reference's dW2 is dy^T a with dy = w dOut, its point B8), and the routing-weight
+// gradient <g, a> summed in a fixed order into dot_rows[r][0] (the row's other dot_parts - 1 partials set to
+// 0; a null row pointer skips the row).
 Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const float* row_weight, int64_t rows,
                                            int64_t I, const int32_t* rows_used, uint8_t* dh_q, float* dh_s,
-                                           int64_t scales_pitch, float* wa, float* const* dot_rows, int dot_parts,
+                                           int64_t scales_pitch, float* a_out, float* const* dot_rows, int dot_parts,
                                            cudaStream_t stream);
 
 // The transposed copies the backward's FP8 GEMMs read (both operands of an FP8 wgmma are K-major): `groups`

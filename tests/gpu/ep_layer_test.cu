@@ -395,27 +395,38 @@ TEST(EpLayerFp8Test, WeightsVersionReusesTheQuantizedWeights) {
   std::unique_ptr<VirtualRankGroup> group;
   ASSERT_TRUE(VirtualRankGroup::create(p.config, scenario_options(), &group).is_ok());
   std::vector<RankTensors> t = upload(p);
-  const auto forward = [&](uint64_t version) {
+  const int64_t w13_count = shape.num_experts * 2 * shape.intermediate * shape.hidden;
+  DeviceBuffer<__nv_bfloat16> other_w13(static_cast<size_t>(w13_count));
+  const auto forward = [&](uint64_t version, const __nv_bfloat16* w13) {
     ForwardArgs f = forward_args_of(t[0], sc.tokens[0]);
     f.weights_version = version;
+    f.w13 = w13;
     t[0].out.poison();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the poison (legacy stream) before the layer's stream writes
     EXPECT_TRUE(group->layer(0).forward(f).is_ok());
     EXPECT_TRUE(group->synchronize_and_check().is_ok());
     return to_float(t[0].out.download());
   };
-  const std::vector<float> before = forward(5);
-  // New values in W13, same pointer.
-  const int64_t w13_count = shape.num_experts * 2 * shape.intermediate * shape.hidden;
-  ASSERT_TRUE(kernels::fill_hashed_bf16(t[0].w13.get(), w13_count, p.seed_of(9), 0, p.w13_scale));
-  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-  const std::vector<float> promised = forward(5);
-  EXPECT_EQ(0, std::memcmp(before.data(), promised.data(), before.size() * 4))
-      << "the same version must reuse the quantized weights";
-  const std::vector<float> bumped = forward(6);
-  EXPECT_NE(0, std::memcmp(before.data(), bumped.data(), before.size() * 4)) << "a new version must requantize";
-  const std::vector<float> unknown = forward(0);
-  EXPECT_EQ(0, std::memcmp(bumped.data(), unknown.data(), bumped.size() * 4))
-      << "version 0 quantizes the current weights";
+  const auto refill = [&](__nv_bfloat16* w13, uint64_t seed) {
+    ASSERT_TRUE(kernels::fill_hashed_bf16(w13, w13_count, seed, 0, p.w13_scale));
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  };
+  const auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  };
+  __nv_bfloat16* w13 = t[0].w13.get();
+  const std::vector<float> before = forward(5, w13);
+  refill(w13, p.seed_of(9));  // new values, same pointer
+  EXPECT_TRUE(same(before, forward(5, w13))) << "the same version must reuse the quantized weights";
+  const std::vector<float> bumped = forward(6, w13);
+  EXPECT_FALSE(same(before, bumped)) << "a new version must requantize";
+  refill(w13, p.seed_of(10));
+  const std::vector<float> unknown = forward(0, w13);
+  EXPECT_FALSE(same(bumped, unknown)) << "version 0 must quantize the current weights";
+  EXPECT_TRUE(same(unknown, forward(7, w13))) << "the same weights quantized again must give the same bits";
+  refill(other_w13.get(), p.seed_of(11));
+  const std::vector<float> moved = forward(7, other_w13.get());
+  EXPECT_FALSE(same(unknown, moved)) << "the same version with other weight pointers must requantize";
 }
 
 // FP8 options the layer does not run yet are refused at creation, with the reason.

@@ -58,8 +58,8 @@ struct WeightScales {
 // copies (cp.async; its arrival on the stage's full barrier covers it). sa_rows: the source's scales
 // [source_rows, k_blocks] row-major; src_row: the source row of tile row r, or -1 (zero-filled: a row past the
 // expert, never stored). The slot is laid out as the TMA path lays it out (tile_scales).
-__device__ __forceinline__ void gather_block_scale(StageScales* slot, int row0, int r, const float* sa_rows, int src_row,
-                                                   int k_blocks, int kb) {
+__device__ __forceinline__ void gather_block_scale(StageScales* slot, int row0, int r, const float* sa_rows,
+                                                   int src_row, int k_blocks, int kb) {
   const bool valid = src_row >= 0;
   const float* src = valid ? sa_rows + static_cast<int64_t>(src_row) * k_blocks + kb : sa_rows;
   cp_async_4(smem_addr(slot->a + (row0 & 3) + r), src, valid);

@@ -40,7 +40,8 @@ namespace megamoe::device {
 // Arrivals on a stage's empty barrier under mma_tile_fp8_blockwise: every consumer thread of the CTA, and
 // one per consumer warpgroup of the cluster peer.
 template <class Shape>
-inline constexpr int kFp8EmptyArrivals = 128 * Shape::kConsumerGroups + (Shape::kCluster > 1 ? Shape::kConsumerGroups : 0);
+inline constexpr int kFp8EmptyArrivals =
+    128 * Shape::kConsumerGroups + (Shape::kCluster > 1 ? Shape::kConsumerGroups : 0);
 
 template <class Shape, bool kGathered = false>
 __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN / 2],
