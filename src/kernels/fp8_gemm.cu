@@ -10,6 +10,7 @@
 #include <string>
 
 #include "host/tensor_map.hpp"
+#include "kernels/cluster_launch.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/fp8_gemm.hpp"
 #include "kernels/fp8_gemm_kernel.cuh"
@@ -134,39 +135,17 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   p.tma_store = d_by_row || d_fp32 ? 0 : 1;  // rows stored through their pointers take the thread path
   p.d32 = by_index.d_fp32;
 
-  auto kernel = fp8_gemm_kernel<Cfg>;
-  // Set on every call (cheap, and correct on every device of a multi-GPU process).
-  MEGAMOE_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kCluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.blockDim = dim3(kFp8GemmThreads, 1, 1);
-  cfg.dynamicSmemBytes = Cfg::kSmemBytes;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  // Persistent: as many clusters as fit at once (an odd SM count in a GPC leaves an SM out of pairs).
-  int clusters = num_sms / kCluster;
-  if constexpr (kCluster > 1) {
-    cfg.gridDim = dim3(num_sms / kCluster * kCluster, 1, 1);
-    int max_clusters = 0;
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg));
-    if (max_clusters < 1) return Status(StatusCode::kNotSupported, "fp8 GEMM: no 2-CTA cluster fits on this device");
-    clusters = std::min(clusters, max_clusters);
-  }
-  // A caller sharing the GPU (virtual ranks) caps the persistent grid at its share of the SMs.
-  if (max_ctas > 0) clusters = std::min(clusters, std::max(1, max_ctas / kCluster));
+  ClusterLaunch launch;
+  MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<kCluster>(fp8_gemm_kernel<Cfg>, kFp8GemmThreads, Cfg::kSmemBytes,
+                                                           stream, num_sms, max_ctas, "fp8 GEMM", &launch));
+  int clusters = launch.clusters;
   if (offsets == nullptr) {  // dense: the work items (pairs of m-tiles in a cluster) are known here
     const int64_t m_units = ((max_rows + kBM - 1) / kBM + kCluster - 1) / kCluster;
     const int64_t items = m_units * ((N + kBN - 1) / kBN);
     clusters = static_cast<int>(std::min<int64_t>(clusters, std::max<int64_t>(items, 1)));
   }
-  cfg.gridDim = dim3(clusters * kCluster, 1, 1);
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, tm_a, tm_b, tm_sa, tm_d, p));
+  launch.set_grid(clusters, kCluster);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&launch.config, fp8_gemm_kernel<Cfg>, tm_a, tm_b, tm_sa, tm_d, p));
   MEGAMOE_CHECK_LAUNCH(stream, "fp8_gemm_kernel");
   return Status::ok();
 }

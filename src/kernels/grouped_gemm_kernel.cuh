@@ -20,6 +20,7 @@
 #include "device/ptx/sync.cuh"
 #include "device/sched/grouped_tiles.cuh"
 #include "device/sched/schedulers.cuh"
+#include "kernels/cluster_launch.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/grouped_gemm_launch.hpp"
 
@@ -221,37 +222,15 @@ Status launch_config(const GemmLaunch& l, cudaStream_t stream) {
   constexpr int kCluster = Cfg::Shape::kCluster;
   int num_sms = 0;
   MEGAMOE_RETURN_IF_ERROR(gemm_device_sms(&num_sms));
-  auto kernel = grouped_gemm_kernel<Cfg>;
-  // Set on every call (cheap, and correct on every device of a multi-GPU process).
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kCluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.blockDim = dim3(kGemmThreads, 1, 1);
-  cfg.dynamicSmemBytes = Cfg::kSmemBytes;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int grid = num_sms;
-  if constexpr (kCluster > 1) {
-    // As many co-resident clusters as the GPCs hold (an odd SM count in a GPC leaves one SM out).
-    cfg.gridDim = dim3(num_sms, 1, 1);
-    int max_clusters = 0;
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg));
-    if (max_clusters < 1) return Status(StatusCode::kNotSupported, "no 2-CTA cluster fits on this device");
-    grid = std::min(num_sms / kCluster, max_clusters) * kCluster;
-  }
-  // A caller sharing the GPU (virtual ranks) caps the persistent grid at its share of the SMs.
-  const int max_ctas = l.tuning.max_ctas;
-  if (max_ctas > 0 && grid > max_ctas) grid = std::max(kCluster, max_ctas / kCluster * kCluster);
-  cfg.gridDim = dim3(grid, 1, 1);
+  ClusterLaunch launch;
+  MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<kCluster>(grouped_gemm_kernel<Cfg>, kGemmThreads, Cfg::kSmemBytes,
+                                                           stream, num_sms, l.tuning.max_ctas, "grouped GEMM",
+                                                           &launch));
   if (l.p.work_counter != nullptr) {
     MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(l.p.work_counter, 0, sizeof(int), stream));
   }
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, l.a, l.b, l.c, l.aux, l.h, l.p));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaLaunchKernelEx(&launch.config, grouped_gemm_kernel<Cfg>, l.a, l.b, l.c, l.aux, l.h, l.p));
   MEGAMOE_CHECK_LAUNCH(stream, "grouped_gemm_kernel");
   return Status::ok();
 }
