@@ -19,6 +19,24 @@ __device__ __forceinline__ uint32_t e4m3_of(float v, float scale) {
   return __nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, __NV_E4M3);
 }
 
+// One 1x128 group held by a warp, 4 consecutive values per lane: the group's scale (amax from 0, NaN-ignoring
+// as fp8::amax_step: an all-NaN group has amax 0 and scale 1, as on the CPU) and the lane's 4 E4M3 bytes.
+struct WarpGroupQuantized {
+  uint32_t bytes;
+  float scale;
+};
+__device__ __forceinline__ WarpGroupQuantized quantize_warp_group(const float (&v)[4]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  WarpGroupQuantized out{0u, scale_from_amax(amax)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out.bytes |= e4m3_of(v[i], out.scale) << (8 * i);
+  return out;
+}
+
 // One warp per 1x128 group: each lane holds 4 consecutive values (one 8-byte load). pitch 0: scales
 // row-major [rows, groups_per_row]; else K-block-major (group kb of row r at kb * pitch + r).
 __global__ void quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ x, int64_t num_groups,
@@ -33,20 +51,11 @@ __global__ void quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ x, 
     const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&packed.x);
     const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&packed.y);
     const float v[4] = {__low2float(lo), __high2float(lo), __low2float(hi), __high2float(hi)};
-    // From 0, NaN-ignoring (fp8::amax_step): an all-NaN group has amax 0 and scale 1, as on the CPU.
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float scale = scale_from_amax(amax);
-    uint32_t bytes = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) bytes |= e4m3_of(v[i], scale) << (8 * i);
-    *reinterpret_cast<uint32_t*>(q + base) = bytes;
+    const WarpGroupQuantized qv = quantize_warp_group(v);
+    *reinterpret_cast<uint32_t*>(q + base) = qv.bytes;
     if (lane == 0) {
       const int64_t row = group / groups_per_row, kb = group % groups_per_row;
-      scales[pitch == 0 ? group : kb * pitch + row] = scale;
+      scales[pitch == 0 ? group : kb * pitch + row] = qv.scale;
     }
   }
 }
@@ -70,17 +79,9 @@ __global__ void swiglu_quantize_rows_1x128_kernel(const float* __restrict__ h, i
     const float4 u = *reinterpret_cast<const float4*>(h_row + I + col);
     const float a[4] = {device::swiglu(g.x, u.x), device::swiglu(g.y, u.y), device::swiglu(g.z, u.z),
                         device::swiglu(g.w, u.w)};
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(a[i]));
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float scale = scale_from_amax(amax);
-    uint32_t bytes = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) bytes |= e4m3_of(a[i], scale) << (8 * i);
-    *reinterpret_cast<uint32_t*>(aq + row * I + col) = bytes;
-    if (lane == 0) scales[kb * pitch + row] = scale;
+    const WarpGroupQuantized qa = quantize_warp_group(a);
+    *reinterpret_cast<uint32_t*>(aq + row * I + col) = qa.bytes;
+    if (lane == 0) scales[kb * pitch + row] = qa.scale;
   }
 }
 
@@ -119,29 +120,12 @@ __global__ void swiglu_backward_quantize_rows_1x128_kernel(const float* __restri
         a[i] = d.a;
         dot += gs[i] * d.a;
       }
-      float amax_g = 0.0f, amax_u = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        amax_g = fmaxf(amax_g, fabsf(dg[i]));
-        amax_u = fmaxf(amax_u, fabsf(du[i]));
-      }
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        amax_g = fmaxf(amax_g, __shfl_xor_sync(0xffffffffu, amax_g, offset));
-        amax_u = fmaxf(amax_u, __shfl_xor_sync(0xffffffffu, amax_u, offset));
-      }
-      const float scale_g = scale_from_amax(amax_g), scale_u = scale_from_amax(amax_u);
-      uint32_t bytes_g = 0, bytes_u = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        bytes_g |= e4m3_of(dg[i], scale_g) << (8 * i);
-        bytes_u |= e4m3_of(du[i], scale_u) << (8 * i);
-      }
-      *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + col) = bytes_g;
-      *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + I + col) = bytes_u;
+      const WarpGroupQuantized qg = quantize_warp_group(dg), qu = quantize_warp_group(du);
+      *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + col) = qg.bytes;
+      *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + I + col) = qu.bytes;
       if (lane == 0) {
-        dh_s[kb * pitch + row] = scale_g;
-        dh_s[(groups + kb) * pitch + row] = scale_u;
+        dh_s[kb * pitch + row] = qg.scale;
+        dh_s[(groups + kb) * pitch + row] = qu.scale;
       }
       if (a_out != nullptr) *reinterpret_cast<float4*>(a_out + row * I + col) = make_float4(a[0], a[1], a[2], a[3]);
     }
