@@ -147,21 +147,13 @@ inline std::vector<std::vector<float>> split_by_rank(const Problem& p, const std
   return per_rank;
 }
 
-// The blockwise FP8 CPU reference's forward (it quantizes where the GPU's FP8 path does), per rank.
-inline std::vector<std::vector<float>> run_reference_fp8_forward(const Problem& p) {
+// The reference's forward, per rank: the exact one, or with fp8 the blockwise FP8 one (it quantizes where the
+// GPU's FP8 path does).
+inline std::vector<std::vector<float>> run_reference_forward(const Problem& p, bool fp8) {
   const CompactProblem compact = compact_problem(p);
   std::vector<std::vector<float>> out;
-  const Status s = reference::forward_fp8(compact.config, compact.in, &out);
-  EXPECT_TRUE(s.is_ok()) << s.to_string();
-  if (!s.is_ok()) return {};
-  return split_by_rank(p, out[0], p.config.hidden);
-}
-
-// The exact (fp32) reference's forward, per rank.
-inline std::vector<std::vector<float>> run_reference_forward(const Problem& p) {
-  const CompactProblem compact = compact_problem(p);
-  std::vector<std::vector<float>> out;
-  const Status s = reference::forward(compact.config, compact.in, &out);
+  const Status s = fp8 ? reference::forward_fp8(compact.config, compact.in, &out)
+                       : reference::forward(compact.config, compact.in, &out);
   EXPECT_TRUE(s.is_ok()) << s.to_string();
   if (!s.is_ok()) return {};
   return split_by_rank(p, out[0], p.config.hidden);

@@ -39,7 +39,6 @@ using testing::ep_problem::RankTensors;
 using testing::ep_problem::relative_error;
 using testing::ep_problem::run_reference;
 using testing::ep_problem::run_reference_forward;
-using testing::ep_problem::run_reference_fp8_forward;
 using testing::ep_problem::to_float;
 using testing::ep_problem::upload;
 
@@ -320,18 +319,24 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ---- blockwise FP8: the modular forward ----
 
+// An fp8-blockwise layer of hidden 256 (H and I multiples of the 128-wide scale blocks).
+LayerConfig fp8_config(int64_t intermediate, int64_t experts, int64_t top_k) {
+  LayerConfig c;
+  c.hidden = 256;
+  c.intermediate = intermediate;
+  c.num_experts = experts;
+  c.top_k = top_k;
+  c.precision = Precision::kFP8Blockwise;
+  return c;
+}
+
 // Shapes whose H and I are multiples of the 128-wide scale blocks, routing of every kind, 1 to 8 virtual
 // ranks. The forward must be within 1e-2 of the FP8 CPU reference (which quantizes x, W13, a and W2 at the
 // same points; the GPU also rounds y to bf16 and accumulates in the tensor cores' order), bitwise the
 // same on a second run, and its distance to the exact reference is printed. The backward is refused.
 TEST(EpLayerFp8Test, ForwardMatchesTheFp8Reference) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  LayerConfig shape;
-  shape.hidden = 256;
-  shape.intermediate = 384;
-  shape.num_experts = 16;
-  shape.top_k = 4;
-  shape.precision = Precision::kFP8Blockwise;
+  const LayerConfig shape = fp8_config(384, 16, 4);
   const std::vector<Scenario> scenarios = {
       Scenario{"Fp8_R1", shape, 1, {300}, Routing::kRandom},
       Scenario{"Fp8_R2", shape, 2, {131, 77}, Routing::kRandom},
@@ -359,8 +364,8 @@ TEST(EpLayerFp8Test, ForwardMatchesTheFp8Reference) {
       ASSERT_TRUE(synced.is_ok()) << synced.to_string();
       for (int r = 0; r < sc.ranks; ++r) outputs->push_back(to_float(t[r].out.download()));
     }
-    const std::vector<std::vector<float>> want = run_reference_fp8_forward(p);
-    const std::vector<std::vector<float>> exact = run_reference_forward(p);
+    const std::vector<std::vector<float>> want = run_reference_forward(p, /*fp8=*/true);
+    const std::vector<std::vector<float>> exact = run_reference_forward(p, /*fp8=*/false);
     ASSERT_EQ(want.size(), static_cast<size_t>(sc.ranks));
     double worst = 0, worst_exact = 0;
     for (int r = 0; r < sc.ranks; ++r) {
@@ -384,12 +389,7 @@ TEST(EpLayerFp8Test, ForwardMatchesTheFp8Reference) {
 // behind it are not seen: the promise is the caller's), a new version or 0 quantizes them again.
 TEST(EpLayerFp8Test, WeightsVersionReusesTheQuantizedWeights) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  LayerConfig shape;
-  shape.hidden = 256;
-  shape.intermediate = 128;
-  shape.num_experts = 4;
-  shape.top_k = 2;
-  shape.precision = Precision::kFP8Blockwise;
+  const LayerConfig shape = fp8_config(128, 4, 2);
   const Scenario sc{"Fp8_versions", shape, 1, {64}, Routing::kRandom, 4};
   const Problem p = make_problem(sc, std::random_device{}());
   std::unique_ptr<VirtualRankGroup> group;
@@ -432,14 +432,9 @@ TEST(EpLayerFp8Test, WeightsVersionReusesTheQuantizedWeights) {
 // FP8 options the layer does not run yet are refused at creation, with the reason.
 TEST(EpLayerFp8Test, UnsupportedCombinationsAreRefused) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  LayerConfig c;
-  c.hidden = 256;
-  c.intermediate = 128;
-  c.num_experts = 8;
-  c.top_k = 2;
+  LayerConfig c = fp8_config(128, 8, 2);
   c.num_ranks = 1;
   c.max_tokens_per_rank = 16;
-  c.precision = Precision::kFP8Blockwise;
   std::unique_ptr<VirtualRankGroup> group;
   const Status fused = VirtualRankGroup::create(c, with_forward(ForwardPath::kFused), &group);
   EXPECT_EQ(fused.code(), StatusCode::kNotSupported) << fused.to_string();

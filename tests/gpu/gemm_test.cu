@@ -238,6 +238,26 @@ GatheredRows scatter_rows_randomly(const std::vector<bf16>& a, int rows, int col
   return g;
 }
 
+// The same on the device: the source tensor, the index, and the gather they make for an A operand.
+struct DeviceGatheredRows {
+  DeviceBuffer<bf16> source;
+  DeviceBuffer<int32_t> index;
+  int64_t source_rows = 0;
+  GemmGather as_a() const {
+    GemmGather g;
+    g.a_rows = index.get();
+    g.a_source_rows = source_rows;
+    return g;
+  }
+};
+DeviceGatheredRows upload_rows_randomly(const std::vector<bf16>& a, int rows, int cols, int extra_rows) {
+  const GatheredRows g = scatter_rows_randomly(a, rows, cols, extra_rows);
+  DeviceGatheredRows d{DeviceBuffer<bf16>(g.source.size()), DeviceBuffer<int32_t>(g.index.size()), rows + extra_rows};
+  d.source.upload(g.source);
+  d.index.upload(g.index);
+  return d;
+}
+
 void run_m_grouped_plain(bool nt, const MGroupedCase& c, const GemmTuning& tuning) {
   const auto sizes = random_groups(c.E, c.max_per_group);
   const auto off = prefix(sizes);
@@ -307,19 +327,12 @@ void run_m_grouped_plain(bool nt, const MGroupedCase& c, const GemmTuning& tunin
   if (tuning.cluster_size != 1) return;
 
   // The same product with A's rows gathered by index from a shuffled source: bitwise the same C.
-  const GatheredRows g = scatter_rows_randomly(a, max_rows, c.K, 17);
-  DeviceBuffer<bf16> dSrc(g.source.size());
-  DeviceBuffer<int32_t> dIndex(g.index.size());
-  dSrc.upload(g.source);
-  dIndex.upload(g.index);
-  GemmGather gather;
-  gather.a_rows = dIndex.get();
-  gather.a_source_rows = max_rows + 17;
+  const DeviceGatheredRows g = upload_rows_randomly(a, max_rows, c.K, 17);
   dC.poison();
-  const Status gs = nt ? grouped_gemm_nt(dSrc.get(), dB.get(), dC.get(), dOff.get(), c.E, max_rows, c.N, c.K, epi,
-                                         nullptr, tuning, gather)
-                       : grouped_gemm_nn(dSrc.get(), dB.get(), dC.get(), dOff.get(), c.E, max_rows, c.N, c.K, epi,
-                                         nullptr, tuning, gather);
+  const Status gs = nt ? grouped_gemm_nt(g.source.get(), dB.get(), dC.get(), dOff.get(), c.E, max_rows, c.N, c.K, epi,
+                                         nullptr, tuning, g.as_a())
+                       : grouped_gemm_nn(g.source.get(), dB.get(), dC.get(), dOff.get(), c.E, max_rows, c.N, c.K, epi,
+                                         nullptr, tuning, g.as_a());
   ASSERT_TRUE(gs.is_ok()) << gs.to_string();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto got_gathered = dC.download();
@@ -516,16 +529,10 @@ TEST(GroupedGemm, SwiGLUForwardFromPublicW13) {
                 t.cluster_size, t.tile_n, static_cast<int>(t.store), rows, I, H, ea.rel, eh.rel);
   }
   // The layer's GEMM1: x rows gathered by index from a shuffled receive buffer; the same bits.
-  const GatheredRows g = scatter_rows_randomly(x, rows, H, 9);
-  DeviceBuffer<bf16> dSrc(g.source.size());
-  DeviceBuffer<int32_t> dIndex(g.index.size());
-  dSrc.upload(g.source);
-  dIndex.upload(g.index);
-  GemmGather gather;
-  gather.a_rows = dIndex.get();
-  gather.a_source_rows = rows + 9;
+  const DeviceGatheredRows g = upload_rows_randomly(x, rows, H, 9);
   dA.poison();
-  ASSERT_TRUE(grouped_gemm_nt(dSrc.get(), dW.get(), dA.get(), dOff.get(), E, rows, N, H, epi, nullptr, {}, gather).is_ok());
+  ASSERT_TRUE(
+      grouped_gemm_nt(g.source.get(), dW.get(), dA.get(), dOff.get(), E, rows, N, H, epi, nullptr, {}, g.as_a()).is_ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto got_gathered = dA.download();
   EXPECT_EQ(std::memcmp(first_a.data(), got_gathered.data(), got_gathered.size() * sizeof(bf16)), 0);
@@ -621,14 +628,7 @@ TEST(GroupedGemm, SwiGLUBackwardNMajor) {
       if (scattered) continue;
       // A's rows gathered by index from a shuffled source, as the layer reads d_out: bitwise the same outputs
       // (the gathering producer warpgroup then waits for the h stages' readers on their read barriers).
-      const GatheredRows gd = scatter_rows_randomly(dy, rows, H, 7);
-      DeviceBuffer<bf16> dSrc(gd.source.size());
-      DeviceBuffer<int32_t> dIdx(gd.index.size());
-      dSrc.upload(gd.source);
-      dIdx.upload(gd.index);
-      GemmGather gather;
-      gather.a_rows = dIdx.get();
-      gather.a_source_rows = rows + 7;
+      const DeviceGatheredRows gd = upload_rows_randomly(dy, rows, H, 7);
       DeviceBuffer<float> dDots2(size_t(rows) * parts);
       std::vector<float*> dot_rows2(rows);
       for (int r = 0; r < rows; ++r) dot_rows2[r] = dDots2.get() + size_t(r) * parts;
@@ -638,7 +638,8 @@ TEST(GroupedGemm, SwiGLUBackwardNMajor) {
       dDh.poison();
       dAout.poison();
       ASSERT_TRUE(
-          grouped_gemm_nn(dSrc.get(), dW2.get(), dDh.get(), dOff.get(), E, rows, I, H, epi, nullptr, t, gather).is_ok());
+          grouped_gemm_nn(gd.source.get(), dW2.get(), dDh.get(), dOff.get(), E, rows, I, H, epi, nullptr, t, gd.as_a())
+              .is_ok());
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const auto gathered_dh = dDh.download(), gathered_a = dAout.download();
       const auto gathered_dots = dDots2.download();
@@ -725,22 +726,15 @@ void run_k_grouped(int E, int max_per_group, int M, int N, bool accumulate, cons
   if (tuning.cluster_size != 1) return;
   // A, B or both gathered by index from shuffled sources (the layer's weight gradients read rows of a
   // receive buffer): bitwise the same C.
-  const GatheredRows ga = scatter_rows_randomly(a, max_rows, M, 11), gb = scatter_rows_randomly(b, max_rows, N, 5);
-  DeviceBuffer<bf16> dSa(ga.source.size()), dSb(gb.source.size());
-  DeviceBuffer<int32_t> dIa(ga.index.size()), dIb(gb.index.size());
-  dSa.upload(ga.source);
-  dSb.upload(gb.source);
-  dIa.upload(ga.index);
-  dIb.upload(gb.index);
+  const DeviceGatheredRows ga = upload_rows_randomly(a, max_rows, M, 11), gb = upload_rows_randomly(b, max_rows, N, 5);
+  const DeviceBuffer<bf16>& dSa = ga.source;
+  const DeviceBuffer<bf16>& dSb = gb.source;
   for (int which = 1; which <= 3; ++which) {
     GemmGather g;
-    if (which & 1) {
-      g.a_rows = dIa.get();
-      g.a_source_rows = max_rows + 11;
-    }
+    if (which & 1) g = ga.as_a();
     if (which & 2) {
-      g.b_rows = dIb.get();
-      g.b_source_rows = max_rows + 5;
+      g.b_rows = gb.index.get();
+      g.b_source_rows = gb.source_rows;
     }
     if (accumulate) {
       dC.upload(init);
