@@ -442,7 +442,7 @@ TEST(EpLayerFp8Test, UnsupportedCombinationsAreRefused) {
   odd.intermediate = 192;  // not a multiple of 128
   const Status shape = VirtualRankGroup::create(odd, scenario_options(), &group);
   EXPECT_EQ(shape.code(), StatusCode::kInvalidArgument) << shape.to_string();
-  EXPECT_NE(shape.message().find("multiples of 128"), std::string::npos) << shape.message();
+  EXPECT_NE(shape.message().find("intermediate (I) must be a multiple of 128"), std::string::npos) << shape.message();
 }
 
 // ---- failures: each gives its error, names the cause, and never hangs ----
