@@ -78,10 +78,16 @@ constexpr GemmStep kGemmSteps[6] = {{"GEMM1 x.W13^T + SwiGLU (gathered x)", 2},
 
 #if MEGAMOE_BENCH_CUPTI
 // Kernel time per forward + backward by kernel, and of each GEMM launch of the layer, averaged over `iters`
-// runs. first_gemm: the first of kGemmSteps that is a launch of its own (2 with the fused forward, whose two
-// GEMMs run inside its kernel).
+// runs. [first_gemm, end_gemm): the steps of kGemmSteps that are launches of their own (from 2 with the fused
+// forward, whose two GEMMs run inside its kernel; up to 2 for a forward alone). A GEMM launch is one of the
+// engine's or of the FP8 GEMM.
+bool is_gemm_kernel(const std::string& name) {
+  return name.rfind("grouped_gemm_kernel", 0) == 0 || name.rfind("fp8_gemm_kernel", 0) == 0;
+}
+
 void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, int iters, double pairs, int64_t H,
-                     int64_t I, Result* r, int first_gemm = 0, const char* per = "forward + backward") {
+                     int64_t I, Result* r, int first_gemm = 0, const char* per = "forward + backward",
+                     int end_gemm = 6) {
   auto& profile = megamoe::bench::KernelProfile::instance();
   BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
   if (!profile.start()) return;
@@ -95,8 +101,8 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
     auto& e = by_name[k.name];
     e.first += 1;
     e.second += k.ms();
-    if (k.name == "grouped_gemm_kernel" && first_gemm < 6)
-      gemm_ms[first_gemm + gemm_index++ % (6 - first_gemm)] += k.ms();
+    if (is_gemm_kernel(k.name) && first_gemm < end_gemm)
+      gemm_ms[first_gemm + gemm_index++ % (end_gemm - first_gemm)] += k.ms();
   }
   std::printf("  kernel time per %s (CUPTI, mean of %d):\n", per, iters);
   std::printf("  %-44s %6s %9s\n", "kernel", "calls", "ms");
@@ -104,13 +110,13 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
   int calls = 0;
   for (const auto& [name, e] : by_name) {
     std::printf("  %-44s %6.1f %9.3f\n", name.c_str(), double(e.first) / iters, e.second / iters);
-    (name == "grouped_gemm_kernel" ? gemm : other) += e.second / iters;
+    (is_gemm_kernel(name) ? gemm : other) += e.second / iters;
     calls += e.first;
   }
   std::printf("  %-44s %6s %9.3f\n  %-44s %6s %9.3f\n  %-44s %6.1f\n", "GEMMs", "", gemm, "everything else", "", other,
               "kernels", double(calls) / iters);
   std::printf("  %-44s %9s %8s\n", "GEMM", "ms", "TFLOP/s");
-  for (int g = first_gemm; g < 6; ++g) {
+  for (int g = first_gemm; g < end_gemm; ++g) {
     const double ms = gemm_ms[g] / iters;
     const double flops = 2.0 * pairs * kGemmSteps[g].hi_per_row * static_cast<double>(H) * static_cast<double>(I);
     std::printf("  %-44s %9.3f %8.1f\n", kGemmSteps[g].name, ms, ms > 0 ? flops / (ms * 1e-3) / 1e12 : 0.0);
@@ -367,7 +373,7 @@ Result run(int64_t H, int64_t I, int iters) {
   }
   std::printf("  fp8 forward:\n");
   print_breakdown([&](int it) { forward_on(*fp8_group, it % kSets); }, fp8_group->stream(0), 10,
-                  static_cast<double>(T * K), H, I, &fused_breakdown, 6, "FP8 forward");
+                  static_cast<double>(T * K), H, I, &fused_breakdown, 0, "FP8 forward", 2);
   BENCH_CHECK_OK(fp8_group->synchronize_and_check());
 #endif
   const double pairs = static_cast<double>(T * K);

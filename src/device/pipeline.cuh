@@ -72,6 +72,14 @@ struct StagePipeline {
   __device__ __forceinline__ void consumer_release_own(const PipeState<kStages>& s) const {
     mbarrier_arrive(&empty[s.index]);
   }
+  // Consumer warp, for its lanes' plain reads of a stage the producer refills through TMA: __syncwarp orders
+  // every lane's reads before lane 0's arrival (the barrier counts consumer warps). Racecheck does not follow
+  // this hand-over when the producer's refill is a plain write (docs/PERF.md run 33); with TMA it has nothing
+  // to report.
+  __device__ __forceinline__ void consumer_release_warp(const PipeState<kStages>& s, int lane) const {
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(&empty[s.index]);
+  }
   // Consumer warpgroup (lane_in_group = thread index in the warpgroup): releases the stage to this CTA's
   // producer and, in a 2-CTA cluster, to the peer's, whose TMA multicasts into it too.
   template <int kCluster>

@@ -65,9 +65,9 @@ struct Fp8GemmConfig {
   // Full barrier of a stage: the operand TMA thread's expect-tx arrival plus the scale thread's; gathered,
   // the TMA thread's plus every gathering thread's (its copies include its row's scale).
   static constexpr int kFullArrivals = Loader::kFullArrivals + (kGatherA ? 0 : device::kScaleArrivals);
-  // Empty barrier of a stage: every consumer thread's own release, and one per consumer warpgroup of the
-  // cluster peer (fp8_mainloop.cuh).
-  static constexpr int kEmptyArrivals = device::kFp8EmptyArrivals<Shape>;
+  // Empty barrier of a stage: every consumer warp's release (every consumer thread's when gathered), and one
+  // per consumer warpgroup of the cluster peer (fp8_mainloop.cuh).
+  static constexpr int kEmptyArrivals = device::kFp8EmptyArrivals<Shape, kGatherA>;
   static constexpr int kScaleThread = 32;  // producer thread that loads the A scales (another warp than thread 0)
   // Consumers hold two fp32 accumulators of 64 registers each (acc, partial) plus addressing.
   static constexpr int kProducerRegs = 56;

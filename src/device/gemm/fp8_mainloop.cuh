@@ -32,16 +32,18 @@ namespace megamoe::device {
 // cluster (a 2-CTA cluster's peer multicasts half of every stage, and is released too). kGathered: A's rows
 // and their scales landed through the producer threads' cp.async (the generic proxy): the wgmma reads are
 // fenced after the wait.
-// Every consumer thread reads the stage's A scales with plain loads, and the next fill of the slot may come
-// before a warp that lags its warpgroup has read them, so every consumer thread releases the stage for its
-// own reads (StagePipeline::consumer_release_own: the empty barrier counts kFp8EmptyArrivals); in a 2-CTA
-// cluster one thread per warpgroup also releases the peer's copy, whose multicast B half it read through
-// wgmma only.
-// Arrivals on a stage's empty barrier under mma_tile_fp8_blockwise: every consumer thread of the CTA, and
-// one per consumer warpgroup of the cluster peer.
-template <class Shape>
+// Every consumer thread reads the stage's A scales with plain loads after its warp's wgmma were issued, so a
+// warp that lags its warpgroup may not have read them when another warp's wgmma wait returns: each warp
+// releases the stage for its own lanes (StagePipeline::consumer_release_warp), and with gathered rows, whose
+// refill is the producer threads' plain cp.async writes, each thread for its own reads
+// (consumer_release_own, the form racecheck follows). Per-thread release on the TMA path cost about 5% on
+// the large grouped shapes (docs/PERF.md run 39). In a 2-CTA cluster one thread per warpgroup also releases
+// the peer's copy, whose multicast B half it read through wgmma only.
+// Arrivals on a stage's empty barrier under mma_tile_fp8_blockwise: every consumer warp of the CTA (every
+// consumer thread when gathered), and one per consumer warpgroup of the cluster peer.
+template <class Shape, bool kGathered>
 inline constexpr int kFp8EmptyArrivals =
-    128 * Shape::kConsumerGroups + (Shape::kCluster > 1 ? Shape::kConsumerGroups : 0);
+    (kGathered ? 128 : 4) * Shape::kConsumerGroups + (Shape::kCluster > 1 ? Shape::kConsumerGroups : 0);
 
 template <class Shape, bool kGathered = false>
 __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN / 2],
@@ -83,7 +85,11 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
                             promotion_scale(a_scales, b_scale, cwg, warp, lane, 1)};
     wgmma_wait<0>();
     fence_accumulators(partial);
-    pipe.consumer_release_own(st);
+    if constexpr (kGathered) {
+      pipe.consumer_release_own(st);
+    } else {
+      pipe.consumer_release_warp(st, lane);
+    }
     if constexpr (Shape::kCluster > 1) {
       static_assert(!kGathered, "gathered operands are not multicast");
       if (lt == 0) mbarrier_arrive_cluster_peer(&pipe.empty[st.index], cta_rank ^ 1);
