@@ -13,6 +13,9 @@
 // two outputs must agree bit for bit.
 // Timing: CUDA events around each launch, 5 warm-ups, then 30 rounds in which every contender runs once in
 // turn (interleaved, so clock drift hits all alike); the median of each. TFLOP/s = 2 M N K / time.
+// --sequential: each contender's 5 warm-ups and 30 launches in a row instead, one contender after another
+// (the order of the earlier runs, docs/PERF.md run 23), to compare the two orders.
+//   bench_fp8_gemm [--sequential]
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -23,6 +26,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -87,9 +91,16 @@ double rel_err(const bf16* a, const bf16* ref, size_t n) {
   return std::sqrt(h[0] / std::max(h[1], 1e-300));
 }
 
-// Median times of `fns`, timed in interleaved rounds.
+bool g_sequential = false;  // --sequential
+
+// Median times of `fns`, timed in interleaved rounds (or one contender after another, --sequential).
 std::vector<double> interleaved_median_ms(const std::vector<std::function<void()>>& fns, int warmup = 5,
                                           int iters = 30) {
+  if (g_sequential && fns.size() > 1) {
+    std::vector<double> medians;
+    for (const auto& fn : fns) medians.push_back(interleaved_median_ms({fn}, warmup, iters)[0]);
+    return medians;
+  }
   for (int i = 0; i < warmup; ++i)
     for (const auto& fn : fns) fn();
   BENCH_CHECK_CUDA(cudaDeviceSynchronize());
@@ -252,12 +263,21 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--sequential")) {
+      g_sequential = true;
+    } else {
+      std::fprintf(stderr, "usage: bench_fp8_gemm [--sequential]\n");
+      return 2;
+    }
+  }
   float* one;
   BENCH_CHECK_CUDA(cudaMalloc(&one, sizeof(float)));
   fill(one, 1, 1.0f);
   std::printf("blockwise FP8 GEMM (scales 1), single CTAs and 2-CTA pairs, vs cuBLASLt FP8 (per-tensor scales 1);\n"
-              "x = single-CTA time / pair time, and cuBLASLt time / ours (single / pairs)\n");
+              "x = single-CTA time / pair time, and cuBLASLt time / ours (single / pairs); contenders timed %s\n",
+              g_sequential ? "one after another" : "in interleaved rounds");
   bench("dense 8192^3", 0, 8192, 8192, 8192, one);
   const int shapes[4][2] = {{1536, 2048}, {2048, 768}, {3072, 4096}, {4096, 1536}};
   for (const auto& s : shapes) {
