@@ -56,6 +56,11 @@ class MegaMoE(nn.Module):
     weight gradients follow as their own GEMMs); recompute_h=True keeps no h between forward and backward
     (the backward runs GEMM1 again). Results are bitwise the same either way (docs/LAYER.md).
 
+    precision="fp8" runs DeepSeek-V3's blockwise FP8 forward (docs/FP8.md): the layer quantizes x per token,
+    the weights in 128 x 128 blocks (on every call) and the SwiGLU output per row; the weights stay bf16
+    parameters. It has no backward yet, so it runs only where no gradient is asked (torch.no_grad(),
+    inference), and not with the fused kernels or recompute_h; H and I are multiples of 128 either way.
+
     main_grad=True: the weight gradients are added to fp32 buffers `w13.main_grad` and `w2.main_grad` (made
     here, zeroed; or the caller's, if it set them before the first forward) by the GEMMs themselves, and w13
     and w2 get no `.grad`: gradient accumulation over micro-batches without a gradient tensor, a conversion or
@@ -66,15 +71,15 @@ class MegaMoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, max_tokens_per_rank: int,
                  *, virtual_ranks: int = 1, group=None, init_std: float = 0.02, device=None,
                  dtype=torch.bfloat16, main_grad: bool = False, fused_forward: bool = False,
-                 fused_backward: bool = False, recompute_h: bool = False):
+                 fused_backward: bool = False, recompute_h: bool = False, precision: str = "bf16"):
         super().__init__()
         if group is not None and virtual_ranks != 1:
             raise ValueError("megamoe: virtual_ranks and group exclude each other (group= runs one rank per process)")
         ranks = virtual_ranks if group is None else group.size()
         self.config = ops.LayerConfig(hidden=hidden, intermediate=intermediate, num_experts=num_experts,
                                       top_k=top_k, num_ranks=ranks, max_tokens_per_rank=max_tokens_per_rank,
-                                      fused_forward=fused_forward, recompute_h=recompute_h,
-                                      fused_backward=fused_backward)
+                                      precision=ops.precision_from_name(precision), fused_forward=fused_forward,
+                                      recompute_h=recompute_h, fused_backward=fused_backward)
         self.config.validate()
         self.group = group
         # The name, taken once: forward then hands the op a string constant (torch.compile never has to
@@ -149,4 +154,4 @@ class MegaMoE(nn.Module):
         ranks = (f"virtual_ranks={c.num_ranks}" if self.group is None else
                  f"process_ranks={c.num_ranks}, experts=[{self.first_expert}, {self.first_expert + self.w13.shape[0]})")
         return (f"hidden={c.hidden}, intermediate={c.intermediate}, num_experts={c.num_experts}, top_k={c.top_k}, "
-                f"{ranks}, max_tokens_per_rank={c.max_tokens_per_rank}")
+                f"{ranks}, max_tokens_per_rank={c.max_tokens_per_rank}" + (", precision='fp8'" if c.fp8 else ""))

@@ -52,17 +52,30 @@ from torch import Tensor
 from . import _lib
 from .reference import check_ids
 
-__all__ = ["LayerConfig", "moe", "moe_ranks", "moe_ranks_all_experts", "new_key", "release", "release_all", "set_debug_checks", "debug_checks",
+__all__ = ["LayerConfig", "PRECISIONS", "precision_from_name", "moe", "moe_ranks", "moe_ranks_all_experts", "new_key", "release", "release_all", "set_debug_checks", "debug_checks",
            "synchronize_and_check", "group_name", "MegaMoEError"]
 
 MegaMoEError = _lib.MegaMoEError
+
+
+# The layer's arithmetic by name (MegaMoE(precision=...)): bf16, or DeepSeek-V3's blockwise FP8 (docs/FP8.md).
+PRECISIONS = {"bf16": _lib.PRECISION_BF16, "fp8": _lib.PRECISION_FP8_BLOCKWISE}
+
+
+def precision_from_name(name: str) -> int:
+    if name not in PRECISIONS:
+        raise ValueError(f"megamoe: precision must be one of {sorted(PRECISIONS)}, got {name!r}")
+    return PRECISIONS[name]
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
     """The layer's shape (the C config) and how it runs (the C options: fused_forward / fused_backward, the
     fused persistent kernels instead of the modular sequences of kernels; recompute_h, the backward recomputes
-    h instead of the forward keeping it). Every choice computes bitwise the same results."""
+    h instead of the forward keeping it). Every choice computes bitwise the same results.
+
+    precision: PRECISION_BF16, or PRECISION_FP8_BLOCKWISE (precision_from_name("fp8")): x, W13, a and W2
+    quantized in DeepSeek-V3's blocks, the modular forward only so far (no backward, no fused kernels)."""
 
     hidden: int
     intermediate: int
@@ -102,9 +115,29 @@ class LayerConfig:
                            top_k=self.top_k, num_ranks=self.num_ranks, max_tokens_per_rank=self.max_tokens_per_rank,
                            precision=self.precision, reserved=0)
 
+    @property
+    def fp8(self) -> bool:
+        return self.precision == _lib.PRECISION_FP8_BLOCKWISE
+
     def validate(self) -> None:
-        """The library's rules (C++ megamoe::validate); raises MegaMoEError naming the broken rule."""
+        """The library's rules (C++ megamoe::validate); raises MegaMoEError naming the broken rule, and
+        ValueError for a way of running the layer its precision does not offer yet (which the library
+        would refuse at its first call)."""
+        if self.fp8 and (self.fused_forward or self.fused_backward or self.recompute_h):
+            raise ValueError("megamoe: precision='fp8' runs the modular forward only so far: fused_forward, "
+                             "fused_backward and recompute_h are not available with it")
         _lib.validate_config(self.to_c())
+
+
+def _refuse_fp8_gradients(config: LayerConfig, *tensors) -> None:
+    """An FP8 layer has no backward yet: refuse a forward autograd would differentiate, before it runs,
+    instead of failing in the backward."""
+    if config.fp8 and torch.is_grad_enabled() and any(
+            isinstance(t, Tensor) and t.requires_grad for group in tensors for t in
+            (group if isinstance(group, (list, tuple)) else [group])):
+        raise NotImplementedError("megamoe: precision='fp8' has a forward only so far (no FP8 backward); run it "
+                                  "under torch.no_grad() or torch.inference_mode(), or on inputs and weights "
+                                  "that need no gradient")
 
 
 _debug_checks = os.environ.get("MEGAMOE_DEBUG_CHECKS", "1") != "0"
@@ -735,7 +768,8 @@ def _key_for(config: LayerConfig, key: int | None) -> int:
 def moe_ranks(x: list[Tensor], topk_idx: list[Tensor], topk_weights: list[Tensor], w13: list[Tensor],
               w2: list[Tensor], *, config: LayerConfig, key: int | None = None) -> list[Tensor]:
     """R virtual ranks on one GPU: one tensor per rank in each list (the shapes of docs/MODEL.md; rank r holds
-    experts [r*E/R, (r+1)*E/R), ids are global). Differentiable in x, topk_weights, w13 and w2."""
+    experts [r*E/R, (r+1)*E/R), ids are global). Differentiable in x, topk_weights, w13 and w2 (bf16 only)."""
+    _refuse_fp8_gradients(config, x, topk_weights, w13, w2)
     return torch.ops.megamoe.moe_forward(_key_for(config, key), config.as_list(), list(x), list(topk_idx),
                                          list(topk_weights), list(w13), list(w2))
 
@@ -750,6 +784,7 @@ def moe_ranks_all_experts(x: list[Tensor], topk_idx: list[Tensor], topk_weights:
     (in the GEMMs' epilogues: no gradient tensor, no conversion, no separate add kernel) and gives w13 and w2
     no gradient through autograd (gradient accumulation over micro-batches with fp32 main gradients, as
     Megatron-style trainers keep them in `param.main_grad`)."""
+    _refuse_fp8_gradients(config, x, topk_weights, w13, w2)
     g13, g2 = main_grads if main_grads is not None else (None, None)
     return torch.ops.megamoe.moe_forward_all_experts(_key_for(config, key), config.as_list(), list(x),
                                                      list(topk_idx), list(topk_weights), w13, w2, g13, g2)
@@ -774,6 +809,7 @@ def moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tens
 
 def _moe_process(x, topk_idx, topk_weights, w13, w2, *, config: LayerConfig, key: int | None, name: str,
                  main_grads: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    _refuse_fp8_gradients(config, x, topk_weights, w13, w2)
     g13, g2 = main_grads if main_grads is not None else (None, None)
     return torch.ops.megamoe.moe_process_forward(_key_for(config, key), config.as_list(), name, x, topk_idx,
                                                  topk_weights, w13, w2, g13, g2)

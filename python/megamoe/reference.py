@@ -8,6 +8,9 @@ Virtual ranks: rank r holds tokens xs[r] and the experts [r*E_local, (r+1)*E_loc
 only move rows, so the multi-rank layer equals one layer over all ranks' tokens and all experts; the
 reference computes exactly that and splits the result, which keeps it free of any communication code.
 
+FP8 (moe_fp8, moe_ranks_fp8): the blockwise FP8 forward (docs/FP8.md), the same steps with x, W13, a and W2
+rounded to E4M3 through their scales at the points where the GPU layer quantizes them.
+
 Process ranks (moe_distributed): each process holds its tokens and its E/R experts, as the GPU layer's
 process groups do, so the reference has to communicate: the routed (token, slot) rows go to the rank of
 their expert with an all_to_all, that rank runs its local grouped MLP, the results come back with the
@@ -20,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["moe", "moe_ranks", "moe_distributed", "check_ids"]
+__all__ = ["moe", "moe_ranks", "moe_distributed", "check_ids", "fake_quantize_1x128", "fake_quantize_128x128",
+           "moe_fp8", "moe_ranks_fp8"]
 
 
 def check_ids(topk_idx: torch.Tensor, num_experts: int, what: str = "topk_idx") -> None:
@@ -87,6 +91,81 @@ def moe_ranks(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights
         raise ValueError("moe_ranks needs one tensor per rank in every list, and at least one rank")
     out = moe(torch.cat(xs), torch.cat(topk_idx), torch.cat(topk_weights), torch.cat(w13), torch.cat(w2),
               check=check)
+    return list(torch.split(out, [x.shape[0] for x in xs]))
+
+
+# ---- blockwise FP8 (docs/FP8.md: the scale and rounding rules of include/megamoe/fp8.hpp) ----
+
+_E4M3_MAX = 448.0
+
+
+def _fake_quantize_groups(groups: torch.Tensor, dims) -> torch.Tensor:
+    """groups [..., g] (g elements sharing one scale along dims) -> E4M3 values times their scale, fp32.
+    Scale amax / 448 (NaN ignored, an all-zero or all-NaN group 1); e4m3(v / scale) rounds to nearest even and
+    saturates finite values at +-448; an infinite element makes the scale infinite (the group dequantizes
+    to NaN); NaN stays NaN."""
+    v = groups.float()
+    magnitude = v.abs()
+    amax = torch.where(torch.isnan(magnitude), 0.0, magnitude).amax(dim=dims, keepdim=True)
+    scale = torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax))
+    q = torch.clamp(v / scale, -_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.float() * scale
+
+
+def fake_quantize_1x128(t: torch.Tensor) -> torch.Tensor:
+    """t [..., K] (K a multiple of 128), one scale per 128 consecutive elements of a row -> fp32 values."""
+    k = t.shape[-1]
+    if k % 128:
+        raise ValueError(f"1 x 128 groups need the last dimension to be a multiple of 128, got {k}")
+    return _fake_quantize_groups(t.reshape(*t.shape[:-1], k // 128, 128), (-1,)).reshape(t.shape)
+
+
+def fake_quantize_128x128(w: torch.Tensor) -> torch.Tensor:
+    """w [..., N, K] (N and K multiples of 128), one scale per 128 x 128 block of each matrix -> fp32 values."""
+    n, k = w.shape[-2:]
+    if n % 128 or k % 128:
+        raise ValueError(f"128 x 128 blocks need both matrix dimensions to be multiples of 128, got {n} x {k}")
+    blocks = w.reshape(*w.shape[:-2], n // 128, 128, k // 128, 128)
+    return _fake_quantize_groups(blocks, (-3, -1)).reshape(w.shape)
+
+
+def moe_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+            w2: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+    """The blockwise FP8 forward of one rank holding every expert (docs/FP8.md F1-F8): x per token and a per
+    routed row in 1 x 128 groups, W13 and W2 in 128 x 128 blocks, the GEMMs and the SwiGLU in fp32, the
+    combine in fp32; out in x's dtype. The GPU also rounds y to bf16 before the combine."""
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    if check:
+        check_ids(topk_idx, num_experts)
+    num_tokens, top_k = topk_idx.shape
+    expert = topk_idx.reshape(-1).long()
+    routed = expert >= 0
+    token = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
+    order = torch.argsort(torch.where(routed, expert, num_experts), stable=True)
+    counts = torch.bincount(expert[routed], minlength=num_experts)
+    order = order[: int(counts.sum())]
+    rows_token = token[order]
+
+    xq = fake_quantize_1x128(x)
+    w13q, w2q = fake_quantize_128x128(w13), fake_quantize_128x128(w2)
+    h = _expert_matmul(xq[rows_token], w13q, counts)
+    a = F.silu(h[:, :inter]) * h[:, inter:]
+    y = _expert_matmul(fake_quantize_1x128(a), w2q, counts)
+
+    weights = topk_weights.reshape(-1)[order].float()
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    out = out.index_add(0, rows_token, y * weights.unsqueeze(1))
+    return out.to(x.dtype)
+
+
+def moe_ranks_fp8(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
+                  w13: list[torch.Tensor], w2: list[torch.Tensor], *, check: bool = True) -> list[torch.Tensor]:
+    """moe_fp8 over R virtual ranks (as moe_ranks: one layer over all ranks' tokens and experts)."""
+    if not (len(xs) == len(topk_idx) == len(topk_weights) == len(w13) == len(w2)) or not xs:
+        raise ValueError("moe_ranks_fp8 needs one tensor per rank in every list, and at least one rank")
+    out = moe_fp8(torch.cat(xs), torch.cat(topk_idx), torch.cat(topk_weights), torch.cat(w13), torch.cat(w2),
+                  check=check)
     return list(torch.split(out, [x.shape[0] for x in xs]))
 
 

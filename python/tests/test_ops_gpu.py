@@ -275,3 +275,41 @@ def test_too_many_tokens_raise():
     x, idx, w, _, _, _ = make(1, [MAX_TOKENS + 1], "random")
     with pytest.raises(ValueError, match="max_tokens_per_rank"):
         ops.moe(x[0], idx[0], w[0], args[3], args[4], config=cfg)
+
+
+# ---- precision="fp8": the blockwise FP8 forward against the FP8 reference (reference.moe_fp8, fp32) ----
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["random", "masked", "one expert"])
+def test_fp8_forward_matches_the_fp8_reference(ranks, kind):
+    tokens = [333, 0, 129, 7][:ranks] if ranks > 1 else [333]
+    x, idx, w, w13, w2, _ = make(ranks, tokens, kind, seed=10 + ranks)
+    cfg = ops.LayerConfig(H, I, E, K, MAX_TOKENS, num_ranks=ranks, precision=ops.precision_from_name("fp8"))
+    with torch.no_grad():
+        got = ops.moe_ranks(x, idx, w, w13, w2, config=cfg)
+        again = ops.moe_ranks(x, idx, w, w13, w2, config=cfg)
+    want = reference.moe_ranks_fp8([t.float() for t in x], idx, w, [t.float() for t in w13],
+                                   [t.float() for t in w2])
+    exact = reference.moe_ranks([t.double() for t in x], idx, [t.double() for t in w], [t.double() for t in w13],
+                                [t.double() for t in w2])
+    for r in range(ranks):
+        assert torch.equal(got[r], again[r]), f"rank {r}: not deterministic"
+        if tokens[r] == 0:
+            continue
+        assert rel_err(got[r], want[r]) <= TOL, f"rank {r}: {rel_err(got[r], want[r]):.3g} from the FP8 reference"
+        # FP8 rounds x, the weights and a: clearly away from the exact layer, but the same layer.
+        assert 1e-3 < rel_err(got[r], exact[r]) < 0.15, f"rank {r}: {rel_err(got[r], exact[r]):.3g} from exact"
+
+
+def test_fp8_module_runs_inference_and_refuses_training():
+    torch.manual_seed(0)
+    model = megamoe.MegaMoE(H, I, E, K, MAX_TOKENS, virtual_ranks=2, device="cuda", precision="fp8")
+    x, idx, w, _, _, _ = make(1, [200], "random")
+    with torch.inference_mode():
+        out = model(x[0], idx[0], w[0])
+    want = reference.moe_fp8(x[0].float(), idx[0], w[0], model.w13.float(), model.w2.float())
+    assert rel_err(out, want) <= TOL
+    with pytest.raises(NotImplementedError, match="no FP8 backward"):
+        model(x[0], idx[0], w[0])
+    with torch.inference_mode():  # still usable after the refusal
+        assert torch.equal(model(x[0], idx[0], w[0]), out)

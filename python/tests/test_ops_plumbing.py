@@ -380,3 +380,57 @@ def test_synchronize_and_check_before_any_gpu_work_checks_nothing_and_allocates_
     cfg, *_ = inputs(ranks=1, tokens=(3,))
     megamoe.synchronize_and_check(cfg, device="cpu")
     assert not ops._states[layer._key].groups, "a check created a library group"
+
+
+# ---- precision="fp8": the forward only, refused where a gradient is asked ----
+
+def test_fp8_module_forward_is_the_fp8_reference(backend):
+    from megamoe import MegaMoE
+
+    torch.manual_seed(0)
+    module = MegaMoE(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16,
+                     virtual_ranks=2, device="cpu", precision="fp8")
+    assert module.config.fp8 and "precision='fp8'" in module.extra_repr()
+    _, x, idx, w, _, _ = inputs()
+    x_all, idx_all, w_all = torch.cat([t.detach() for t in x]), torch.cat(idx), torch.cat([t.detach() for t in w])
+    with torch.no_grad():
+        out = module(x_all, idx_all, w_all)
+    want = reference.moe_fp8(x_all.float(), idx_all, w_all, module.w13.float(), module.w2.float())
+    assert torch.equal(out, want.bfloat16())
+    assert not torch.equal(out, reference.moe(x_all.float(), idx_all, w_all, module.w13.float(),
+                                              module.w2.float()).bfloat16())
+    with pytest.raises(NotImplementedError, match="no FP8 backward"):
+        module(x_all, idx_all, w_all)  # the weights need their gradient
+    assert backend.backwards == 0
+
+
+def test_fp8_functional_forward_refuses_gradients_before_running(backend):
+    cfg, x, idx, w, w13, w2 = inputs()
+    cfg8 = ops.LayerConfig(**{**cfg.__dict__, "precision": ops.precision_from_name("fp8")})
+    forwards = backend.forwards
+    with pytest.raises(NotImplementedError, match="torch.no_grad"):
+        ops.moe_ranks(x, idx, w, w13, w2, config=cfg8)
+    assert backend.forwards == forwards
+    with torch.inference_mode():
+        outs = ops.moe_ranks(x, idx, w, w13, w2, config=cfg8)
+    want = reference.moe_ranks_fp8([t.float() for t in x], idx, [t.float() for t in w], [t.float() for t in w13],
+                                   [t.float() for t in w2])
+    for got, ref in zip(outs, want):
+        assert torch.equal(got, ref.bfloat16())
+
+
+@pytest.mark.parametrize("option", ["fused_forward", "fused_backward", "recompute_h"])
+def test_fp8_refuses_what_it_does_not_run_yet(option):
+    from megamoe import MegaMoE
+
+    with pytest.raises(ValueError, match="modular forward only"):
+        MegaMoE(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16, device="cpu",
+                precision="fp8", **{option: True})
+
+
+def test_unknown_precision_is_refused():
+    from megamoe import MegaMoE
+
+    with pytest.raises(ValueError, match=r"precision must be one of \['bf16', 'fp8'\], got 'fp16'"):
+        MegaMoE(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16, device="cpu",
+                precision="fp16")

@@ -147,3 +147,88 @@ def test_converters_reject_bad_shapes():
         w13_from_w1_w3(torch.zeros(2, 4, 8), torch.zeros(2, 5, 8))
     with pytest.raises(ValueError):
         w1_w3_from_w13(torch.zeros(2, 5, 8))
+
+
+# ---- blockwise FP8 (docs/FP8.md) ----
+
+def _e4m3_exact(v):
+    """Whether every value of v is an E4M3 value up to the fp32 rounding of value * scale / scale (E4M3
+    neighbours lie at least 1/16 apart relatively, so 1e-6 cannot accept another code)."""
+    return torch.allclose(v.to(torch.float8_e4m3fn).float(), v, rtol=1e-6, atol=0.0)
+
+
+def test_fp8_rounding_is_to_nearest_even_with_the_group_scale():
+    row = torch.zeros(1, 256)
+    row[0, :4] = torch.tensor([448.0, 1.0625, 1.1875, -3.0])  # amax 448: scale 1; two midpoints of the 1/8 grid
+    row[0, 128:131] = torch.tensor([4.48, 0.0123, -1e-9])       # amax 4.48: scale 0.01
+    q = reference.fake_quantize_1x128(row)
+    assert q[0, :4].tolist() == [448.0, 1.0, 1.25, -3.0]
+    scaled = q[0, 128:] / torch.tensor(4.48 / 448.0)
+    assert _e4m3_exact(scaled) and abs(float(q[0, 128]) - 4.48) < 1e-6
+    assert float(q[0, 130]) == 0.0  # below half the smallest subnormal of the group's grid
+    assert torch.equal(reference.fake_quantize_1x128(torch.zeros(2, 128)), torch.zeros(2, 128))
+
+
+def test_fp8_special_values_follow_the_rules():
+    nan_row = torch.ones(1, 128)
+    nan_row[0, 5] = float("nan")
+    q = reference.fake_quantize_1x128(nan_row)
+    assert torch.isnan(q[0, 5]) and torch.equal(q[0, :5], torch.ones(5))  # NaN ignored by the scale, stays NaN
+    inf_row = torch.ones(1, 256)
+    inf_row[0, 7] = float("inf")
+    q = reference.fake_quantize_1x128(inf_row)
+    assert torch.isnan(q[0, :128]).all(), "an infinite element makes its whole group NaN"
+    assert torch.equal(q[0, 128:], torch.ones(128)), "the next group is its own"
+
+
+def test_fp8_weight_blocks_are_independent():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 256, 384, generator=g)
+    q = reference.fake_quantize_128x128(w)
+    louder = w.clone()
+    louder[1, 128:, 256:] *= 1024.0  # one block of the second matrix
+    q2 = reference.fake_quantize_128x128(louder)
+    changed = torch.zeros_like(w, dtype=torch.bool)
+    changed[1, 128:, 256:] = True
+    assert torch.equal(q[~changed], q2[~changed])
+    assert torch.equal(q2[changed], q[changed] * 1024.0)  # a power of two scales codes and scale alike
+    for m in range(2):
+        for r in range(0, 256, 128):
+            for c in range(0, 384, 128):
+                block = q[m, r:r + 128, c:c + 128]
+                scale = w[m, r:r + 128, c:c + 128].abs().amax() / 448.0
+                assert _e4m3_exact(block / scale)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        reference.fake_quantize_128x128(torch.zeros(100, 128))
+
+
+def per_token_loop_fp8(x, idx, w, w13, w2):
+    """The FP8 forward of docs/FP8.md token by token, slot by slot (fp32)."""
+    inter = w13.shape[1] // 2
+    xq = reference.fake_quantize_1x128(x)
+    w13q, w2q = reference.fake_quantize_128x128(w13), reference.fake_quantize_128x128(w2)
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            if e < 0:
+                continue
+            h = w13q[e] @ xq[t]
+            a = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            out[t] += w[t, j].float() * (w2q[e] @ reference.fake_quantize_1x128(a[None])[0])
+    return out
+
+
+@pytest.mark.parametrize("mask_every", [0, 3])
+def test_fp8_forward_matches_per_token_loop(mask_every):
+    x, idx, w, w13, w2 = make_inputs(21, 256, 128, 5, 2, dtype=torch.float32, mask_every=mask_every)
+    out = reference.moe_fp8(x, idx, w, w13, w2)
+    want = per_token_loop_fp8(x, idx, w, w13, w2)
+    # Only the fp32 summation order differs (which may move an element of a to its other E4M3 neighbour).
+    assert float((out - want).norm() / want.norm()) < 1e-4
+    exact = reference.moe(x.double(), idx, w.double(), w13.double(), w2.double())
+    distance = float((out.double() - exact).norm() / exact.norm())
+    assert 1e-3 < distance < 0.1, f"FP8 against the exact layer: {distance}"
+    parts = reference.moe_ranks_fp8(list(x.split([10, 11])), list(idx.split([10, 11])), list(w.split([10, 11])),
+                                    list(w13.split([3, 2])), list(w2.split([3, 2])))
+    assert torch.equal(torch.cat(parts), out)
