@@ -29,6 +29,7 @@
 #include "device/ptx/sync.cuh"
 #include "device/sched/grouped_tiles.cuh"
 #include "device/sched/schedulers.cuh"
+#include "device/shared_storage.cuh"
 
 namespace megamoe::kernels {
 
@@ -175,9 +176,7 @@ __global__ void __launch_bounds__(kFp8GemmThreads, 1)
                     const Fp8GemmParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using Shape = typename Cfg::Shape;
-  extern __shared__ uint8_t smem_raw[];
-  auto& smem = *reinterpret_cast<typename Cfg::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                                               ~uintptr_t(1023));
+  auto& smem = device::shared_storage<typename Cfg::SharedStorage>();
   const int tid = threadIdx.x;
   const int n_tiles = (p.N + Shape::kBN - 1) / Shape::kBN;
   // The numbering's reduction length is in the bf16-pair view: K / 2 "elements", 64 per stage.

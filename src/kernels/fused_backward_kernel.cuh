@@ -198,6 +198,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
                           const FusedBackwardParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using Cfg = FusedBackwardConfig;
+  // Not device::shared_storage: with every access typed as shared, ptxas spills 12 bytes in this kernel's
+  // diagnostics path (its register budget is that tight), and spills fail the build; generic accesses here.
   extern __shared__ uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<Cfg::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                       ~uintptr_t(1023));

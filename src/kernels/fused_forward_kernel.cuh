@@ -44,6 +44,7 @@
 #include "device/ptx/tma.cuh"
 #include "device/sched/expert_waves.cuh"
 #include "device/sched/schedulers.cuh"
+#include "device/shared_storage.cuh"
 #include "kernels/ep_combine.cuh"
 #include "kernels/ep_dispatch.cuh"
 #include "kernels/ep_layout.cuh"
@@ -178,9 +179,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1)
                          const __grid_constant__ CUtensorMap tm_h_store, const FusedForwardParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using Cfg = FusedForwardConfig;
-  extern __shared__ uint8_t smem_raw[];
-  auto& smem = *reinterpret_cast<Cfg::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                                      ~uintptr_t(1023));
+  auto& smem = device::shared_storage<Cfg::SharedStorage>();
   const ep::Params& L = p.layer;
   const ep::Shape& s = L.shape;
   const int tid = threadIdx.x;

@@ -20,6 +20,7 @@
 #include "device/ptx/sync.cuh"
 #include "device/sched/grouped_tiles.cuh"
 #include "device/sched/schedulers.cuh"
+#include "device/shared_storage.cuh"
 #include "kernels/cluster_launch.hpp"
 #include "kernels/cuda_check.hpp"
 #include "kernels/grouped_gemm_launch.hpp"
@@ -177,9 +178,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
                         const __grid_constant__ CUtensorMap tm_h, const GemmKernelParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   using Shape = typename Cfg::Shape;
-  extern __shared__ uint8_t smem_raw[];
-  auto& smem = *reinterpret_cast<typename Cfg::SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                                               ~uintptr_t(1023));
+  auto& smem = device::shared_storage<typename Cfg::SharedStorage>();
   const int tid = threadIdx.x;
   const bool dynamic = Shape::kCluster == 1 && p.work_counter != nullptr;
   // SwiGLU: a tile covers BN accumulator columns of the 2I (BN / 2 gate and BN / 2 up columns).
