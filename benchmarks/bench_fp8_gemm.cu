@@ -15,7 +15,8 @@
 // turn (interleaved, so clock drift hits all alike); the median of each. TFLOP/s = 2 M N K / time.
 // --sequential: each contender's 5 warm-ups and 30 launches in a row instead, one contender after another
 // (the order of the earlier runs, docs/PERF.md run 23), to compare the two orders.
-//   bench_fp8_gemm [--sequential]
+//   bench_fp8_gemm [--sequential]   (--out / --baseline, which scripts/gpu-check.sh gives every benchmark,
+//                                     are accepted and ignored: cuBLASLt is timed in the same run)
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -267,8 +268,10 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--sequential")) {
       g_sequential = true;
+    } else if ((!std::strcmp(argv[i], "--out") || !std::strcmp(argv[i], "--baseline")) && i + 1 < argc) {
+      ++i;  // scripts/gpu-check.sh passes these to every benchmark; this one times its own baseline
     } else {
-      std::fprintf(stderr, "usage: bench_fp8_gemm [--sequential]\n");
+      std::fprintf(stderr, "usage: bench_fp8_gemm [--sequential] [--out IGNORED] [--baseline IGNORED]\n");
       return 2;
     }
   }
