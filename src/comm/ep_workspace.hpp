@@ -126,8 +126,11 @@ struct WorkspaceLayout {
     l.combine = take(2 * T * K * H);
     l.slot_dots = take(4 * T * K * P);
     l.recv_counts = take(4 * R * (EL + 1));
-    l.recv_x = take(2 * R * T * H);
-    l.recv_dout = take(2 * R * T * H);
+    // The bf16 rows, activations and gradients only the bf16 layer's backward reads (and its forward writes)
+    // take no room in an FP8 layer, which has a forward only so far (its own buffers are at the end).
+    const int64_t b = s.fp8 ? 0 : 1;
+    l.recv_x = take(b * 2 * R * T * H);
+    l.recv_dout = take(b * 2 * R * T * H);
     l.recv_token = take(4 * R * T);
     l.recv_routes = take(static_cast<int64_t>(sizeof(SlotRoute)) * R * T * K);
     l.recv_weights = take(4 * R * T * K);
@@ -137,9 +140,9 @@ struct WorkspaceLayout {
     l.row_weight = take(4 * C);
     l.row_dest = take(8 * C);
     l.row_dot_dest = take(8 * C);
-    l.h = take(2 * C * 2 * I);
-    l.a = take(2 * C * I);
-    l.dh = s.recompute_h ? l.h : take(2 * C * 2 * I);
+    l.h = take(b * 2 * C * 2 * I);
+    l.a = take(b * 2 * C * I);
+    l.dh = s.recompute_h ? l.h : take(b * 2 * C * 2 * I);
     const int64_t blocks = row_blocks(s);
     l.grid_arrivals = take(4);
     l.grid_exits = take(4);

@@ -1,9 +1,10 @@
 // The symmetric workspace's layout (src/comm/ep_workspace.hpp): every buffer inside the slice, aligned, and
 // apart from the others; the blockwise FP8 buffers sized for their tensors, and taking no room in a bf16
-// layer.
+// layer; the bf16 backward's buffers taking no room in an FP8 layer (it has no backward yet).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -59,8 +60,8 @@ TEST(WorkspaceLayoutTest, Fp8BuffersFitApartAndAligned) {
   std::vector<Buffer> buffers = fp8_buffers(l, s);
   // The buffers every precision has, by their element counts (enough to tell an overlap).
   buffers.push_back({"combine", l.combine, 2 * int64_t{s.max_tokens} * s.top_k * s.hidden});
-  buffers.push_back({"recv_x", l.recv_x, 2 * int64_t{s.num_ranks} * s.max_tokens * s.hidden});
-  buffers.push_back({"h", l.h, 2 * s.row_capacity * 2 * s.intermediate});
+  buffers.push_back({"recv_token", l.recv_token, 4 * int64_t{s.num_ranks} * s.max_tokens});
+  buffers.push_back({"row_dest", l.row_dest, 8 * s.row_capacity});
   buffers.push_back({"fused_work", l.fused_work, 4});
   std::sort(buffers.begin(), buffers.end(), [](const Buffer& a, const Buffer& b) { return a.offset < b.offset; });
   for (size_t i = 0; i < buffers.size(); ++i) {
@@ -74,16 +75,45 @@ TEST(WorkspaceLayoutTest, Fp8BuffersFitApartAndAligned) {
   }
 }
 
-TEST(WorkspaceLayoutTest, Bf16LayerGivesFp8BuffersNoRoom) {
+// The bf16 backward's buffers with the bytes their tensors need (the bf16 forward writes recv_x, h and a).
+std::vector<Buffer> bf16_backward_buffers(const WorkspaceLayout& l, const Shape& s) {
+  const int64_t H = s.hidden, I = s.intermediate, R = s.num_ranks, T = s.max_tokens, C = s.row_capacity;
+  return {{"recv_x", l.recv_x, 2 * R * T * H},
+          {"recv_dout", l.recv_dout, 2 * R * T * H},
+          {"h", l.h, 2 * C * 2 * I},
+          {"a", l.a, 2 * C * I},
+          {"dh", l.dh, 2 * C * 2 * I}};
+}
+
+int64_t bytes_of(const std::vector<Buffer>& buffers) {
+  int64_t bytes = 0;
+  for (const Buffer& b : buffers) bytes += b.bytes;
+  return bytes;
+}
+
+TEST(WorkspaceLayoutTest, EachPrecisionGivesTheOthersBuffersNoRoom) {
   const Shape s16 = shape(false), s8 = shape(true);
   const WorkspaceLayout l16 = WorkspaceLayout::make(s16), l8 = WorkspaceLayout::make(s8);
-  int64_t fp8_bytes = 0;
-  for (const Buffer& b : fp8_buffers(l8, s8)) fp8_bytes += b.bytes;
-  // Every FP8 buffer of the bf16 layout sits at its end, empty; the FP8 layout is larger by at least the
-  // FP8 tensors' bytes (alignment may add a little).
+  // Every FP8 buffer of the bf16 layout sits at its end, empty.
   for (const Buffer& b : fp8_buffers(l16, s16)) EXPECT_EQ(b.offset, l16.total) << b.name;
-  EXPECT_GE(l8.total - l16.total, fp8_bytes);
-  EXPECT_LT(l8.total - l16.total, fp8_bytes + 11 * kAlign);
+  // The bf16 backward's buffers of the FP8 layout are empty: each starts where the buffer after it does.
+  EXPECT_EQ(l8.recv_x, l8.recv_token);
+  EXPECT_EQ(l8.recv_dout, l8.recv_token);
+  EXPECT_EQ(l8.h, l8.grid_arrivals);
+  EXPECT_EQ(l8.a, l8.grid_arrivals);
+  EXPECT_EQ(l8.dh, l8.grid_arrivals);
+  // So the FP8 layout differs from the bf16 one by the FP8 tensors' bytes less the bf16 backward's
+  // (alignment may add a little to each side: at most one kAlign per buffer).
+  const int64_t expected = bytes_of(fp8_buffers(l8, s8)) - bytes_of(bf16_backward_buffers(l16, s16));
+  EXPECT_LE(std::abs(l8.total - l16.total - expected), 16 * kAlign) << l8.total << " vs " << l16.total;
+  // The bf16 layout keeps every one of them, apart and in the slice.
+  for (const Buffer& b : bf16_backward_buffers(l16, s16)) {
+    EXPECT_EQ(b.offset % 16, 0) << b.name;
+    EXPECT_LE(b.offset + b.bytes, l16.total) << b.name;
+  }
+  EXPECT_LE(l16.recv_x + 2 * int64_t{s16.num_ranks} * s16.max_tokens * s16.hidden, l16.recv_dout);
+  EXPECT_LE(l16.h + 2 * s16.row_capacity * 2 * s16.intermediate, l16.a);
+  EXPECT_LE(l16.a + 2 * s16.row_capacity * s16.intermediate, l16.dh);
 }
 
 }  // namespace
