@@ -14,7 +14,9 @@
 //   backward  dy       1x128 groups along H, per routed row                   (operand of da = dy . W2)
 //             dh       1x128 groups along 2I, per routed row                  (operand of dx = dh . W13)
 //             dy^T, a^T, dh^T, x^T: 1x128 groups along the routed-row (token) axis, per expert, the last
-//                      group partial                                           (operands of dW2, dW13)
+//                      group partial                                           (operands of dW2, dW13);
+//                      dy^T and x^T from the rows' 1x128 copies above (the dispatched FP8 values, rounded
+//                      again), a^T and dh^T from the fp32 values
 //             da, dx partials, dx, dW2, dW13: fp32, not quantized
 //             d_topk_weights = <q(dOut_t) . W2q[e], a> with a the unquantized fp32 SwiGLU output.
 // Nothing is rounded to bf16 (the GPU's bf16 stores are not modelled; see the .cpp).

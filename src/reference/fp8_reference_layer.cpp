@@ -42,12 +42,17 @@
 //   B7  dx_j = dh_q . W13_q           fp32 partial per slot (round_row(kInputGradPartial) is a no-op);
 //       dx_t = sum_j dx_j             fp32 combine.
 //   B8  weight-gradient operands, per expert, token-major [channels, n_e] with the expert's routed rows in
-//       (source rank, token, slot) order, built from the UNQUANTIZED values (not from the FP8 copies of
-//       F1/F5/B1/B5), q1x128 along the routed-row axis: groups of 128 consecutive routed rows starting at
-//       the expert's first row, the last one partial (it never crosses into the next expert):
+//       (source rank, token, slot) order, q1x128 along the routed-row axis: groups of 128 consecutive routed
+//       rows starting at the expert's first row, the last one partial (it never crosses into the next
+//       expert):
 //         dy^T [H, n]  (dy = w_j * dOut_t)   a^T [I, n]   for dW2 = dy^T a
 //         dh^T [2I, n]                       x^T [H, n]   for dW13 = dh^T x
-//       Hook: round_wgrad_operand (all four operands), via fake_quantize_token_major_1x128.
+//       x and dOut reach the expert's rank only as their dispatched FP8 copies (F1, B1), so x^T and dy^T
+//       are built from those: each routed row rounded 1 x 128 along its channels first (the F1 / B1
+//       rounding, the same values), then along the routed rows (a second rounding, as a GPU that dequantizes,
+//       transposes and quantizes the copies again gets). a and dh are the expert rank's own fp32 values
+//       (F4, B4), rounded along the routed rows only. Hook: round_wgrad_operand (all four operands), via
+//       fake_quantize_channels_1x128 and fake_quantize_token_major_1x128.
 //   B9  dW2, dW13                    fp32 accumulation over the expert's routed rows, fp32 result.
 //
 // Not modelled (documented choices, each far below the FP8 error):
@@ -84,6 +89,17 @@ void quantize_operand_row(std::span<float> row) {
   fp8::fake_quantize_rows_1x128(row.data(), 1, static_cast<int64_t>(row.size()));
 }
 
+// The F1 / B1 rounding of every routed row of a token-major operand [channels, routed_rows]: each column
+// cut into groups of 128 consecutive channels, as fake_quantize_rows_1x128 cuts the row it came from.
+void fake_quantize_channels_1x128(float* operand, int64_t channels, int64_t routed_rows) {
+  std::vector<float> column(static_cast<size_t>(channels));
+  for (int64_t n = 0; n < routed_rows; ++n) {
+    for (int64_t c = 0; c < channels; ++c) column[c] = operand[c * routed_rows + n];
+    fp8::fake_quantize_rows_1x128(column.data(), 1, channels);
+    for (int64_t c = 0; c < channels; ++c) operand[c * routed_rows + n] = column[c];
+  }
+}
+
 QuantizationHooks<float> fp8_hooks() {
   QuantizationHooks<float> hooks;
   hooks.round_row = [](RowPoint point, std::span<float> row) {
@@ -105,8 +121,11 @@ QuantizationHooks<float> fp8_hooks() {
   hooks.round_weight = [](WeightKind, std::span<float> matrix, int64_t rows, int64_t cols) {
     fp8::fake_quantize_blocks_128x128(matrix.data(), rows, cols);
   };
-  // B8.
-  hooks.round_wgrad_operand = [](WgradOperand, std::span<float> matrix, int64_t channels, int64_t routed_rows) {
+  // B8: the dispatched operands (x, dy) through their FP8 copies first.
+  hooks.round_wgrad_operand = [](WgradOperand operand, std::span<float> matrix, int64_t channels,
+                                 int64_t routed_rows) {
+    if (operand == WgradOperand::kTokenInput || operand == WgradOperand::kOutputGrad)
+      fake_quantize_channels_1x128(matrix.data(), channels, routed_rows);
     fake_quantize_token_major_1x128(matrix.data(), channels, routed_rows);
   };
   return hooks;

@@ -314,11 +314,12 @@ LayerResults hand_written_fp8(const Problem& p, const PointSet& on) {
       }
       res.d_topk_weights[t * K + j] = static_cast<float>(dw);
 
-      // Weight-gradient operands from the unquantized values.
-      for (int64_t k = 0; k < H; ++k) dy_t[k * n + col] = dy[k];
+      // Weight-gradient operands: dy and x as the dispatched FP8 copies give them (B1, F1), a and dh
+      // unquantized (the expert rank's own fp32 values).
+      for (int64_t k = 0; k < H; ++k) dy_t[k * n + col] = dyq[k];
       for (int64_t i = 0; i < I; ++i) a_t[i * n + col] = a[i];
       for (int64_t o = 0; o < 2 * I; ++o) dh_t[o * n + col] = dh[o];
-      for (int64_t k = 0; k < H; ++k) x_t[k * n + col] = x[k];
+      for (int64_t k = 0; k < H; ++k) x_t[k * n + col] = xq[k];
     }
 
     quantize_token_axis(dy_t, H, n, on[kWgradDy]);
