@@ -1,23 +1,16 @@
-#include <cuda_fp8.h>
-
 #include "device/epilogue/transforms.cuh"
+#include "device/fp8_codes.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/fp8_quantize.hpp"
 
 namespace megamoe::kernels {
 namespace {
 
+using device::e4m3_of;
+using device::scale_from_amax;
+
 constexpr int kGroup = 128;
 constexpr int kWarpsPerBlock = 8;
-constexpr float kE4M3Max = 448.0f;
-
-// fp8::scale_from_amax: an all-zero (or all-NaN: the amax ignores NaN) group has scale 1.
-__device__ __forceinline__ float scale_from_amax(float amax) { return !(amax <= 0.0f) ? amax / kE4M3Max : 1.0f; }
-
-// fp8::float_to_e4m3 of v / scale (IEEE division, round to nearest even, saturating to +-448, NaN -> 0x7F).
-__device__ __forceinline__ uint32_t e4m3_of(float v, float scale) {
-  return __nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, __NV_E4M3);
-}
 
 // One 1x128 group held by a warp, 4 consecutive values per lane: the group's scale (amax from 0, NaN-ignoring
 // as fp8::amax_step: an all-NaN group has amax 0 and scale 1, as on the CPU) and the lane's 4 E4M3 bytes.

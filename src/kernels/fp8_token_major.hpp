@@ -1,0 +1,48 @@
+// The weight gradients' FP8 operands (docs/FP8.md, the backward plan's item 6; point B8 of the FP8 CPU reference):
+// the routed rows of every local expert, held row-major in expert order, transposed to token-major and quantized
+// along the routed rows, one scale per channel and group of 128 rows. The weight-gradient GEMM reduces over the
+// routed rows, so these are its K-major operands, and a group of 128 rows is one of its K blocks.
+//
+// Layout of the copy. Expert e's rows [offsets[e], offsets[e + 1]) land in the columns starting at
+//   token_major_start(e) = round_up(offsets[e], 128) + 128 e
+// (a multiple of 128 for every e, the segments apart), the last group's missing rows as zeros; other columns
+// are not written. qt is [channels, token_major_columns(capacity, experts)] E4M3 bytes; the scales are
+// K-block-major, channel c of K block kb = column / 128 at st[kb * channels + c] (what a TMA box of 128
+// channels of one K block reads), [token_major_columns / 128, channels].
+// Rounding as everywhere (include/megamoe/fp8.hpp): scale amax / 448 over the group's values (NaN ignored, an
+// all-zero group scale 1), codes e4m3(v / scale) with saturation. Asynchronous on `stream`.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "megamoe/status.hpp"
+
+namespace megamoe::kernels {
+
+// Columns of the token-major copy for `experts` local experts sharing `capacity` routed rows.
+constexpr int64_t token_major_columns(int64_t capacity, int64_t experts) {
+  return (capacity + 127) / 128 * 128 + 128 * experts;
+}
+
+// Where an expert's rows start in the copy, from its first row's index among the expert-major rows.
+constexpr int64_t token_major_start(int64_t first_row, int64_t expert) {
+  return (first_row + 127) / 128 * 128 + 128 * expert;
+}
+
+// Rows that are fp32 values [capacity, channels] row-major (the expert rank's own values: a, dh).
+// offsets: device int32 [experts + 1], from 0, non-decreasing, at most capacity (the layer's expert
+// offsets; values outside are clamped into [0, capacity]). channels a multiple of 128.
+Status token_major_quantize_fp32(const float* rows, int64_t channels, const int32_t* offsets, int experts,
+                                 int64_t capacity, uint8_t* qt, float* st, cudaStream_t stream);
+
+// Rows that are dispatched E4M3 copies (x, d_out): routed row r is source row row_src[r] of q [source_rows,
+// channels] with its 1x128 scales [source_rows, channels / 128] row-major (the receive buffers' layout),
+// dequantized (code value * scale, one fp32 multiply) and, with row_weight, multiplied by row_weight[r] (dy =
+// w dOut). A row_src outside [0, source_rows) reads as zeros.
+Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t source_rows, const int32_t* row_src,
+                                 const float* row_weight, int64_t channels, const int32_t* offsets, int experts,
+                                 int64_t capacity, uint8_t* qt, float* st, cudaStream_t stream);
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,187 @@
+// The weight gradients' token-major FP8 operands (kernels/fp8_token_major.hpp) against the CPU emulation of
+// include/megamoe/fp8.hpp, bit for bit: every channel's groups of 128 routed rows per expert (the last one
+// partial, zero-padded), in the documented columns, with K-block-major scales; nothing else written.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.hpp"
+#include "kernels/fp8_token_major.hpp"
+#include "megamoe/fp8.hpp"
+
+namespace megamoe {
+namespace {
+
+using testing::DeviceBuffer;
+
+uint32_t bits_of(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  return b;
+}
+
+// Rows over many binades (subnormal codes, ties and the 448 edge all occur).
+float random_value(std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> log_magnitude(-10.0f, 6.0f);
+  return normal(rng) * std::exp2(log_magnitude(rng));
+}
+
+// Checks the GPU's copy against the rule, given the routed rows' values as the kernel reads them
+// (value(r, c) for row r of the expert-major rows). Every column outside the experts' segments, and every
+// scale of a K block no expert has, must still hold the 0xFF poison.
+template <class Value>
+void expect_token_major(const std::vector<int32_t>& offsets, int64_t capacity, int64_t channels, const Value& value,
+                        const std::vector<uint8_t>& got_q, const std::vector<float>& got_s) {
+  const int experts = static_cast<int>(offsets.size()) - 1;
+  const int64_t columns = kernels::token_major_columns(capacity, experts);
+  std::vector<bool> written_column(columns, false);
+  int64_t code_mismatches = 0, scale_mismatches = 0, poison_lost = 0;
+  for (int e = 0; e < experts; ++e) {
+    const int64_t begin = offsets[e], n = offsets[e + 1] - offsets[e];
+    const int64_t start = kernels::token_major_start(begin, e);
+    ASSERT_EQ(start % 128, 0);
+    for (int64_t g = 0; g * 128 < n; ++g) {
+      for (int64_t k = 0; k < 128; ++k) written_column[start + 128 * g + k] = true;
+      for (int64_t c = 0; c < channels; ++c) {
+        float group[128];
+        for (int64_t k = 0; k < 128; ++k) group[k] = 128 * g + k < n ? value(begin + 128 * g + k, c) : 0.0f;
+        uint8_t codes[128];
+        float scale = 0.0f;
+        fp8::quantize_rows_1x128(group, 1, 128, codes, &scale);
+        for (int64_t k = 0; k < 128; ++k) code_mismatches += got_q[c * columns + start + 128 * g + k] != codes[k];
+        scale_mismatches += bits_of(got_s[((start / 128) + g) * channels + c]) != bits_of(scale);
+      }
+    }
+  }
+  for (int64_t col = 0; col < columns; ++col) {
+    if (written_column[col]) continue;
+    for (int64_t c = 0; c < channels; ++c) poison_lost += got_q[c * columns + col] != 0xFF;
+    if (col % 128 == 0)
+      for (int64_t c = 0; c < channels; ++c) poison_lost += bits_of(got_s[(col / 128) * channels + c]) != 0xFFFFFFFFu;
+  }
+  EXPECT_EQ(code_mismatches, 0);
+  EXPECT_EQ(scale_mismatches, 0);
+  EXPECT_EQ(poison_lost, 0) << "the kernel wrote outside the experts' segments";
+}
+
+// Four experts: one with a full and a partial group (130 rows), an empty one, one of 170 rows starting
+// mid-group, one of a single row; capacity 320 (the last 19 rows unused, NaN to show they are not read).
+const std::vector<int32_t> kOffsets = {0, 130, 130, 300, 301};
+constexpr int64_t kCapacity = 320;
+constexpr int64_t kChannels = 256;
+
+TEST(Fp8TokenMajorGpuTest, Fp32RowsMatchTheCpuRuleBitExactly) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::vector<float> rows(kCapacity * kChannels, std::numeric_limits<float>::quiet_NaN());
+  for (int64_t r = 0; r < kOffsets.back(); ++r)
+    for (int64_t c = 0; c < kChannels; ++c) rows[r * kChannels + c] = random_value(rng);
+  for (int64_t r = 0; r < 130; ++r) rows[r * kChannels + 5] = 0.0f;  // an all-zero channel: scale 1
+  rows[140 * kChannels + 9] = std::numeric_limits<float>::quiet_NaN();  // ignored by its group's amax
+  rows[200 * kChannels + 17] = std::numeric_limits<float>::infinity();  // its group's scale is infinite
+  const int experts = static_cast<int>(kOffsets.size()) - 1;
+  const int64_t columns = kernels::token_major_columns(kCapacity, experts);
+  DeviceBuffer<float> d_rows(rows.size());
+  DeviceBuffer<int32_t> d_offsets(kOffsets.size());
+  DeviceBuffer<uint8_t> qt(kChannels * columns);
+  DeviceBuffer<float> st(columns / 128 * kChannels);
+  d_rows.upload(rows);
+  d_offsets.upload(kOffsets);
+  ASSERT_TRUE(kernels::token_major_quantize_fp32(d_rows.get(), kChannels, d_offsets.get(), experts, kCapacity,
+                                                 qt.get(), st.get(), nullptr)
+                  .is_ok());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  expect_token_major(kOffsets, kCapacity, kChannels, [&](int64_t r, int64_t c) { return rows[r * kChannels + c]; },
+                     qt.download(), st.download());
+}
+
+// Dispatched E4M3 rows gathered by index (one index out of range: zeros), dequantized, and with the routing
+// weight (dy = w dOut) or without (x).
+TEST(Fp8TokenMajorGpuTest, GatheredE4m3RowsMatchTheCpuRuleBitExactly) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  constexpr int64_t kSourceRows = 200;
+  std::vector<float> source(kSourceRows * kChannels);
+  for (float& v : source) v = random_value(rng);
+  std::vector<uint8_t> q(source.size());
+  std::vector<float> s(kSourceRows * (kChannels / 128));
+  fp8::quantize_rows_1x128(source.data(), kSourceRows, kChannels, q.data(), s.data());
+  std::uniform_int_distribution<int32_t> pick(0, kSourceRows - 1);
+  std::uniform_real_distribution<float> weight(0.01f, 1.0f);
+  std::vector<int32_t> row_src(kCapacity);
+  std::vector<float> row_weight(kCapacity);
+  for (int64_t r = 0; r < kCapacity; ++r) {
+    row_src[r] = pick(rng);
+    row_weight[r] = weight(rng);
+  }
+  row_src[7] = -1;
+  row_src[150] = kSourceRows;  // both out of range: the rows read as zeros
+
+  const int experts = static_cast<int>(kOffsets.size()) - 1;
+  const int64_t columns = kernels::token_major_columns(kCapacity, experts);
+  DeviceBuffer<uint8_t> d_q(q.size());
+  DeviceBuffer<float> d_s(s.size()), d_weight(row_weight.size());
+  DeviceBuffer<int32_t> d_src(row_src.size()), d_offsets(kOffsets.size());
+  d_q.upload(q);
+  d_s.upload(s);
+  d_weight.upload(row_weight);
+  d_src.upload(row_src);
+  d_offsets.upload(kOffsets);
+  for (const bool weighted : {false, true}) {
+    SCOPED_TRACE(weighted ? "with the routing weight" : "without a weight");
+    DeviceBuffer<uint8_t> qt(kChannels * columns);
+    DeviceBuffer<float> st(columns / 128 * kChannels);
+    ASSERT_TRUE(kernels::token_major_quantize_e4m3(d_q.get(), d_s.get(), kSourceRows, d_src.get(),
+                                                   weighted ? d_weight.get() : nullptr, kChannels, d_offsets.get(),
+                                                   experts, kCapacity, qt.get(), st.get(), nullptr)
+                    .is_ok());
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const auto value = [&](int64_t r, int64_t c) {
+      const int32_t src = row_src[r];
+      if (src < 0 || src >= kSourceRows) return 0.0f;
+      float v = fp8::e4m3_to_float(q[src * kChannels + c]) * s[src * (kChannels / 128) + c / 128];
+      if (weighted) v *= row_weight[r];
+      return v;
+    };
+    expect_token_major(kOffsets, kCapacity, kChannels, value, qt.download(), st.download());
+  }
+}
+
+TEST(Fp8TokenMajorGpuTest, BadArgumentsAreRefused) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  DeviceBuffer<float> rows(kCapacity * kChannels);
+  DeviceBuffer<int32_t> offsets(kOffsets.size());
+  DeviceBuffer<uint8_t> qt(kChannels * kernels::token_major_columns(kCapacity, 4) + 16);
+  DeviceBuffer<float> st(kChannels * kernels::token_major_columns(kCapacity, 4) / 128);
+  EXPECT_EQ(kernels::token_major_quantize_fp32(rows.get(), 200, offsets.get(), 4, kCapacity, qt.get(), st.get(),
+                                               nullptr)
+                .code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(kernels::token_major_quantize_fp32(rows.get(), kChannels, offsets.get(), 0, kCapacity, qt.get(), st.get(),
+                                               nullptr)
+                .code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(kernels::token_major_quantize_fp32(rows.get(), kChannels, offsets.get(), 4, kCapacity, qt.get() + 1,
+                                               st.get(), nullptr)
+                .code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(kernels::token_major_quantize_e4m3(nullptr, nullptr, 10, nullptr, nullptr, kChannels, offsets.get(), 4,
+                                               kCapacity, qt.get(), st.get(), nullptr)
+                .code(),
+            StatusCode::kInvalidArgument);
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+}
+
+}  // namespace
+}  // namespace megamoe
