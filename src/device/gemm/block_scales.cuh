@@ -42,6 +42,25 @@ __device__ __forceinline__ int scale_box_row0(int row0) { return row0 & ~3; }
 __device__ __forceinline__ const float* tile_scales(const StageScales& slot, int row0) { return slot.a + (row0 & 3); }
 inline constexpr int kScaleArrivals = 1;  // full-barrier arrivals per stage of the thread that loads the scales
 
+// Both operands scaled per row and K block (the weight gradients' token-major operands,
+// kernels/fp8_token_major.hpp): one stage's 128 scales of the tile's A rows and 128 of its B rows (the output
+// columns), each one TMA box of a K-block-major scale tensor [k_blocks, rows]; tiles start at multiples of
+// 128 rows there, so the boxes need no offset. One producer thread loads both with one transaction count.
+struct alignas(128) StageChannelScales {
+  float a[128];
+  float b[128];
+};
+inline constexpr uint32_t kStageChannelScaleBytes = sizeof(StageChannelScales);
+
+template <int kStages>
+__device__ __forceinline__ void load_channel_scales(const StagePipeline<kStages>& pipe, const PipeState<kStages>& st,
+                                                    StageChannelScales* slot, const CUtensorMap* map_sa,
+                                                    const CUtensorMap* map_sb, int m0, int n0, int kb) {
+  pipe.producer_expect_tx(st, kStageChannelScaleBytes);
+  tma_load_2d(slot->a, map_sa, m0, kb, pipe.full_barrier(st));
+  tma_load_2d(slot->b, map_sb, n0, kb, pipe.full_barrier(st));
+}
+
 // Where the B scales come from: sb [groups, n_blocks, k_blocks] fp32 row-major.
 struct WeightScales {
   const float* sb;

@@ -26,6 +26,27 @@
 
 namespace megamoe::device {
 
+// One K block of a warpgroup's FP8 tile: wgmma.m64nBNk32 x 4 on stage `st` into `partial` (the first
+// overwrites it), committed as one group; the caller waits for it.
+template <class Shape>
+__device__ __forceinline__ void issue_fp8_block(float (&partial)[Shape::kBN / 2], uint8_t* stages,
+                                                const PipeState<Shape::kStages>& st, int cwg) {
+  static_assert(Shape::kForm == GemmForm::kNT, "FP8 operands are both K-major");
+  static_assert(Shape::kBK * 2 == 128 && Shape::kAStep == 32 && Shape::kBStep == 32, "a stage row is one K block");
+  using Mma = WgmmaE4m3<Shape::kBN>;
+  const uint32_t sa = smem_addr(stages + st.index * Shape::kStageBytes);
+  const uint32_t sb = sa + Shape::kABytes;
+  const uint32_t a_base = sa + cwg * kBoxBytes;  // rows 64 cwg .. of the tile (64 rows x 128 bytes)
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint64_t da = make_smem_desc(a_base + kk * Shape::kAStep, Shape::kALbo, 1024);
+    const uint64_t db = make_smem_desc(sb + kk * Shape::kBStep, Shape::kBLbo, 1024);
+    Mma::mma(partial, da, db, kk > 0 ? 1 : 0);
+  }
+  wgmma_commit();
+}
+
 // acc = sum over the tile's K blocks of scale * (the block's wgmma sum). cwg: consumer warpgroup (rows
 // 64 cwg .. 64 cwg + 63 of the tile); lt: thread in the warpgroup; scales: the ring's A-scale slots;
 // b_scales: the tile's weight-block scales, one per K block (WeightScales::of); cta_rank: the CTA in its
@@ -51,10 +72,7 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
                                                        PipeState<Shape::kStages>& st, uint8_t* stages,
                                                        const StageScales* scales, const float* b_scales,
                                                        const TileCoord& tile, int cwg, int lt, uint32_t cta_rank) {
-  static_assert(Shape::kForm == GemmForm::kNT, "FP8 operands are both K-major");
   static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
-  static_assert(Shape::kBK * 2 == 128 && Shape::kAStep == 32 && Shape::kBStep == 32, "a stage row is one K block");
-  using Mma = WgmmaE4m3<Shape::kBN>;
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
 #pragma unroll
@@ -69,17 +87,7 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
     if (kt + 1 < k_tiles) b_next = __ldg(b_scales + kt + 1);
     pipe.consumer_wait(st);
     if constexpr (kGathered) fence_proxy_async_smem();
-    const uint32_t sa = smem_addr(stages + st.index * Shape::kStageBytes);
-    const uint32_t sb = sa + Shape::kABytes;
-    const uint32_t a_base = sa + cwg * kBoxBytes;  // rows 64 cwg .. of the tile (64 rows x 128 bytes)
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t da = make_smem_desc(a_base + kk * Shape::kAStep, Shape::kALbo, 1024);
-      const uint64_t db = make_smem_desc(sb + kk * Shape::kBStep, Shape::kBLbo, 1024);
-      Mma::mma(partial, da, db, kk > 0 ? 1 : 0);
-    }
-    wgmma_commit();
+    issue_fp8_block<Shape>(partial, stages, st, cwg);
     const float* a_scales = tile_scales(scales[st.index], tile.row0);
     const float scale[2] = {promotion_scale(a_scales, b_scale, cwg, warp, lane, 0),
                             promotion_scale(a_scales, b_scale, cwg, warp, lane, 1)};
@@ -95,6 +103,42 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
       if (lt == 0) mbarrier_arrive_cluster_peer(&pipe.empty[st.index], cta_rank ^ 1);
     }
     promote_block(acc, partial, scale);
+    st.advance();
+  }
+}
+
+// The same loop with both operands scaled per row and K block (the weight gradients; block_scales.cuh's
+// StageChannelScales): acc = sum over the tile's K blocks of (sa[m] sb[n]) * (the block's wgmma sum). The
+// stage is released after the promotion, which reads the column scales from the stage's slot; every consumer
+// warp releases for its lanes (the slots are refilled through TMA), so the empty barrier counts consumer warps
+// (kFp8ChannelEmptyArrivals).
+template <class Shape>
+inline constexpr int kFp8ChannelEmptyArrivals = 4 * Shape::kConsumerGroups;
+
+template <class Shape>
+__device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::kBN / 2],
+                                                            const StagePipeline<Shape::kStages>& pipe,
+                                                            PipeState<Shape::kStages>& st, uint8_t* stages,
+                                                            const StageChannelScales* scales, int k_tiles, int cwg,
+                                                            int lt) {
+  static_assert(Shape::kBN == 128 && Shape::kBM == 128 && Shape::kCluster == 1, "128 x 128 tiles, single CTAs");
+  constexpr int kN = Shape::kBN / 2;
+  const int warp = lt >> 5, lane = lt & 31;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) acc[i] = 0.0f;
+  float partial[kN];  // overwritten by each block's first wgmma; zeroed so that it is never read undefined
+#pragma unroll
+  for (int i = 0; i < kN; ++i) partial[i] = 0.0f;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    pipe.consumer_wait(st);
+    issue_fp8_block<Shape>(partial, stages, st, cwg);
+    const StageChannelScales& slot = scales[st.index];
+    const float row_scale[2] = {slot.a[64 * cwg + Fragment::row(warp, lane, 0)],
+                                slot.a[64 * cwg + Fragment::row(warp, lane, 1)]};
+    wgmma_wait<0>();
+    fence_accumulators(partial);
+    promote_block_channels(acc, partial, row_scale, slot.b, lane);
+    pipe.consumer_release_warp(st, lane);
     st.advance();
   }
 }

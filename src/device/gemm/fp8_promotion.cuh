@@ -32,4 +32,24 @@ __device__ __forceinline__ void promote_block(float (&acc)[kN], const float (&pa
       }
 }
 
+// Both operands scaled per row and K block: acc[m, n] = fma(partial[m, n], sa[m] * sb[n], acc[m, n]).
+// row_scale[h]: this thread's two row scales; col_scales: the tile's 128 column scales (shared memory),
+// read a pair per column group (one 8-byte load).
+template <int kN>
+__device__ __forceinline__ void promote_block_channels(float (&acc)[kN], const float (&partial)[kN],
+                                                       const float (&row_scale)[2], const float* col_scales,
+                                                       int lane) {
+#pragma unroll
+  for (int j = 0; j < kN / 4; ++j) {
+    const float2 cs = *reinterpret_cast<const float2*>(col_scales + Fragment::col(lane, j));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      acc[Fragment::reg(j, h, 0)] = __fmaf_rn(partial[Fragment::reg(j, h, 0)], row_scale[h] * cs.x,
+                                              acc[Fragment::reg(j, h, 0)]);
+      acc[Fragment::reg(j, h, 1)] = __fmaf_rn(partial[Fragment::reg(j, h, 1)], row_scale[h] * cs.y,
+                                              acc[Fragment::reg(j, h, 1)]);
+    }
+  }
+}
+
 }  // namespace megamoe::device

@@ -1,0 +1,86 @@
+// Host side of the FP8 weight-gradient GEMM (fp8_wgrad.hpp): argument checks, tensor maps (the e4m3 operands
+// as bf16 pairs, as in fp8_gemm.cu; the scales as fp32 tensors [K blocks, rows]), the persistent launch.
+#include <cstdint>
+#include <string>
+
+#include "host/tensor_map.hpp"
+#include "kernels/cluster_launch.hpp"
+#include "kernels/cuda_check.hpp"
+#include "kernels/fp8_token_major.hpp"
+#include "kernels/fp8_wgrad.hpp"
+#include "kernels/fp8_wgrad_kernel.cuh"
+
+namespace megamoe::kernels {
+namespace {
+
+Status check(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, const float* sb, int64_t N,
+             const int32_t* offsets, int experts, int64_t capacity, const float* D) {
+  if (M <= 0 || N <= 0 || M % 128 != 0 || N % 128 != 0 || M >= (int64_t{1} << 31) || N >= (int64_t{1} << 31))
+    return Status::invalid("fp8 wgrad GEMM: M and N must be positive multiples of 128, got M=" + std::to_string(M) +
+                           " N=" + std::to_string(N));
+  if (experts < 1 || experts > device::kMaxGroups)
+    return Status::invalid("fp8 wgrad GEMM: experts must be in [1, " + std::to_string(device::kMaxGroups) + "], got " +
+                           std::to_string(experts));
+  if (capacity < 0 || token_major_columns(capacity, experts) >= (int64_t{1} << 31))
+    return Status::invalid("fp8 wgrad GEMM: capacity out of range: " + std::to_string(capacity));
+  if (qa == nullptr || qb == nullptr || sa == nullptr || sb == nullptr || offsets == nullptr || D == nullptr)
+    return Status::invalid("fp8 wgrad GEMM: null pointer");
+  if ((reinterpret_cast<uintptr_t>(qa) & 15u) != 0 || (reinterpret_cast<uintptr_t>(qb) & 15u) != 0 ||
+      (reinterpret_cast<uintptr_t>(sa) & 15u) != 0 || (reinterpret_cast<uintptr_t>(sb) & 15u) != 0)
+    return Status::invalid("fp8 wgrad GEMM: qa, qb, sa and sb must be 16-byte aligned");
+  return Status::ok();
+}
+
+// An e4m3 matrix [rows, columns] as bf16 pairs, boxes of 128 e4m3 (64 pairs) x 128 rows.
+Status operand_map(CUtensorMap* map, const uint8_t* q, int64_t rows, int64_t columns) {
+  const uint64_t dims[2] = {static_cast<uint64_t>(columns / 2), static_cast<uint64_t>(rows)};
+  const uint32_t box[2] = {64, 128};
+  return make_bf16_tensor_map(map, q, 2, dims, box);
+}
+
+// Scales [columns / 128, rows] fp32, boxes of one K block's 128 rows.
+Status scale_map(CUtensorMap* map, const float* s, int64_t rows, int64_t columns) {
+  const uint64_t dims[2] = {static_cast<uint64_t>(rows), static_cast<uint64_t>(columns / 128)};
+  const uint32_t box[2] = {128, 1};
+  return make_fp32_tensor_map_2d(map, s, dims, static_cast<uint64_t>(rows), box);
+}
+
+}  // namespace
+
+Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, const float* sb, int64_t N,
+                      const int32_t* offsets, int experts, int64_t capacity, float* D, bool accumulate,
+                      cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));
+  int dev = 0, major = 0, num_sms = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (major != 9)
+    return Status(StatusCode::kNotSupported, "fp8 wgrad GEMM needs an sm_90 (Hopper) device, found compute "
+                                             "capability " + std::to_string(major) + ".x");
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
+  const int64_t columns = token_major_columns(capacity, experts);
+  CUtensorMap tm_a{}, tm_b{}, tm_sa{}, tm_sb{};
+  MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_a, qa, M, columns));
+  MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_b, qb, N, columns));
+  MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sa, sa, M, columns));
+  MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sb, sb, N, columns));
+  Fp8WgradParams p{};
+  p.offsets = offsets;
+  p.experts = experts;
+  p.capacity = static_cast<int>(capacity);
+  p.M = static_cast<int>(M);
+  p.N = static_cast<int>(N);
+  p.D = D;
+  p.accumulate = accumulate ? 1 : 0;
+  ClusterLaunch launch;
+  MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<1>(fp8_wgrad_kernel, kFp8WgradThreads, Fp8WgradConfig::kSmemBytes,
+                                                    stream, num_sms, 0, "fp8 wgrad GEMM", &launch));
+  // No more CTAs than tiles.
+  const int64_t tiles = static_cast<int64_t>(experts) * (M / 128) * (N / 128);
+  launch.set_grid(static_cast<int>(tiles < launch.clusters ? tiles : launch.clusters), 1);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&launch.config, fp8_wgrad_kernel, tm_a, tm_b, tm_sa, tm_sb, p));
+  MEGAMOE_CHECK_LAUNCH(stream, "fp8_wgrad_kernel");
+  return Status::ok();
+}
+
+}  // namespace megamoe::kernels

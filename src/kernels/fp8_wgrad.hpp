@@ -1,0 +1,28 @@
+// The FP8 weight-gradient GEMM (the FP8 backward's dW2 = dy^T a and dW13 = dh^T x, docs/FP8.md): for every
+// local expert e,
+//   D[e] (+)= sum over the expert's K blocks kb of (sa[kb][m] * sb[kb][n]) * sum_k qa[m][k] qb[n][k]
+// with qa [M, columns] and qb [N, columns] the token-major E4M3 copies of kernels/fp8_token_major.hpp (the
+// expert's routed rows from column token_major_start(offsets[e], e), 128 per K block, the last block
+// zero-padded), sa [columns / 128, M] and sb [columns / 128, N] their K-block-major scales, and columns =
+// token_major_columns(capacity, experts). The tensor cores sum each K block (their limited-precision FP8
+// accumulation inside one block), the scales are applied in fp32 registers after it (one product of the
+// two scales, one fused multiply-add per element), D [experts, M, N] is fp32, stored or, with accumulate,
+// added to (one fp32 rounding). An expert without rows gets zeros (or nothing added).
+// Limits, checked: M and N positive multiples of 128, 1 <= experts <= 1024, capacity in [0, 2^31 - 128 experts);
+// qa, qb 16-byte aligned; sa, sb, D non-null. offsets: device int32 [experts + 1] (clamped into [0,
+// capacity]). Sm_90 only. Asynchronous on `stream`.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "megamoe/status.hpp"
+
+namespace megamoe::kernels {
+
+Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, const float* sb, int64_t N,
+                      const int32_t* offsets, int experts, int64_t capacity, float* D, bool accumulate,
+                      cudaStream_t stream);
+
+}  // namespace megamoe::kernels

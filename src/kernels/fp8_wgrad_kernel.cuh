@@ -1,0 +1,154 @@
+// The FP8 weight-gradient GEMM kernel (fp8_wgrad.hpp), composed like the FP8 GEMM (fp8_gemm_kernel.cuh): one
+// persistent, warp-specialised CTA of 384 threads per SM, tile 128 x 128 of one expert's [M, N] output, one
+// 128-deep K block (128 routed rows) per stage. The reduction is K-grouped: an expert's K blocks are its
+// segment of the token-major copies (kernels/fp8_token_major.hpp), which starts at a multiple of 128 columns.
+//   warpgroup 0, the producer: thread 0 loads a stage's A box (the tile's 128 rows of qa) and B box (its 128
+//     rows of qb) with TMA; thread 32 the stage's 128 + 128 scales (load_channel_scales);
+//   warpgroups 1 and 2, the consumers: 64 rows each, mma_tile_fp8_channel_scaled, then the fp32 epilogue
+//     (stored, or added to what D holds).
+// An expert without rows still has its tiles: they store zeros (or add nothing).
+#pragma once
+
+#include "device/epilogue/box_store.cuh"
+#include "device/epilogue/epilogues.cuh"
+#include "device/gemm/block_scales.cuh"
+#include "device/gemm/fp8_mainloop.cuh"
+#include "device/gemm/shape.cuh"
+#include "device/pipeline.cuh"
+#include "device/ptx/sync.cuh"
+#include "device/ptx/tma.cuh"
+#include "device/sched/grouped_tiles.cuh"
+#include "device/sched/schedulers.cuh"
+#include "device/shared_storage.cuh"
+#include "kernels/fp8_token_major.hpp"
+
+namespace megamoe::kernels {
+
+inline constexpr int kFp8WgradThreads = 384;
+
+struct Fp8WgradParams {
+  const int32_t* offsets;  // device [experts + 1]: routed-row offsets of the experts
+  int experts;
+  int capacity;            // routed rows (offsets are clamped into [0, capacity])
+  int M, N;                // output rows and columns of each expert (multiples of 128)
+  float* D;                // [experts, M, N] fp32
+  int accumulate;          // 1: D += the gradient
+};
+
+struct Fp8WgradConfig {
+  static constexpr int kBN = 128;
+  // 5 x 32 KB stages + their scale slots + two 8 KB fp32 staging boxes + the numbering's tables.
+  static constexpr int kStages = 5;
+  // The bf16-pair view of the e4m3 operands: kBK = 64 "bf16" = 128 e4m3 = one K block (fp8_mainloop.cuh).
+  using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, 1>;
+  // Numbered over routed rows: one stage = 128 of them.
+  using Tiles = device::GroupedTiles<Shape::kBM, kBN, 128, 1, true>;
+  static constexpr int kFullArrivals = 2;  // the operand thread's transaction count, the scale thread's
+  static constexpr int kEmptyArrivals = device::kFp8ChannelEmptyArrivals<Shape>;
+  static constexpr int kScaleThread = 32;
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs = 224;
+  static constexpr int kRegsAtLaunch = 65536 / kFp8WgradThreads / 8 * 8;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kRegsAtLaunch * kFp8WgradThreads, "register budget");
+
+  struct alignas(1024) SharedStorage {
+    uint8_t stages[kStages][Shape::kStageBytes];
+    uint8_t staging[2][device::kBoxBytes];
+    device::StageChannelScales scales[kStages];
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+    typename Tiles::Storage tiles;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");
+};
+
+// The tile's first K column in the token-major copies: its expert's segment, then 128 per K block.
+__device__ __forceinline__ int wgrad_k_column(const device::TileCoord& tile, int kt) {
+  return static_cast<int>(token_major_start(tile.row0, tile.e)) + 128 * kt;
+}
+
+__device__ __forceinline__ void fp8_wgrad_producer(const CUtensorMap* tm_a, const CUtensorMap* tm_b,
+                                                   const CUtensorMap* tm_sa, const CUtensorMap* tm_sb,
+                                                   Fp8WgradConfig::SharedStorage& smem,
+                                                   const Fp8WgradConfig::Tiles& tiles,
+                                                   const device::StaticSchedule& sched, int ptid) {
+  using Shape = Fp8WgradConfig::Shape;
+  if (ptid != 0 && ptid != Fp8WgradConfig::kScaleThread) return;
+  const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
+  device::PipeState<Shape::kStages> st;
+  const int total = tiles.total();
+  for (int j = 0;; ++j) {
+    const int t = sched.item(j);
+    if (t >= total) break;
+    const device::TileCoord tile = tiles.decode(t, 0);
+    const int m0 = tile.m_idx * Shape::kBM, n0 = tile.n_idx * Shape::kBN;
+    for (int kt = 0; kt < tile.k_tiles; ++kt) {
+      pipe.producer_acquire(st);
+      const int k = wgrad_k_column(tile, kt);
+      if (ptid == 0) {
+        uint64_t* bar = pipe.full_barrier(st);
+        uint8_t* stage = smem.stages[st.index];
+        pipe.producer_expect_tx(st, static_cast<uint32_t>(Shape::kABytes + Shape::kBBytes));
+        // Coordinates in bf16 pairs along K (two e4m3 each), rows as they are.
+        device::tma_load_2d(stage, tm_a, k / 2, m0, bar);
+        device::tma_load_2d(stage + Shape::kABytes, tm_b, k / 2, n0, bar);
+      } else {
+        device::load_channel_scales(pipe, st, &smem.scales[st.index], tm_sa, tm_sb, m0, n0, k / 128);
+      }
+      st.advance();
+    }
+  }
+}
+
+__device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, Fp8WgradConfig::SharedStorage& smem,
+                                                   const Fp8WgradConfig::Tiles& tiles,
+                                                   const device::StaticSchedule& sched, int tid) {
+  using Shape = Fp8WgradConfig::Shape;
+  constexpr int kBN = Shape::kBN;
+  const int cwg = tid / 128 - 1;  // rows 64 cwg .. 64 cwg + 63 of the tile
+  const int lt = tid & 127;
+  const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
+  device::PipeState<Shape::kStages> st;
+  float acc[kBN / 2];
+  for (int j = 0;; ++j) {
+    const int t = sched.item(j);
+    if (t >= tiles.total_now()) break;
+    const device::TileCoord tile = tiles.decode(t, 0);
+    device::mma_tile_fp8_channel_scaled<Shape>(acc, pipe, st, smem.stages[0], smem.scales, max(tile.k_tiles, 0), cwg,
+                                               lt);
+    float* d = p.D + static_cast<int64_t>(tile.e) * p.M * p.N;
+    device::epilogue_fp32<kBN>(acc, d, p.M, p.N, tile.m_idx * Shape::kBM + 64 * cwg, tile.n_idx * kBN,
+                               p.accumulate != 0, smem.staging[cwg], 2 + cwg, lt);
+  }
+}
+
+__global__ void __launch_bounds__(kFp8WgradThreads, 1)
+    fp8_wgrad_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                     const __grid_constant__ CUtensorMap tm_sa, const __grid_constant__ CUtensorMap tm_sb,
+                     const Fp8WgradParams p) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+  using Cfg = Fp8WgradConfig;
+  using Shape = Cfg::Shape;
+  auto& smem = device::shared_storage<Cfg::SharedStorage>();
+  const int tid = threadIdx.x;
+  const Cfg::Tiles tiles{&smem.tiles, p.experts, p.N / Shape::kBN, p.M, 0};
+  if (tid == 0) {
+    const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
+    pipe.init(Cfg::kFullArrivals, Cfg::kEmptyArrivals);
+    device::mbarrier_init_fence();
+  }
+  __syncthreads();
+  tiles.build(p.offsets, p.capacity, false, tid, kFp8WgradThreads);
+  const device::StaticSchedule sched{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
+  if (tid < 128) {
+    device::setmaxnreg_dec<Cfg::kProducerRegs>();
+    fp8_wgrad_producer(&tm_a, &tm_b, &tm_sa, &tm_sb, smem, tiles, sched, tid);
+  } else {
+    device::setmaxnreg_inc<Cfg::kConsumerRegs>();
+    fp8_wgrad_consumer(p, smem, tiles, sched, tid);
+  }
+#endif
+}
+
+}  // namespace megamoe::kernels

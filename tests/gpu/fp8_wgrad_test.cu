@@ -1,0 +1,146 @@
+// The FP8 weight-gradient GEMM (kernels/fp8_wgrad.hpp) on token-major operands made by
+// kernels/fp8_token_major.hpp, against its contract computed in double from the same E4M3 codes and scales:
+// experts with a full and a partial K block, an empty expert (zeros), one of a single row; the accumulating
+// form bitwise the stored result added to what D held.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.hpp"
+#include "kernels/fp8_token_major.hpp"
+#include "kernels/fp8_wgrad.hpp"
+#include "megamoe/fp8.hpp"
+
+namespace megamoe {
+namespace {
+
+using testing::DeviceBuffer;
+
+constexpr double kFrobeniusTol = 1e-2;
+constexpr double kMagTol = 1.0 / 512;  // of the sum of the terms' magnitudes, per element
+
+TEST(Fp8WgradGemmGpuTest, MatchesTheContractOnTokenMajorOperands) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> log_magnitude(-4.0f, 4.0f);
+  const std::vector<int32_t> offsets = {0, 130, 130, 300, 301};
+  const int experts = 4;
+  const int64_t capacity = 320, M = 256, N = 384;
+  const int64_t columns = kernels::token_major_columns(capacity, experts);
+  std::vector<float> a_rows(capacity * M), b_rows(capacity * N);
+  for (float& v : a_rows) v = normal(rng) * std::exp2(log_magnitude(rng));
+  for (float& v : b_rows) v = normal(rng) * std::exp2(log_magnitude(rng));
+
+  DeviceBuffer<float> d_a(a_rows.size()), d_b(b_rows.size());
+  DeviceBuffer<int32_t> d_offsets(offsets.size());
+  DeviceBuffer<uint8_t> qa(M * columns), qb(N * columns);
+  DeviceBuffer<float> sa(columns / 128 * M), sb(columns / 128 * N);
+  d_a.upload(a_rows);
+  d_b.upload(b_rows);
+  d_offsets.upload(offsets);
+  // Columns outside the experts' segments are never read: zero them so the contract below can sum every
+  // column of a segment without caring about the poison around it.
+  MEGAMOE_ASSERT_CUDA(cudaMemset(qa.get(), 0, M * columns));
+  MEGAMOE_ASSERT_CUDA(cudaMemset(qb.get(), 0, N * columns));
+  ASSERT_TRUE(kernels::token_major_quantize_fp32(d_a.get(), M, d_offsets.get(), experts, capacity, qa.get(), sa.get(),
+                                                 nullptr)
+                  .is_ok());
+  ASSERT_TRUE(kernels::token_major_quantize_fp32(d_b.get(), N, d_offsets.get(), experts, capacity, qb.get(), sb.get(),
+                                                 nullptr)
+                  .is_ok());
+  DeviceBuffer<float> d(experts * M * N);  // poisoned (NaN): every element must be written
+  ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts, capacity,
+                                      d.get(), false, nullptr)
+                  .is_ok());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> got = d.download();
+  const std::vector<uint8_t> ha = qa.download(), hb = qb.download();
+  const std::vector<float> hsa = sa.download(), hsb = sb.download();
+
+  double num = 0.0, den = 0.0;
+  int64_t bad = 0, nan = 0;
+  std::string first_bad;
+  for (int e = 0; e < experts; ++e) {
+    const int64_t n_e = offsets[e + 1] - offsets[e];
+    const int64_t start = kernels::token_major_start(offsets[e], e);
+    const int64_t blocks = (n_e + 127) / 128;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double want = 0.0, mag = 0.0;
+        for (int64_t kb = 0; kb < blocks; ++kb) {
+          const int64_t col0 = start + 128 * kb;
+          const double scale = static_cast<double>(hsa[(col0 / 128) * M + m]) * hsb[(col0 / 128) * N + n];
+          double block = 0.0, block_mag = 0.0;
+          for (int64_t k = 0; k < 128; ++k) {
+            const double term = static_cast<double>(fp8::e4m3_to_float(ha[m * columns + col0 + k])) *
+                                fp8::e4m3_to_float(hb[n * columns + col0 + k]);
+            block += term;
+            block_mag += std::fabs(term);
+          }
+          want += scale * block;
+          mag += std::fabs(scale) * block_mag;
+        }
+        const double g = got[(e * M + m) * N + n];
+        if (std::isnan(g)) {
+          ++nan;
+          continue;
+        }
+        if (n_e == 0) {
+          bad += g != 0.0;
+          continue;
+        }
+        num += (g - want) * (g - want);
+        den += want * want;
+        if (!(std::fabs(g - want) <= kMagTol * mag) && bad++ == 0)
+          first_bad = "expert " + std::to_string(e) + " (" + std::to_string(m) + ", " + std::to_string(n) +
+                      "): got " + std::to_string(g) + " want " + std::to_string(want);
+      }
+  }
+  const double rel = std::sqrt(num / den);
+  std::printf("[fp8_wgrad_test] rel err %.3e\n", rel);
+  EXPECT_EQ(nan, 0) << "unwritten outputs";
+  EXPECT_EQ(bad, 0) << first_bad;
+  EXPECT_LE(rel, kFrobeniusTol);
+
+  // Accumulating: what D held plus the same result, one fp32 add each.
+  std::vector<float> before(got.size());
+  for (size_t i = 0; i < before.size(); ++i) before[i] = 0.25f * static_cast<float>(i % 7) - 0.5f;
+  DeviceBuffer<float> d_acc(before.size());
+  d_acc.upload(before);
+  ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
+                                      capacity, d_acc.get(), true, nullptr)
+                  .is_ok());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> accumulated = d_acc.download();
+  int64_t differ = 0;
+  for (size_t i = 0; i < got.size(); ++i) differ += accumulated[i] != before[i] + got[i];
+  EXPECT_EQ(differ, 0) << "accumulate must be the stored result added to D";
+}
+
+TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  DeviceBuffer<uint8_t> q(256 * 1024);
+  DeviceBuffer<float> s(1024), d(256 * 256);
+  DeviceBuffer<int32_t> offsets(3);
+  const auto call = [&](int64_t M, int64_t N, int experts, const uint8_t* qa) {
+    return kernels::fp8_wgrad_gemm(qa, s.get(), M, q.get(), s.get(), N, offsets.get(), experts, 128, d.get(), false,
+                                   nullptr)
+        .code();
+  };
+  EXPECT_EQ(call(100, 128, 2, q.get()), StatusCode::kInvalidArgument);
+  EXPECT_EQ(call(128, 200, 2, q.get()), StatusCode::kInvalidArgument);
+  EXPECT_EQ(call(128, 128, 0, q.get()), StatusCode::kInvalidArgument);
+  EXPECT_EQ(call(128, 128, 2, q.get() + 1), StatusCode::kInvalidArgument);
+  EXPECT_EQ(call(128, 128, 2, nullptr), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace megamoe
