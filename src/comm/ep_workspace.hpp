@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "comm/device_error.hpp"
+#include "kernels/fp8_token_major_layout.hpp"
 
 namespace megamoe::ep {
 
@@ -100,6 +101,24 @@ struct WorkspaceLayout {
   int64_t w13_s = 0;           // f32 [E_local, 2I / 128, H / 128]
   int64_t w2_q = 0;            // e4m3 [E_local, H, I]
   int64_t w2_s = 0;            // f32 [E_local, H / 128, I / 128]
+  // blockwise FP8 backward (docs/FP8.md, the backward's steps)
+  int64_t dout_q = 0;          // e4m3 [T, H]: this rank's d_out, quantized before its dispatch
+  int64_t dout_s = 0;          // f32 [T, H / 128]
+  int64_t recv_doutq = 0;      // e4m3 [R, T, H]: the received d_out rows
+  int64_t recv_douts = 0;      // f32 [R, T, H / 128]
+  int64_t g_f32 = 0;           // f32 [C, I]: g = q(dOut) . W2q, the dgrad of GEMM2 before the routing weight
+  int64_t dh_q = 0;            // e4m3 [C, 2I]: dh, the dgrad of GEMM1's operand
+  int64_t dh_s = 0;            // f32 [2I / 128, k_block_scale_pitch(C)]: K-block-major
+  int64_t w2t_q = 0;           // e4m3 [E_local, I, H]: W2q transposed (K-major for g = dOut . W2)
+  int64_t w2t_s = 0;           // f32 [E_local, I / 128, H / 128]
+  int64_t w13t_q = 0;          // e4m3 [E_local, H, 2I]: W13q transposed (K-major for dx = dh . W13)
+  int64_t w13t_s = 0;          // f32 [E_local, H / 128, 2I / 128]
+  // The weight gradients' token-major operands (kernels/fp8_token_major.hpp): [channels, columns] e4m3 and
+  // K-block-major scales [columns / 128, channels], columns = token_major_columns(C, E_local).
+  int64_t dyt_q = 0, dyt_s = 0;  // dy = w dOut, H channels
+  int64_t at_q = 0, at_s = 0;    // a, I channels
+  int64_t dht_q = 0, dht_s = 0;  // dh, 2I channels
+  int64_t xt_q = 0, xt_s = 0;    // x, H channels
   int64_t total = 0;
 
   // 128-row blocks of the expert-major rows: at most one partial block per expert besides the full ones.
@@ -165,6 +184,26 @@ struct WorkspaceLayout {
     l.w13_s = take(q * 4 * EL * (2 * I / 128) * (H / 128));
     l.w2_q = take(q * EL * H * I);
     l.w2_s = take(q * 4 * EL * (H / 128) * (I / 128));
+    l.dout_q = take(q * T * H);
+    l.dout_s = take(q * 4 * T * (H / 128));
+    l.recv_doutq = take(q * R * T * H);
+    l.recv_douts = take(q * 4 * R * T * (H / 128));
+    l.g_f32 = take(q * 4 * C * I);
+    l.dh_q = take(q * C * 2 * I);
+    l.dh_s = take(q * 4 * (2 * I / 128) * k_block_scale_pitch(C));
+    l.w2t_q = take(q * EL * I * H);
+    l.w2t_s = take(q * 4 * EL * (I / 128) * (H / 128));
+    l.w13t_q = take(q * EL * H * 2 * I);
+    l.w13t_s = take(q * 4 * EL * (H / 128) * (2 * I / 128));
+    const int64_t columns = kernels::token_major_columns(C, EL);
+    l.dyt_q = take(q * H * columns);
+    l.dyt_s = take(q * 4 * (columns / 128) * H);
+    l.at_q = take(q * I * columns);
+    l.at_s = take(q * 4 * (columns / 128) * I);
+    l.dht_q = take(q * 2 * I * columns);
+    l.dht_s = take(q * 4 * (columns / 128) * 2 * I);
+    l.xt_q = take(q * H * columns);
+    l.xt_s = take(q * 4 * (columns / 128) * H);
     l.total = at;
     return l;
   }

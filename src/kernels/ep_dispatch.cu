@@ -40,7 +40,9 @@ Status launch_dispatch(const Params& p, const __nv_bfloat16* rows, const void* t
 
 Status launch_dispatch_fp8(const Params& p, const void* topk_idx, bool idx_is_int64, const float* weights,
                            cudaStream_t stream, int max_blocks) {
-  return launch_rows(p, Fp8Row{}, topk_idx, idx_is_int64, weights, stream, max_blocks);
+  // The forward's x (with its routing) or, without weights, the backward's d_out (the forward's routing).
+  const Fp8Row row = weights != nullptr ? Fp8Row::forward(p.layout) : Fp8Row::backward(p.layout);
+  return launch_rows(p, row, topk_idx, idx_is_int64, weights, stream, max_blocks);
 }
 
 Status load_dispatch_kernels() {

@@ -21,16 +21,23 @@ struct Bf16Row {
   }
 };
 
-// Fp8Row (blockwise FP8 forward): its e4m3 row and the row's H / 128 scales, quantized on this rank into x_q
-// and x_s, into recv_xq and recv_xs: half the bytes of the bf16 row, plus 1 / 64 of them for the scales.
+// Fp8Row (blockwise FP8): its e4m3 row and the row's H / 128 scales, quantized on this rank (workspace offsets
+// q, s), into the receive buffers recv_q, recv_s: half the bytes of the bf16 row, plus 1 / 64 of them for the
+// scales. The forward sends x (x_q, x_s -> recv_xq, recv_xs), the backward d_out (dout_q, dout_s ->
+// recv_doutq, recv_douts).
 struct Fp8Row {
+  int64_t q, s, recv_q, recv_s;
+
+  static Fp8Row forward(const WorkspaceLayout& l) { return {l.x_q, l.x_s, l.recv_xq, l.recv_xs}; }
+  static Fp8Row backward(const WorkspaceLayout& l) { return {l.dout_q, l.dout_s, l.recv_doutq, l.recv_douts}; }
+
   __device__ __forceinline__ void send(const Params& p, int64_t t, char* peer, int64_t recv, int lane) const {
     const int64_t H = p.shape.hidden, groups = H / 128;
     // The e4m3 bytes as bf16 pairs (H / 2 of them: a whole number of 16-byte pieces, H % 128 == 0).
-    warp_copy_row(at<__nv_bfloat16>(p.local, p.layout.x_q) + t * (H / 2),
-                  at<__nv_bfloat16>(peer, p.layout.recv_xq) + recv * (H / 2), H / 2, lane);
-    const float* from = at<float>(p.local, p.layout.x_s) + t * groups;
-    float* to = at<float>(peer, p.layout.recv_xs) + recv * groups;
+    warp_copy_row(at<__nv_bfloat16>(p.local, q) + t * (H / 2), at<__nv_bfloat16>(peer, recv_q) + recv * (H / 2),
+                  H / 2, lane);
+    const float* from = at<float>(p.local, s) + t * groups;
+    float* to = at<float>(peer, recv_s) + recv * groups;
     for (int64_t i = lane; i < groups; i += 32) to[i] = from[i];
   }
 };

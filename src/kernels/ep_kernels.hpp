@@ -32,8 +32,9 @@ Status launch_layout(const Params& p, const void* topk_idx, bool idx_is_int64, c
 // with the routing, without (backward, reusing the forward's routing) into recv_dout.
 Status launch_dispatch(const Params& p, const __nv_bfloat16* rows, const void* topk_idx, bool idx_is_int64,
                        const float* weights, cudaStream_t stream, int max_blocks);
-// Blockwise FP8 forward: the rows quantized into this rank's x_q / x_s go to recv_xq / recv_xs, with the
-// routing as launch_dispatch sends it.
+// Blockwise FP8: with `weights` (forward) the rows quantized into this rank's x_q / x_s go to recv_xq /
+// recv_xs with the routing, as launch_dispatch sends them; without (backward, the forward's routing) the
+// rows of dout_q / dout_s go to recv_doutq / recv_douts.
 Status launch_dispatch_fp8(const Params& p, const void* topk_idx, bool idx_is_int64, const float* weights,
                            cudaStream_t stream, int max_blocks);
 

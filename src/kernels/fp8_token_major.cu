@@ -4,6 +4,7 @@
 // as 32 contiguous E4M3 bytes each of the channel's row of the copy (fp8_token_major.hpp).
 #include <string>
 
+#include "device/epilogue/transforms.cuh"
 #include "device/fp8_codes.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/fp8_token_major.hpp"
@@ -46,6 +47,46 @@ struct E4m3Rows {
     for (int k = 0; k < 4; ++k) {
       v[k] = device::e4m3_value(codes >> (8 * k)) * scale;
       if (row_weight != nullptr) v[k] *= row_weight[r];
+    }
+  }
+};
+
+// a = silu(g) u of GEMM1's fp32 output h [rows, 2I] (gate columns, then up), I channels: the forward's
+// activation, recomputed with the epilogues' arithmetic (device/epilogue/transforms.cuh).
+struct SwigluRows {
+  const float* h;
+  int64_t I;
+  __device__ __forceinline__ void load4(int64_t r, int64_t c, float (&v)[4]) const {
+    const float4 g = *reinterpret_cast<const float4*>(h + r * 2 * I + c);
+    const float4 u = *reinterpret_cast<const float4*>(h + r * 2 * I + I + c);
+    v[0] = device::swiglu(g.x, u.x);
+    v[1] = device::swiglu(g.y, u.y);
+    v[2] = device::swiglu(g.z, u.z);
+    v[3] = device::swiglu(g.w, u.w);
+  }
+};
+
+// dh = SwiGLU'(w g) of row r, 2I channels (dg for the gate columns, then du), from g [rows, I], h and the
+// row's routing weight: the values swiglu_backward_quantize_rows_1x128 (fp8_quantize.hpp) quantizes along
+// the channels, the same arithmetic.
+struct SwigluGradRows {
+  const float* g;
+  const float* h;
+  const float* row_weight;
+  int64_t I;
+  __device__ __forceinline__ void load4(int64_t r, int64_t c, float (&v)[4]) const {
+    const bool up = c >= I;
+    const int64_t j = up ? c - I : c;
+    const float w = row_weight[r];
+    const float4 gs = *reinterpret_cast<const float4*>(g + r * I + j);
+    const float4 hg = *reinterpret_cast<const float4*>(h + r * 2 * I + j);
+    const float4 hu = *reinterpret_cast<const float4*>(h + r * 2 * I + I + j);
+    const float da[4] = {w * gs.x, w * gs.y, w * gs.z, w * gs.w};
+    const float gate[4] = {hg.x, hg.y, hg.z, hg.w}, upv[4] = {hu.x, hu.y, hu.z, hu.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const device::SwiGLUGrad d = device::swiglu_backward(da[k], gate[k], upv[k]);
+      v[k] = up ? d.du : d.dg;
     }
   }
 };
@@ -171,6 +212,29 @@ Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t 
   return launch("token_major_quantize_kernel<E4m3Rows>",
                 E4m3Rows{q, scales, source_rows, row_src, row_weight, channels}, channels, offsets, experts, capacity,
                 qt, st, stream);
+}
+
+Status token_major_quantize_swiglu(const float* h, int64_t I, const int32_t* offsets, int experts, int64_t capacity,
+                                   uint8_t* qt, float* st, cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu", I, offsets, experts, capacity, qt, st));
+  if (capacity == 0) return Status::ok();
+  if (h == nullptr || (reinterpret_cast<uintptr_t>(h) & 15u) != 0)
+    return Status::invalid("token_major_quantize_swiglu: h must be non-null and 16-byte aligned");
+  return launch("token_major_quantize_kernel<SwigluRows>", SwigluRows{h, I}, I, offsets, experts, capacity, qt, st,
+                stream);
+}
+
+Status token_major_quantize_swiglu_grad(const float* g, const float* h, const float* row_weight, int64_t I,
+                                        const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt, float* st,
+                                        cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu_grad", I, offsets, experts, capacity, qt, st));
+  if (capacity == 0) return Status::ok();
+  if (g == nullptr || h == nullptr || row_weight == nullptr || (reinterpret_cast<uintptr_t>(g) & 15u) != 0 ||
+      (reinterpret_cast<uintptr_t>(h) & 15u) != 0)
+    return Status::invalid("token_major_quantize_swiglu_grad: g, h and row_weight must be non-null, g and h 16-byte "
+                           "aligned");
+  return launch("token_major_quantize_kernel<SwigluGradRows>", SwigluGradRows{g, h, row_weight, I}, 2 * I, offsets,
+                experts, capacity, qt, st, stream);
 }
 
 }  // namespace megamoe::kernels

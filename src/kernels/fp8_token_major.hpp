@@ -17,19 +17,10 @@
 
 #include <cstdint>
 
+#include "kernels/fp8_token_major_layout.hpp"
 #include "megamoe/status.hpp"
 
 namespace megamoe::kernels {
-
-// Columns of the token-major copy for `experts` local experts sharing `capacity` routed rows.
-constexpr int64_t token_major_columns(int64_t capacity, int64_t experts) {
-  return (capacity + 127) / 128 * 128 + 128 * experts;
-}
-
-// Where an expert's rows start in the copy, from its first row's index among the expert-major rows.
-constexpr int64_t token_major_start(int64_t first_row, int64_t expert) {
-  return (first_row + 127) / 128 * 128 + 128 * expert;
-}
 
 // Rows that are fp32 values [capacity, channels] row-major (the expert rank's own values: a, dh).
 // offsets: device int32 [experts + 1], from 0, non-decreasing, at most capacity (the layer's expert
@@ -44,5 +35,16 @@ Status token_major_quantize_fp32(const float* rows, int64_t channels, const int3
 Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t source_rows, const int32_t* row_src,
                                  const float* row_weight, int64_t channels, const int32_t* offsets, int experts,
                                  int64_t capacity, uint8_t* qt, float* st, cudaStream_t stream);
+
+// a = silu(g) u from GEMM1's fp32 output h [capacity, 2I] (gate columns 0..I-1, then up), I channels, with the
+// epilogues' arithmetic (the forward's a, fp32). I a multiple of 128; h 16-byte aligned.
+Status token_major_quantize_swiglu(const float* h, int64_t I, const int32_t* offsets, int experts, int64_t capacity,
+                                   uint8_t* qt, float* st, cudaStream_t stream);
+
+// dh = SwiGLU'(w g) per routed row r (w = row_weight[r], g [capacity, I] the dgrad of GEMM2, h as above), 2I
+// channels: dg then du, the values swiglu_backward_quantize_rows_1x128 (fp8_quantize.hpp) computes.
+Status token_major_quantize_swiglu_grad(const float* g, const float* h, const float* row_weight, int64_t I,
+                                        const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt, float* st,
+                                        cudaStream_t stream);
 
 }  // namespace megamoe::kernels

@@ -40,7 +40,7 @@ struct Buffer {
 // The FP8 buffers with the bytes their tensors need.
 std::vector<Buffer> fp8_buffers(const WorkspaceLayout& l, const Shape& s) {
   const int64_t H = s.hidden, I = s.intermediate, R = s.num_ranks, T = s.max_tokens, C = s.row_capacity;
-  const int64_t EL = s.experts_per_rank;
+  const int64_t EL = s.experts_per_rank, cols = kernels::token_major_columns(C, EL);
   return {{"x_q", l.x_q, T * H},
           {"x_s", l.x_s, 4 * T * (H / 128)},
           {"recv_xq", l.recv_xq, R * T * H},
@@ -51,7 +51,26 @@ std::vector<Buffer> fp8_buffers(const WorkspaceLayout& l, const Shape& s) {
           {"w13_q", l.w13_q, EL * 2 * I * H},
           {"w13_s", l.w13_s, 4 * EL * (2 * I / 128) * (H / 128)},
           {"w2_q", l.w2_q, EL * H * I},
-          {"w2_s", l.w2_s, 4 * EL * (H / 128) * (I / 128)}};
+          {"w2_s", l.w2_s, 4 * EL * (H / 128) * (I / 128)},
+          {"dout_q", l.dout_q, T * H},
+          {"dout_s", l.dout_s, 4 * T * (H / 128)},
+          {"recv_doutq", l.recv_doutq, R * T * H},
+          {"recv_douts", l.recv_douts, 4 * R * T * (H / 128)},
+          {"g_f32", l.g_f32, 4 * C * I},
+          {"dh_q", l.dh_q, C * 2 * I},
+          {"dh_s", l.dh_s, 4 * (2 * I / 128) * k_block_scale_pitch(C)},
+          {"w2t_q", l.w2t_q, EL * I * H},
+          {"w2t_s", l.w2t_s, 4 * EL * (I / 128) * (H / 128)},
+          {"w13t_q", l.w13t_q, EL * H * 2 * I},
+          {"w13t_s", l.w13t_s, 4 * EL * (H / 128) * (2 * I / 128)},
+          {"dyt_q", l.dyt_q, H * cols},
+          {"dyt_s", l.dyt_s, 4 * (cols / 128) * H},
+          {"at_q", l.at_q, I * cols},
+          {"at_s", l.at_s, 4 * (cols / 128) * I},
+          {"dht_q", l.dht_q, 2 * I * cols},
+          {"dht_s", l.dht_s, 4 * (cols / 128) * 2 * I},
+          {"xt_q", l.xt_q, H * cols},
+          {"xt_s", l.xt_s, 4 * (cols / 128) * H}};
 }
 
 TEST(WorkspaceLayoutTest, Fp8BuffersFitApartAndAligned) {
@@ -105,7 +124,7 @@ TEST(WorkspaceLayoutTest, EachPrecisionGivesTheOthersBuffersNoRoom) {
   // So the FP8 layout differs from the bf16 one by the FP8 tensors' bytes less the bf16 backward's
   // (alignment may add a little to each side: at most one kAlign per buffer).
   const int64_t expected = bytes_of(fp8_buffers(l8, s8)) - bytes_of(bf16_backward_buffers(l16, s16));
-  EXPECT_LE(std::abs(l8.total - l16.total - expected), 16 * kAlign) << l8.total << " vs " << l16.total;
+  EXPECT_LE(std::abs(l8.total - l16.total - expected), 40 * kAlign) << l8.total << " vs " << l16.total;
   // The bf16 layout keeps every one of them, apart and in the slice.
   for (const Buffer& b : bf16_backward_buffers(l16, s16)) {
     EXPECT_EQ(b.offset % 16, 0) << b.name;

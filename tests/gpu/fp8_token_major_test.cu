@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gpu_test_util.hpp"
+#include "kernels/fp8_quantize.hpp"
 #include "kernels/fp8_token_major.hpp"
 #include "megamoe/fp8.hpp"
 
@@ -156,6 +157,103 @@ TEST(Fp8TokenMajorGpuTest, GatheredE4m3RowsMatchTheCpuRuleBitExactly) {
     };
     expect_token_major(kOffsets, kCapacity, kChannels, value, qt.download(), st.download());
   }
+}
+
+// The activation recomputed from h is bit for bit the fp32 a the SwiGLU-backward quantizer writes (a_out),
+// taken through the fp32-rows path.
+TEST(Fp8TokenMajorGpuTest, SwigluRowsAreTheActivationBitExactly) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  constexpr int64_t I = 256;
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> h(kCapacity * 2 * I), g(kCapacity * I), w(kCapacity);
+  for (float& v : h) v = normal(rng);
+  for (float& v : g) v = normal(rng);
+  for (float& v : w) v = std::fabs(normal(rng)) + 0.01f;
+  const int experts = static_cast<int>(kOffsets.size()) - 1;
+  const int64_t columns = kernels::token_major_columns(kCapacity, experts);
+  DeviceBuffer<float> d_h(h.size()), d_g(g.size()), d_w(w.size()), a_out(kCapacity * I);
+  DeviceBuffer<uint8_t> dh_q(kCapacity * 2 * I);
+  DeviceBuffer<float> dh_s(2 * I / 128 * kCapacity);
+  DeviceBuffer<int32_t> d_offsets(kOffsets.size());
+  d_h.upload(h);
+  d_g.upload(g);
+  d_w.upload(w);
+  d_offsets.upload(kOffsets);
+  ASSERT_TRUE(kernels::swiglu_backward_quantize_rows_1x128(d_g.get(), d_h.get(), d_w.get(), kCapacity, I, nullptr,
+                                                           dh_q.get(), dh_s.get(), kCapacity, a_out.get(), nullptr, 0,
+                                                           nullptr)
+                  .is_ok());
+  DeviceBuffer<uint8_t> via_rows(I * columns), via_h(I * columns);
+  DeviceBuffer<float> s_rows(columns / 128 * I), s_h(columns / 128 * I);
+  ASSERT_TRUE(kernels::token_major_quantize_fp32(a_out.get(), I, d_offsets.get(), experts, kCapacity, via_rows.get(),
+                                                 s_rows.get(), nullptr)
+                  .is_ok());
+  ASSERT_TRUE(kernels::token_major_quantize_swiglu(d_h.get(), I, d_offsets.get(), experts, kCapacity, via_h.get(),
+                                                   s_h.get(), nullptr)
+                  .is_ok());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<uint8_t> q_rows = via_rows.download(), q_h = via_h.download();
+  const std::vector<float> sc_rows = s_rows.download(), sc_h = s_h.download();
+  int64_t differ = 0;
+  for (size_t i = 0; i < q_rows.size(); ++i) differ += q_rows[i] != q_h[i];
+  for (size_t i = 0; i < sc_rows.size(); ++i) differ += bits_of(sc_rows[i]) != bits_of(sc_h[i]);
+  EXPECT_EQ(differ, 0);
+}
+
+// dh = SwiGLU'(w g) recomputed per routed row, against exact arithmetic in double: the GPU's fast sigmoid may
+// move an element to its other E4M3 neighbour, nothing more.
+TEST(Fp8TokenMajorGpuTest, SwigluGradRowsQuantizeTheSwigluBackward) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  constexpr int64_t I = 128;
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> h(kCapacity * 2 * I), g(kCapacity * I), w(kCapacity);
+  for (float& v : h) v = normal(rng);
+  for (float& v : g) v = normal(rng);
+  for (float& v : w) v = std::fabs(normal(rng)) + 0.01f;
+  const int experts = static_cast<int>(kOffsets.size()) - 1;
+  const int64_t columns = kernels::token_major_columns(kCapacity, experts);
+  DeviceBuffer<float> d_h(h.size()), d_g(g.size()), d_w(w.size());
+  DeviceBuffer<int32_t> d_offsets(kOffsets.size());
+  DeviceBuffer<uint8_t> qt(2 * I * columns);
+  DeviceBuffer<float> st(columns / 128 * 2 * I);
+  d_h.upload(h);
+  d_g.upload(g);
+  d_w.upload(w);
+  d_offsets.upload(kOffsets);
+  ASSERT_TRUE(kernels::token_major_quantize_swiglu_grad(d_g.get(), d_h.get(), d_w.get(), I, d_offsets.get(), experts,
+                                                        kCapacity, qt.get(), st.get(), nullptr)
+                  .is_ok());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<uint8_t> q = qt.download();
+  const std::vector<float> s = st.download();
+  double num = 0.0, den = 0.0;
+  int64_t bad = 0;
+  for (int e = 0; e < experts; ++e) {
+    const int64_t start = kernels::token_major_start(kOffsets[e], e);
+    for (int64_t r = kOffsets[e]; r < kOffsets[e + 1]; ++r) {
+      const int64_t col = start + (r - kOffsets[e]);
+      for (int64_t c = 0; c < 2 * I; ++c) {
+        const int64_t j = c % I;
+        const double gate = h[r * 2 * I + j], up = h[r * 2 * I + I + j];
+        const double da = static_cast<double>(w[r]) * g[r * I + j];
+        const double sg = 1.0 / (1.0 + std::exp(-gate));
+        const double want = c < I ? da * up * sg * (1.0 + gate * (1.0 - sg)) : da * gate * sg;
+        const double scale = s[(col / 128) * 2 * I + c];
+        const double got = fp8::e4m3_to_float(q[c * columns + col]) * scale;
+        num += (got - want) * (got - want);
+        den += want * want;
+        bad += !(std::fabs(got - want) <= 0.13 * std::fabs(want) + scale / 512.0);
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  EXPECT_LE(std::sqrt(num / den), 0.05);
 }
 
 TEST(Fp8TokenMajorGpuTest, BadArgumentsAreRefused) {
