@@ -12,6 +12,8 @@
 #include "kernels/ep_kernels.hpp"
 #include "kernels/fp8_gemm.hpp"
 #include "kernels/fp8_quantize.hpp"
+#include "kernels/fp8_token_major.hpp"
+#include "kernels/fp8_wgrad.hpp"
 #include "kernels/fused_forward.hpp"
 #include "kernels/grouped_gemm.hpp"
 #include "megamoe/layer.hpp"
@@ -53,9 +55,9 @@ int64_t worst_case_rows(const LayerConfig& c) {
 Status check_fp8(const LayerOptions& options) {
   static_assert(kChannelAlignment % 128 == 0, "the FP8 scale blocks must tile every valid H and I");
   if (options.forward_path != ForwardPath::kModular || options.backward_path != BackwardPath::kModular)
-    return Status(StatusCode::kNotSupported, "fp8-blockwise runs the modular forward only so far (no fused kernels)");
+    return Status(StatusCode::kNotSupported, "fp8-blockwise runs the modular paths only so far (no fused kernels)");
   if (options.recompute_h)
-    return Status(StatusCode::kNotSupported, "fp8-blockwise has no backward yet, so no recompute_h");
+    return Status(StatusCode::kNotSupported, "fp8-blockwise keeps GEMM1's fp32 h for its backward: no recompute_h");
   return Status::ok();
 }
 
@@ -224,6 +226,10 @@ struct ExpertParallelLayer::Impl {
   // dgrad GEMMs with the SwiGLU backward and d_topk_weights, d_x rows home, weight-gradient GEMMs.
   Status expert_mlp_backward(const ep::Params& p, const BackwardArgs& args) const;
   Status weight_gradients(const ep::Params& p, const BackwardArgs& args) const;
+  // The same in blockwise FP8 (docs/FP8.md, the backward), on the e4m3 d_out rows the FP8 dispatch delivered
+  // and what the FP8 forward kept (the received x rows, the fp32 h, the quantized weights).
+  Status expert_mlp_backward_fp8(const ep::Params& p, const BackwardArgs& args) const;
+  Status weight_gradients_fp8(const ep::Params& p, const BackwardArgs& args) const;
 };
 
 Status ExpertParallelLayer::Impl::gemm1_swiglu(const ep::Params& p, const __nv_bfloat16* w13, bool keep_h) const {
@@ -342,6 +348,75 @@ Status ExpertParallelLayer::Impl::weight_gradients(const ep::Params& p, const Ba
                                   weight_grad_tuning(), received_rows(), /*transpose_c=*/true);
 }
 
+// g = q(dOut) W2q (fp32, d_out rows gathered from the receive buffer, W2q read K-major: its transposed copy);
+// then per routed row dh = SwiGLU'(w g) quantized 1 x 128 along 2I, with <g, a> sent to the source's slot;
+// dx rows = dh_q W13q straight into the combine slots (W13q's transposed copy); then the weight gradients.
+Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, const BackwardArgs& args) const {
+  const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
+  const int EL = static_cast<int>(config.experts_per_rank());
+  cudaStream_t stream = placement.stream;
+  const ep::WorkspaceLayout& l = p.layout;
+  // The forward's quantized weights, K-major for the dgrads: W2q [E, H, I] -> [E, I, H], W13q [E, 2I, H] ->
+  // [E, H, 2I] (the same codes, the block scales transposed).
+  MEGAMOE_RETURN_IF_ERROR(kernels::transpose_blocks_128x128_e4m3(buffer<uint8_t>(l.w2_q), buffer<float>(l.w2_s), EL,
+                                                                 H, I, buffer<uint8_t>(l.w2t_q),
+                                                                 buffer<float>(l.w2t_s), stream));
+  MEGAMOE_RETURN_IF_ERROR(kernels::transpose_blocks_128x128_e4m3(buffer<uint8_t>(l.w13_q), buffer<float>(l.w13_s), EL,
+                                                                 2 * I, H, buffer<uint8_t>(l.w13t_q),
+                                                                 buffer<float>(l.w13t_s), stream));
+  const kernels::Fp8GemmTuning tuning{1, max_blocks};
+  auto* g = buffer<float>(l.g_f32);
+  kernels::Fp8GemmRows received;
+  received.a_rows = buffer<int32_t>(l.row_src);
+  received.a_source_rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
+  received.d_fp32 = g;
+  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(
+      buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts), buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s),
+      nullptr, expert_offsets(), EL, C, static_cast<int>(I), static_cast<int>(H), stream, tuning, received));
+  auto* dh_q = buffer<uint8_t>(l.dh_q);
+  auto* dh_s = buffer<float>(l.dh_s);
+  MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_backward_quantize_rows_1x128(
+      g, buffer<float>(l.h_f32), buffer<float>(l.row_weight), C, I, expert_offsets() + EL, dh_q, dh_s,
+      ep::k_block_scale_pitch(C), nullptr, buffer<float*>(l.row_dot_dest), p.shape.dot_parts, stream));
+  kernels::Fp8GemmRows home;
+  home.d_rows = buffer<void*>(l.row_dest);
+  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(dh_q, dh_s, buffer<uint8_t>(l.w13t_q), buffer<float>(l.w13t_s),
+                                                       nullptr, expert_offsets(), EL, C, static_cast<int>(H),
+                                                       static_cast<int>(2 * I), stream, tuning, home));
+  return weight_gradients_fp8(p, args);
+}
+
+// dW2 = dy^T a and dW13 = dh^T x on token-major copies quantized along the routed rows (docs/FP8.md): dy = w
+// dOut and x from their dispatched e4m3 rows, a and dh recomputed in fp32 from h, g and the routing weight.
+Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, const BackwardArgs& args) const {
+  const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
+  const int EL = static_cast<int>(config.experts_per_rank());
+  cudaStream_t stream = placement.stream;
+  const ep::WorkspaceLayout& l = p.layout;
+  const int64_t source_rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
+  const int32_t* offsets = expert_offsets();
+  const auto* row_src = buffer<int32_t>(l.row_src);
+  const auto* row_weight = buffer<float>(l.row_weight);
+  auto* h = buffer<float>(l.h_f32);
+  MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_e4m3(
+      buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts), source_rows, row_src, row_weight, H, offsets, EL, C,
+      buffer<uint8_t>(l.dyt_q), buffer<float>(l.dyt_s), stream));
+  MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_swiglu(h, I, offsets, EL, C, buffer<uint8_t>(l.at_q),
+                                                               buffer<float>(l.at_s), stream));
+  MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_swiglu_grad(buffer<float>(l.g_f32), h, row_weight, I, offsets,
+                                                                    EL, C, buffer<uint8_t>(l.dht_q),
+                                                                    buffer<float>(l.dht_s), stream));
+  MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_e4m3(buffer<uint8_t>(l.recv_xq), buffer<float>(l.recv_xs),
+                                                             source_rows, row_src, nullptr, H, offsets, EL, C,
+                                                             buffer<uint8_t>(l.xt_q), buffer<float>(l.xt_s), stream));
+  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), buffer<float>(l.dyt_s), H,
+                                                  buffer<uint8_t>(l.at_q), buffer<float>(l.at_s), I, offsets, EL, C,
+                                                  args.d_w2, args.accumulate_weight_grads, stream));
+  return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dht_q), buffer<float>(l.dht_s), 2 * I, buffer<uint8_t>(l.xt_q),
+                                 buffer<float>(l.xt_s), H, offsets, EL, C, args.d_w13, args.accumulate_weight_grads,
+                                 stream);
+}
+
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ExpertParallelLayer::~ExpertParallelLayer() = default;
 
@@ -385,6 +460,11 @@ Status preload_kernels() {
   MEGAMOE_RETURN_IF_ERROR(load_combine_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_failure_kernels());
   MEGAMOE_RETURN_IF_ERROR(load_fused_forward_kernels());
+  // The blockwise FP8 path's kernels too (a bf16 layer pays for loading them once per process).
+  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_gemm_preload());
+  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_quantize_preload());
+  MEGAMOE_RETURN_IF_ERROR(kernels::token_major_preload());
+  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_preload());
   return kernels::grouped_gemm_preload();
 }
 
@@ -509,9 +589,6 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
 Status ExpertParallelLayer::check_backward(const BackwardArgs& args) const {
   const Impl& m = *impl_;
   if (!m.has_forward) return Status::invalid("backward called before any forward on this rank");
-  if (m.params.shape.fp8 != 0)
-    return Status(StatusCode::kNotSupported,
-                  "fp8-blockwise has a forward only so far; the backward is not implemented");
   if (args.d_w13 == nullptr || args.d_w2 == nullptr) return Status::invalid("backward: d_w13 and d_w2 are required");
   if (m.forward_tokens > 0 && (args.d_out == nullptr || args.d_x == nullptr || args.d_topk_weights == nullptr))
     return Status::invalid("backward: d_out, d_x and d_topk_weights are required when num_tokens > 0");
@@ -555,10 +632,18 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
     // error of the call is in this rank's record since the fused kernel's last rank barrier).
     return ep::launch_nan_if_failed(p, args.d_w13, EL * 2 * I * H, args.d_w2, EL * H * I, stream, m.max_blocks);
   }
-  MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch(p, args.d_out, nullptr, false, nullptr, stream, m.max_blocks));
+  if (p.shape.fp8 != 0) {
+    // d_out quantized per token (1 x 128 along H) before the dispatch, which then moves e4m3 rows.
+    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_rows_1x128_bf16(args.d_out, m.forward_tokens, H,
+                                                              m.buffer<uint8_t>(p.layout.dout_q),
+                                                              m.buffer<float>(p.layout.dout_s), stream));
+    MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch_fp8(p, nullptr, false, nullptr, stream, m.max_blocks));
+  } else {
+    MEGAMOE_RETURN_IF_ERROR(ep::launch_dispatch(p, args.d_out, nullptr, false, nullptr, stream, m.max_blocks));
+  }
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradDispatched, stream));
 
-  MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_backward(p, args));
+  MEGAMOE_RETURN_IF_ERROR(p.shape.fp8 != 0 ? m.expert_mlp_backward_fp8(p, args) : m.expert_mlp_backward(p, args));
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradCombined, stream));
   // The weight gradients were written by the GEMMs: a failed call turns them into NaN too.

@@ -335,4 +335,14 @@ Status quantize_blocks_128x128_bf16(const __nv_bfloat16* w, int64_t rows, int64_
   return Status::ok();
 }
 
+Status fp8_quantize_preload() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, quantize_rows_1x128_kernel));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, swiglu_quantize_rows_1x128_kernel));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, swiglu_backward_quantize_rows_1x128_kernel));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, quantize_blocks_128x128_kernel));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, transpose_blocks_128x128_kernel));
+  return Status::ok();
+}
+
 }  // namespace megamoe::kernels

@@ -57,4 +57,8 @@ Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const
 Status transpose_blocks_128x128_e4m3(const uint8_t* q, const float* scales, int64_t groups, int64_t N, int64_t K,
                                      uint8_t* qt, float* scales_t, cudaStream_t stream);
 
+// Loads every quantization kernel now (under lazy module loading a first launch waits for running kernels,
+// which a layer's virtual rank spinning at a barrier would make a deadlock until its timeout).
+Status fp8_quantize_preload();
+
 }  // namespace megamoe::kernels

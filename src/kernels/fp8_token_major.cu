@@ -237,4 +237,13 @@ Status token_major_quantize_swiglu_grad(const float* g, const float* h, const fl
                 experts, capacity, qt, st, stream);
 }
 
+Status token_major_preload() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<Fp32Rows>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<E4m3Rows>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<SwigluRows>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<SwigluGradRows>));
+  return Status::ok();
+}
+
 }  // namespace megamoe::kernels

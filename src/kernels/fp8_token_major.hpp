@@ -47,4 +47,7 @@ Status token_major_quantize_swiglu_grad(const float* g, const float* h, const fl
                                         const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt, float* st,
                                         cudaStream_t stream);
 
+// Loads every instantiation of the kernel now (see fp8_quantize_preload).
+Status token_major_preload();
+
 }  // namespace megamoe::kernels

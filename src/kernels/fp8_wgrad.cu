@@ -83,4 +83,10 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8
   return Status::ok();
 }
 
+Status fp8_wgrad_preload() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel));
+  return Status::ok();
+}
+
 }  // namespace megamoe::kernels

@@ -25,4 +25,7 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8
                       const int32_t* offsets, int experts, int64_t capacity, float* D, bool accumulate,
                       cudaStream_t stream);
 
+// Loads the kernel now (see fp8_quantize_preload).
+Status fp8_wgrad_preload();
+
 }  // namespace megamoe::kernels

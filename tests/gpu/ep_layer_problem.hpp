@@ -159,7 +159,8 @@ inline std::vector<std::vector<float>> run_reference_forward(const Problem& p, b
   return split_by_rank(p, out[0], p.config.hidden);
 }
 
-inline Expected run_reference(const Problem& p) {
+// The reference's forward and backward: the exact layer, or with fp8 the blockwise FP8 one.
+inline Expected run_reference(const Problem& p, bool fp8 = false) {
   const LayerConfig& c = p.config;
   const int64_t H = c.hidden, I = c.intermediate, K = c.top_k;
   const int64_t R = c.num_ranks;
@@ -169,9 +170,10 @@ inline Expected run_reference(const Problem& p) {
   std::vector<std::vector<float>> out, d_out(1);
   for (int64_t r = 0; r < R; ++r) d_out[0].insert(d_out[0].end(), p.d_out[r].begin(), p.d_out[r].end());
   std::vector<reference::RankGradients<float>> grads;
-  const Status forward_status = reference::forward(compact, in, &out);
+  const Status forward_status = fp8 ? reference::forward_fp8(compact, in, &out) : reference::forward(compact, in, &out);
   EXPECT_TRUE(forward_status.is_ok()) << forward_status.to_string();
-  const Status backward_status = reference::backward(compact, in, d_out, &grads);
+  const Status backward_status = fp8 ? reference::backward_fp8(compact, in, d_out, &grads)
+                                     : reference::backward(compact, in, d_out, &grads);
   EXPECT_TRUE(backward_status.is_ok()) << backward_status.to_string();
   Expected e;
   e.out = split_by_rank(p, out[0], H);

@@ -192,6 +192,34 @@ void expect_same_bits(const Outputs& a, const Outputs& b, const Problem& p, cons
   }
 }
 
+// Every output of `got` NaN-free and within `tolerance` (relative, per tensor) of `want`: out, d_x and
+// d_topk_weights of every rank, d_w13 and d_w2 of every routed expert. Returns the worst relative error.
+double expect_within(const Outputs& got, const Expected& want, const Problem& p, double tolerance) {
+  double worst = 0;
+  for (size_t r = 0; r < got.out.size(); ++r) {
+    const char* names[3] = {"out", "d_x", "d_topk_weights"};
+    const std::vector<float>* g[3] = {&got.out[r], &got.d_x[r], &got.d_weights[r]};
+    const std::vector<float>* w[3] = {&want.out[r], &want.d_x[r], &want.d_weights[r]};
+    for (int k = 0; k < 3; ++k) {
+      int64_t nans = 0;
+      const double err = relative_error(*g[k], *w[k], &nans);
+      worst = std::max(worst, err);
+      EXPECT_EQ(nans, 0) << "rank " << r << " " << names[k];
+      EXPECT_LE(err, tolerance) << "rank " << r << " " << names[k];
+    }
+  }
+  for (int64_t expert : p.routed) {
+    int64_t nans = 0;
+    const double e13 = relative_error(got.d_w13.at(expert), want.d_w13.at(expert), &nans);
+    const double e2 = relative_error(got.d_w2.at(expert), want.d_w2.at(expert), &nans);
+    worst = std::max({worst, e13, e2});
+    EXPECT_EQ(nans, 0) << "expert " << expert;
+    EXPECT_LE(e13, tolerance) << "d_w13 of expert " << expert;
+    EXPECT_LE(e2, tolerance) << "d_w2 of expert " << expert;
+  }
+  return worst;
+}
+
 // The scenarios' options: the defaults, with MEGAMOE_TEST_WAIT_TIMEOUT_S (seconds) as the wait timeout when
 // set, for runs under a sanitizer, whose instrumentation can make a fused kernel outlast the default.
 LayerOptions scenario_options() {
@@ -227,36 +255,8 @@ TEST_P(EpLayerTest, MatchesReferenceAndIsDeterministic) {
   run_gpu(p, *group, tensors, &second);
   if (HasFatalFailure()) return;
   const Expected e = run_reference(p);
-
-  double worst = 0;
-  for (int r = 0; r < sc.ranks; ++r) {
-    const char* names[3] = {"out", "d_x", "d_topk_weights"};
-    const std::vector<float>* got[3] = {&first.out[r], &first.d_x[r], &first.d_weights[r]};
-    const std::vector<float>* want[3] = {&e.out[r], &e.d_x[r], &e.d_weights[r]};
-    for (int k = 0; k < 3; ++k) {
-      int64_t nans = 0;
-      const double err = relative_error(*got[k], *want[k], &nans);
-      worst = std::max(worst, err);
-      EXPECT_EQ(nans, 0) << "rank " << r << " " << names[k];
-      EXPECT_LE(err, 1e-2) << "rank " << r << " " << names[k];
-    }
-    EXPECT_EQ(0, std::memcmp(first.out[r].data(), second.out[r].data(), first.out[r].size() * 4)) << "rank " << r;
-    EXPECT_EQ(0, std::memcmp(first.d_x[r].data(), second.d_x[r].data(), first.d_x[r].size() * 4)) << "rank " << r;
-    EXPECT_EQ(0, std::memcmp(first.d_weights[r].data(), second.d_weights[r].data(), first.d_weights[r].size() * 4));
-  }
-  for (int64_t expert : p.routed) {
-    int64_t nans = 0;
-    const double e13 = relative_error(first.d_w13.at(expert), e.d_w13.at(expert), &nans);
-    const double e2 = relative_error(first.d_w2.at(expert), e.d_w2.at(expert), &nans);
-    worst = std::max({worst, e13, e2});
-    EXPECT_EQ(nans, 0) << "expert " << expert;
-    EXPECT_LE(e13, 1e-2) << "d_w13 of expert " << expert;
-    EXPECT_LE(e2, 1e-2) << "d_w2 of expert " << expert;
-    EXPECT_EQ(0, std::memcmp(first.d_w13.at(expert).data(), second.d_w13.at(expert).data(),
-                             first.d_w13.at(expert).size() * 4));
-    EXPECT_EQ(0, std::memcmp(first.d_w2.at(expert).data(), second.d_w2.at(expert).data(),
-                             first.d_w2.at(expert).size() * 4));
-  }
+  const double worst = expect_within(first, e, p, 1e-2);
+  expect_same_bits(first, second, p, "a second run");
   if (p.probe_expert >= 0) {  // an expert no token chose: its gradients are written, and zero
     for (float v : first.d_w13.at(p.probe_expert)) ASSERT_EQ(v, 0.0f) << "unused expert " << p.probe_expert;
     for (float v : first.d_w2.at(p.probe_expert)) ASSERT_EQ(v, 0.0f) << "unused expert " << p.probe_expert;
@@ -331,13 +331,14 @@ LayerConfig fp8_config(int64_t intermediate, int64_t experts, int64_t top_k) {
 }
 
 // Shapes whose H and I are multiples of the 128-wide scale blocks, routing of every kind, 1 to 8 virtual
-// ranks. The forward must be within 1e-2 of the FP8 CPU reference (which quantizes x, W13, a and W2 at the
-// same points; the GPU also rounds y to bf16 and accumulates in the tensor cores' order), bitwise the
-// same on a second run, and its distance to the exact reference is printed. The backward is refused.
+// ranks. The forward and the backward (every output and gradient) must be within 1e-2 of the FP8 CPU
+// reference (which quantizes at the same points; the GPU also rounds y and the d_x partials to bf16,
+// multiplies the routing weight after quantizing d_out, and accumulates in the tensor cores' order), bitwise
+// the same on a second run; the distance to the exact reference is printed.
 // Two tests, so that the sanitizers can take the one- and two-rank scenarios alone (scripts/sanitize.sh).
 const LayerConfig kFp8ScenarioShape = fp8_config(384, 16, 4);
 
-void expect_fp8_forward_matches(const std::vector<Scenario>& scenarios) {
+void expect_fp8_layer_matches(const std::vector<Scenario>& scenarios) {
   for (const Scenario& sc : scenarios) {
     const uint64_t seed = std::random_device{}();
     SCOPED_TRACE(sc.name + ", seed " + std::to_string(seed));
@@ -346,48 +347,35 @@ void expect_fp8_forward_matches(const std::vector<Scenario>& scenarios) {
     const Status created = VirtualRankGroup::create(p.config, scenario_options(), &group);
     ASSERT_TRUE(created.is_ok()) << created.to_string();
     std::vector<RankTensors> t = upload(p);
-    std::vector<std::vector<float>> first, second;
-    for (auto* outputs : {&first, &second}) {
-      for (int r = 0; r < sc.ranks; ++r) t[r].out.poison();
-      MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-      for (int r = 0; r < sc.ranks; ++r) {
-        const Status s = group->layer(r).forward(forward_args_of(t[r], sc.tokens[r]));
-        ASSERT_TRUE(s.is_ok()) << s.to_string();
-      }
-      const Status synced = group->synchronize_and_check();
-      ASSERT_TRUE(synced.is_ok()) << synced.to_string();
-      for (int r = 0; r < sc.ranks; ++r) outputs->push_back(to_float(t[r].out.download()));
-    }
-    const std::vector<std::vector<float>> want = run_reference_forward(p, /*fp8=*/true);
-    const std::vector<std::vector<float>> exact = run_reference_forward(p, /*fp8=*/false);
-    ASSERT_EQ(want.size(), static_cast<size_t>(sc.ranks));
-    double worst = 0, worst_exact = 0;
+    Outputs first, second;
+    run_gpu(p, *group, t, &first);
+    if (::testing::Test::HasFatalFailure()) return;
+    run_gpu(p, *group, t, &second);
+    if (::testing::Test::HasFatalFailure()) return;
+    const double worst = expect_within(first, run_reference(p, /*fp8=*/true), p, 1e-2);
+    expect_same_bits(first, second, p, "a second run");
+    std::printf("[ fp8 ] %s: within %.3e of the FP8 reference over every output and gradient\n", sc.name.c_str(),
+                worst);
+    const Expected exact = run_reference(p, /*fp8=*/false);
+    double worst_exact = 0;
     for (int r = 0; r < sc.ranks; ++r) {
       int64_t nans = 0;
-      const double err = relative_error(first[r], want[r], &nans);
-      const double err_exact = relative_error(first[r], exact[r], &nans);
-      EXPECT_EQ(nans, 0) << "rank " << r;
-      EXPECT_LE(err, 1e-2) << "rank " << r << ": out against the FP8 reference";
-      EXPECT_EQ(0, std::memcmp(first[r].data(), second[r].data(), first[r].size() * 4)) << "rank " << r;
-      worst = std::max(worst, err);
-      worst_exact = std::max(worst_exact, err_exact);
+      worst_exact = std::max({worst_exact, relative_error(first.out[r], exact.out[r], &nans),
+                              relative_error(first.d_x[r], exact.d_x[r], &nans)});
     }
-    std::printf("[ fp8 ] %s: out within %.3e of the FP8 reference, %.3e of the exact one\n", sc.name.c_str(), worst,
-                worst_exact);
-    const Status refused = group->layer(0).backward(backward_args_of(t[0]));
-    EXPECT_EQ(refused.code(), StatusCode::kNotSupported) << refused.to_string();
+    std::printf("[ fp8 ] %s: out and d_x within %.3e of the exact layer\n", sc.name.c_str(), worst_exact);
   }
 }
 
-TEST(EpLayerFp8Test, ForwardMatchesTheFp8Reference) {
+TEST(EpLayerFp8Test, LayerMatchesTheFp8Reference) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  expect_fp8_forward_matches({Scenario{"Fp8_R1", kFp8ScenarioShape, 1, {300}, Routing::kRandom},
+  expect_fp8_layer_matches({Scenario{"Fp8_R1", kFp8ScenarioShape, 1, {300}, Routing::kRandom},
                               Scenario{"Fp8_R2", kFp8ScenarioShape, 2, {131, 77}, Routing::kRandom}});
 }
 
-TEST(EpLayerFp8Test, ForwardMatchesTheFp8ReferenceOnFourAndEightRanks) {
+TEST(EpLayerFp8Test, LayerMatchesTheFp8ReferenceOnFourAndEightRanks) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  expect_fp8_forward_matches(
+  expect_fp8_layer_matches(
       {Scenario{"Fp8_R4_MaskedT0", kFp8ScenarioShape, 4, {0, 45, 90, 13}, Routing::kMaskedAndRagged},
        Scenario{"Fp8_R4_AllToOneExpert", kFp8ScenarioShape, 4, {30, 0, 17, 41}, Routing::kAllToOneExpert},
        Scenario{"Fp8_R8_MaskedT0", kFp8ScenarioShape, 8, {9, 0, 21, 4, 16, 7, 30, 2}, Routing::kMaskedAndRagged}});
@@ -446,6 +434,13 @@ TEST(EpLayerFp8Test, UnsupportedCombinationsAreRefused) {
   std::unique_ptr<VirtualRankGroup> group;
   const Status fused = VirtualRankGroup::create(c, with_forward(ForwardPath::kFused), &group);
   EXPECT_EQ(fused.code(), StatusCode::kNotSupported) << fused.to_string();
+  const Status fused_backward =
+      VirtualRankGroup::create(c, with_paths(ForwardPath::kModular, BackwardPath::kFused), &group);
+  EXPECT_EQ(fused_backward.code(), StatusCode::kNotSupported) << fused_backward.to_string();
+  LayerOptions recompute = scenario_options();
+  recompute.recompute_h = true;
+  const Status recomputed = VirtualRankGroup::create(c, recompute, &group);
+  EXPECT_EQ(recomputed.code(), StatusCode::kNotSupported) << recomputed.to_string();
   LayerConfig odd = c;
   odd.intermediate = 192;  // not a multiple of 128
   const Status shape = VirtualRankGroup::create(odd, scenario_options(), &group);
