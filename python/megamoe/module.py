@@ -58,8 +58,9 @@ class MegaMoE(nn.Module):
 
     precision="fp8" runs DeepSeek-V3's blockwise FP8 forward (docs/FP8.md): the layer quantizes x per token,
     the weights in 128 x 128 blocks (on every call) and the SwiGLU output per row; the weights stay bf16
-    parameters. It has no backward yet, so it runs only where no gradient is asked (torch.no_grad(),
-    inference), and not with the fused kernels or recompute_h; H and I are multiples of 128 either way.
+    parameters. It offers no gradients from Python yet (the library's FP8 backward has not run on a GPU), so
+    it runs only where no gradient is asked (torch.no_grad(), inference), and not with the fused kernels or
+    recompute_h; H and I are multiples of 128 either way.
 
     main_grad=True: the weight gradients are added to fp32 buffers `w13.main_grad` and `w2.main_grad` (made
     here, zeroed; or the caller's, if it set them before the first forward) by the GEMMs themselves, and w13

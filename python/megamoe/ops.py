@@ -75,7 +75,8 @@ class LayerConfig:
     h instead of the forward keeping it). Every choice computes bitwise the same results.
 
     precision: PRECISION_BF16, or PRECISION_FP8_BLOCKWISE (precision_from_name("fp8")): x, W13, a and W2
-    quantized in DeepSeek-V3's blocks, the modular forward only so far (no backward, no fused kernels)."""
+    quantized in DeepSeek-V3's blocks, the modular forward only from Python so far (no gradients, no fused
+    kernels)."""
 
     hidden: int
     intermediate: int
@@ -124,20 +125,20 @@ class LayerConfig:
         ValueError for a way of running the layer its precision does not offer yet (which the library
         would refuse at its first call)."""
         if self.fp8 and (self.fused_forward or self.fused_backward or self.recompute_h):
-            raise ValueError("megamoe: precision='fp8' runs the modular forward only so far: fused_forward, "
+            raise ValueError("megamoe: precision='fp8' runs the modular paths only so far: fused_forward, "
                              "fused_backward and recompute_h are not available with it")
         _lib.validate_config(self.to_c())
 
 
 def _refuse_fp8_gradients(config: LayerConfig, *tensors) -> None:
-    """An FP8 layer has no backward yet: refuse a forward autograd would differentiate, before it runs,
-    instead of failing in the backward."""
+    """FP8 gradients are not offered from Python yet (the library's FP8 backward has not run on a GPU): refuse
+    a forward autograd would differentiate, before it runs, instead of failing in the backward."""
     if config.fp8 and torch.is_grad_enabled() and any(
             isinstance(t, Tensor) and t.requires_grad for group in tensors for t in
             (group if isinstance(group, (list, tuple)) else [group])):
-        raise NotImplementedError("megamoe: precision='fp8' has a forward only so far (no FP8 backward); run it "
-                                  "under torch.no_grad() or torch.inference_mode(), or on inputs and weights "
-                                  "that need no gradient")
+        raise NotImplementedError("megamoe: precision='fp8' offers no gradients yet (no FP8 backward from Python); "
+                                  "run it under torch.no_grad() or torch.inference_mode(), or on inputs and "
+                                  "weights that need no gradient")
 
 
 _debug_checks = os.environ.get("MEGAMOE_DEBUG_CHECKS", "1") != "0"

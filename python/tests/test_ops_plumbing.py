@@ -423,7 +423,7 @@ def test_fp8_functional_forward_refuses_gradients_before_running(backend):
 def test_fp8_refuses_what_it_does_not_run_yet(option):
     from megamoe import MegaMoE
 
-    with pytest.raises(ValueError, match="modular forward only"):
+    with pytest.raises(ValueError, match="modular paths only"):
         MegaMoE(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16, device="cpu",
                 precision="fp8", **{option: True})
 
