@@ -411,10 +411,10 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
                                                              buffer<uint8_t>(l.xt_q), buffer<float>(l.xt_s), stream));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), buffer<float>(l.dyt_s), H,
                                                   buffer<uint8_t>(l.at_q), buffer<float>(l.at_s), I, offsets, EL, C,
-                                                  args.d_w2, args.accumulate_weight_grads, stream));
+                                                  args.d_w2, args.accumulate_weight_grads, stream, max_blocks));
   return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dht_q), buffer<float>(l.dht_s), 2 * I, buffer<uint8_t>(l.xt_q),
                                  buffer<float>(l.xt_s), H, offsets, EL, C, args.d_w13, args.accumulate_weight_grads,
-                                 stream);
+                                 stream, max_blocks);
 }
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -26,8 +26,9 @@ Status check(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, c
   if (qa == nullptr || qb == nullptr || sa == nullptr || sb == nullptr || offsets == nullptr || D == nullptr)
     return Status::invalid("fp8 wgrad GEMM: null pointer");
   if ((reinterpret_cast<uintptr_t>(qa) & 15u) != 0 || (reinterpret_cast<uintptr_t>(qb) & 15u) != 0 ||
-      (reinterpret_cast<uintptr_t>(sa) & 15u) != 0 || (reinterpret_cast<uintptr_t>(sb) & 15u) != 0)
-    return Status::invalid("fp8 wgrad GEMM: qa, qb, sa and sb must be 16-byte aligned");
+      (reinterpret_cast<uintptr_t>(sa) & 15u) != 0 || (reinterpret_cast<uintptr_t>(sb) & 15u) != 0 ||
+      (reinterpret_cast<uintptr_t>(D) & 15u) != 0)
+    return Status::invalid("fp8 wgrad GEMM: qa, qb, sa, sb and D must be 16-byte aligned");
   return Status::ok();
 }
 
@@ -49,8 +50,9 @@ Status scale_map(CUtensorMap* map, const float* s, int64_t rows, int64_t columns
 
 Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, const float* sb, int64_t N,
                       const int32_t* offsets, int experts, int64_t capacity, float* D, bool accumulate,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, int max_ctas) {
   MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));
+  if (max_ctas < 0) return Status::invalid("fp8 wgrad GEMM: max_ctas must be >= 0, got " + std::to_string(max_ctas));
   int dev = 0, major = 0, num_sms = 0;
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
@@ -74,7 +76,7 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8
   p.accumulate = accumulate ? 1 : 0;
   ClusterLaunch launch;
   MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<1>(fp8_wgrad_kernel, kFp8WgradThreads, Fp8WgradConfig::kSmemBytes,
-                                                    stream, num_sms, 0, "fp8 wgrad GEMM", &launch));
+                                                    stream, num_sms, max_ctas, "fp8 wgrad GEMM", &launch));
   // No more CTAs than tiles.
   const int64_t tiles = static_cast<int64_t>(experts) * (M / 128) * (N / 128);
   launch.set_grid(static_cast<int>(tiles < launch.clusters ? tiles : launch.clusters), 1);

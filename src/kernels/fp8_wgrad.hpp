@@ -9,8 +9,9 @@
 // two scales, one fused multiply-add per element), D [experts, M, N] is fp32, stored or, with accumulate,
 // added to (one fp32 rounding). An expert without rows gets zeros (or nothing added).
 // Limits, checked: M and N positive multiples of 128, 1 <= experts <= 1024, capacity in [0, 2^31 - 128 experts);
-// qa, qb 16-byte aligned; sa, sb, D non-null. offsets: device int32 [experts + 1] (clamped into [0,
-// capacity]). Sm_90 only. Asynchronous on `stream`.
+// qa, qb, sa, sb and D 16-byte aligned; max_ctas >= 0 caps the persistent grid (0: every SM; virtual ranks
+// sharing a GPU pass their share). offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90
+// only. Asynchronous on `stream`.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,7 +24,7 @@ namespace megamoe::kernels {
 
 Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, const float* sb, int64_t N,
                       const int32_t* offsets, int experts, int64_t capacity, float* D, bool accumulate,
-                      cudaStream_t stream);
+                      cudaStream_t stream, int max_ctas = 0);
 
 // Loads the kernel now (see fp8_quantize_preload).
 Status fp8_wgrad_preload();

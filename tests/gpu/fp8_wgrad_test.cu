@@ -140,6 +140,14 @@ TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {
   EXPECT_EQ(call(128, 128, 0, q.get()), StatusCode::kInvalidArgument);
   EXPECT_EQ(call(128, 128, 2, q.get() + 1), StatusCode::kInvalidArgument);
   EXPECT_EQ(call(128, 128, 2, nullptr), StatusCode::kInvalidArgument);
+  EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 128, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get() + 1,
+                                    false, nullptr)
+                .code(),
+            StatusCode::kInvalidArgument);  // D must be 16-byte aligned (the epilogue stores 16 bytes at a time)
+  EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 128, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
+                                    nullptr, -1)
+                .code(),
+            StatusCode::kInvalidArgument);
 }
 
 }  // namespace
