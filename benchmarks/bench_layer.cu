@@ -57,6 +57,8 @@ struct Result {
   float fused_forward_modular_backward_ms = 0;      // the fused forward, the modular backward
   float fused_recompute_total_ms = 0;               // both fused, the backward recomputing h (recompute_h)
   float fp8_forward_ms = 0;                         // the blockwise FP8 forward (modular), interleaved too
+  float fp8_total_ms = -1;                          // its forward + backward (-1: the FP8 backward failed)
+  float fp8_bf16_total_ms = 0;                      // the bf16 modular forward + backward run for run with it
   double fp8_out_distance = 0;                      // ||out_fp8 - out_bf16|| / ||out_bf16|| on the same inputs
   // Both fused kernels under each wave lag of kWaveLags (ExpertParallelLayer::set_fused_wave_lag), interleaved.
   std::array<float, 4> lag_forward_ms{}, lag_total_ms{};
@@ -82,7 +84,8 @@ constexpr GemmStep kGemmSteps[6] = {{"GEMM1 x.W13^T + SwiGLU (gathered x)", 2},
 // forward, whose two GEMMs run inside its kernel; up to 2 for a forward alone). A GEMM launch is one of the
 // engine's or of the FP8 GEMM.
 bool is_gemm_kernel(const std::string& name) {
-  return name.rfind("grouped_gemm_kernel", 0) == 0 || name.rfind("fp8_gemm_kernel", 0) == 0;
+  return name.rfind("grouped_gemm_kernel", 0) == 0 || name.rfind("fp8_gemm_kernel", 0) == 0 ||
+         name.rfind("fp8_wgrad_kernel", 0) == 0;
 }
 
 void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, int iters, double pairs, int64_t H,
@@ -198,7 +201,7 @@ Result run(int64_t H, int64_t I, int iters) {
   BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &fused_group));
   fused_options.recompute_h = true;
   BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &recompute_group));
-  std::unique_ptr<megamoe::VirtualRankGroup> fp8_group;  // the blockwise FP8 forward (no FP8 backward yet)
+  std::unique_ptr<megamoe::VirtualRankGroup> fp8_group;  // the blockwise FP8 layer (modular)
   megamoe::LayerConfig c8 = c;
   c8.precision = megamoe::Precision::kFP8Blockwise;
   BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c8, megamoe::LayerOptions{}, &fp8_group));
@@ -339,6 +342,44 @@ Result run(int64_t H, int64_t I, int iters) {
     for (size_t l = 0; l < kWaveLags.size(); ++l) {
       r.lag_forward_ms[l] = median(lag_fwd[l]);
       r.lag_total_ms[l] = median(lag_total[l]);
+    }
+  }
+  {
+    // The FP8 forward + backward after the bf16 modular step, run for run. Its backward is the newest code
+    // here: one trial step first, and an error leaves fp8_total_ms at -1 instead of ending the benchmark.
+    auto fp8_step = [&](int s) {
+      forward_on(*fp8_group, s);
+      megamoe::BackwardArgs b;
+      b.d_out = d_out[s];
+      b.d_x = d_x;
+      b.d_topk_weights = d_weights;
+      b.d_w13 = d_w13;
+      b.d_w2 = d_w2;
+      return fp8_group->layer(0).backward(b);
+    };
+    const megamoe::Status trial = [&] {
+      const megamoe::Status step = fp8_step(0);
+      return step.is_ok() ? fp8_group->synchronize_and_check() : step;
+    }();
+    if (!trial.is_ok()) {
+      std::printf("  fp8 forward + backward not timed: %s\n", trial.to_string().c_str());
+    } else {
+      std::vector<float> bf16_total, fp8_total;
+      for (int it = 0; it < iters; ++it) {
+        const int s = it % kSets;
+        bf16_total.push_back(timed(*group, [&] { step_on(*group, s); }));
+        fp8_total.push_back(timed(*fp8_group, [&] { BENCH_CHECK_OK(fp8_step(s)); }));
+      }
+      BENCH_CHECK_OK(fp8_group->synchronize_and_check());
+      r.fp8_total_ms = median(fp8_total);
+      r.fp8_bf16_total_ms = median(bf16_total);
+#if MEGAMOE_BENCH_CUPTI
+      std::printf("  fp8 forward + backward:\n");
+      Result fp8_breakdown = r;
+      print_breakdown([&](int it) { BENCH_CHECK_OK(fp8_step(it % kSets)); }, fp8_group->stream(0), 10,
+                      static_cast<double>(T * K), H, I, &fp8_breakdown);
+      BENCH_CHECK_OK(fp8_group->synchronize_and_check());
+#endif
     }
   }
   {
@@ -597,6 +638,18 @@ int main(int argc, char** argv) {
                 r.forward_tflops * r.forward_ms / r.fp8_forward_ms, r.forward_ms / r.fp8_forward_ms,
                 r.fp8_out_distance);
   }
+  std::printf("blockwise FP8 forward + backward (modular) vs bf16 modular (run for run, median of %d):\n", iters);
+  std::printf("| layer H, I | bf16 fwd+bwd ms | fp8 fwd+bwd ms | TFLOP/s | bf16 / fp8 |\n");
+  for (const Result& r : results) {
+    if (r.fp8_total_ms < 0) {
+      std::printf("| %lld, %lld | %.3f | failed | | |\n", static_cast<long long>(r.hidden),
+                  static_cast<long long>(r.intermediate), r.fp8_bf16_total_ms);
+      continue;
+    }
+    std::printf("| %lld, %lld | %.3f | %.3f | %.1f | %.3fx |\n", static_cast<long long>(r.hidden),
+                static_cast<long long>(r.intermediate), r.fp8_bf16_total_ms, r.fp8_total_ms,
+                r.total_tflops * r.total_ms / r.fp8_total_ms, r.fp8_bf16_total_ms / r.fp8_total_ms);
+  }
   if (with_ep) {
     std::printf("cost of expert parallelism: Qwen3-30B shape, E=128, top-8; 8 virtual ranks x 2048 tokens vs "
                 "1 rank x 16384 (interleaved, median of %d)\n", iters);
@@ -631,11 +684,12 @@ int main(int argc, char** argv) {
                    "\"forward_tflops\": %.2f, \"total_tflops\": %.2f, \"gemm_kernel_ms\": %.4f, "
                    "\"other_kernel_ms\": %.4f, \"kernels\": %d, \"fused_forward_ms\": %.4f, "
                    "\"fused_total_ms\": %.4f, \"fused_forward_modular_backward_ms\": %.4f, "
-                   "\"fused_recompute_total_ms\": %.4f, \"fp8_forward_ms\": %.4f, \"fp8_out_distance\": %.4e}",
+                   "\"fused_recompute_total_ms\": %.4f, \"fp8_forward_ms\": %.4f, \"fp8_out_distance\": %.4e, "
+                   "\"fp8_total_ms\": %.4f}",
                    i ? ", " : "", static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate),
                    r.forward_ms, r.total_ms, r.forward_tflops, r.total_tflops, r.gemm_ms, r.other_ms, r.kernels,
                    r.fused_forward_ms, r.fused_total_ms, r.fused_forward_modular_backward_ms,
-                   r.fused_recompute_total_ms, r.fp8_forward_ms, r.fp8_out_distance);
+                   r.fused_recompute_total_ms, r.fp8_forward_ms, r.fp8_out_distance, r.fp8_total_ms);
     }
     std::fprintf(f, "]\n");
     std::fclose(f);
