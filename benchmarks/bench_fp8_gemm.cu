@@ -13,10 +13,11 @@
 // two outputs must agree bit for bit.
 // Timing: CUDA events around each launch, 5 warm-ups, then 30 rounds in which every contender runs once in
 // turn (interleaved, so clock drift hits all alike); the median of each. TFLOP/s = 2 M N K / time.
-// --sequential: each contender's 5 warm-ups and 30 launches in a row instead, one contender after another
-// (the order of the earlier runs, docs/PERF.md run 23), to compare the two orders.
-//   bench_fp8_gemm [--sequential]   (--out / --baseline, which scripts/gpu-check.sh gives every benchmark,
-//                                     are accepted and ignored: cuBLASLt is timed in the same run)
+// Then the same with each contender's 5 warm-ups and 30 launches in a row, one contender after another (the
+// order of the earlier runs, docs/PERF.md run 23), to compare the two orders.
+//   bench_fp8_gemm [--interleaved | --sequential]
+// (--out / --baseline, which scripts/gpu-check.sh gives every benchmark, are accepted and ignored: cuBLASLt
+// is timed in the same run)
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -92,9 +93,9 @@ double rel_err(const bf16* a, const bf16* ref, size_t n) {
   return std::sqrt(h[0] / std::max(h[1], 1e-300));
 }
 
-bool g_sequential = false;  // --sequential
+bool g_sequential = false;  // the order being timed
 
-// Median times of `fns`, timed in interleaved rounds (or one contender after another, --sequential).
+// Median times of `fns`, timed in interleaved rounds (or one contender after another: g_sequential).
 std::vector<double> interleaved_median_ms(const std::vector<std::function<void()>>& fns, int warmup = 5,
                                           int iters = 30) {
   if (g_sequential && fns.size() > 1) {
@@ -265,28 +266,42 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Both orders by default (runs 38-40 saw 740-920 TFLOP/s dense interleaved where run 23 measured 1030 one
+  // contender after another, with the same main loop): --interleaved or --sequential for one of them.
+  bool interleaved = true, sequential = true;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--sequential")) {
-      g_sequential = true;
+      interleaved = false;
+    } else if (!std::strcmp(argv[i], "--interleaved")) {
+      sequential = false;
     } else if ((!std::strcmp(argv[i], "--out") || !std::strcmp(argv[i], "--baseline")) && i + 1 < argc) {
       ++i;  // scripts/gpu-check.sh passes these to every benchmark; this one times its own baseline
     } else {
-      std::fprintf(stderr, "usage: bench_fp8_gemm [--sequential] [--out IGNORED] [--baseline IGNORED]\n");
+      std::fprintf(stderr,
+                   "usage: bench_fp8_gemm [--interleaved | --sequential] [--out IGNORED] [--baseline IGNORED]\n");
       return 2;
     }
+  }
+  if (!interleaved && !sequential) {
+    std::fprintf(stderr, "bench_fp8_gemm: --interleaved and --sequential exclude each other\n");
+    return 2;
   }
   float* one;
   BENCH_CHECK_CUDA(cudaMalloc(&one, sizeof(float)));
   fill(one, 1, 1.0f);
-  std::printf("blockwise FP8 GEMM (scales 1), single CTAs and 2-CTA pairs, vs cuBLASLt FP8 (per-tensor scales 1);\n"
-              "x = single-CTA time / pair time, and cuBLASLt time / ours (single / pairs); contenders timed %s\n",
-              g_sequential ? "one after another" : "in interleaved rounds");
-  bench("dense 8192^3", 0, 8192, 8192, 8192, one);
-  const int shapes[4][2] = {{1536, 2048}, {2048, 768}, {3072, 4096}, {4096, 1536}};
-  for (const auto& s : shapes) {
-    char name[64];
-    std::snprintf(name, sizeof(name), "grouped 16x8192 N=%d K=%d", s[0], s[1]);
-    bench(name, 16, 8192, s[0], s[1], one);
+  for (const bool one_after_another : {false, true}) {
+    if (one_after_another ? !sequential : !interleaved) continue;
+    g_sequential = one_after_another;
+    std::printf("blockwise FP8 GEMM (scales 1), single CTAs and 2-CTA pairs, vs cuBLASLt FP8 (per-tensor scales 1);\n"
+                "x = single-CTA time / pair time, and cuBLASLt time / ours (single / pairs); contenders timed %s\n",
+                g_sequential ? "one after another" : "in interleaved rounds");
+    bench("dense 8192^3", 0, 8192, 8192, 8192, one);
+    const int shapes[4][2] = {{1536, 2048}, {2048, 768}, {3072, 4096}, {4096, 1536}};
+    for (const auto& s : shapes) {
+      char name[64];
+      std::snprintf(name, sizeof(name), "grouped 16x8192 N=%d K=%d", s[0], s[1]);
+      bench(name, 16, 8192, s[0], s[1], one);
+    }
   }
   BENCH_CHECK_CUDA(cudaFree(one));
   return 0;
