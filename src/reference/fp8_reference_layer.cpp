@@ -18,7 +18,7 @@
 //                        GEMM2 reads.
 //   F6  W2[e] [H, I]     q128x128. Hook: round_weight(kW2).
 //   F7  y = a_q . W2_q^T             fp32, not quantized (round_row(kExpertOutput) is a no-op).
-//   F8  out_t = sum_j w_j * y_j      fp32 combine, slots summed in (expert, rank, token, slot) order.
+//   F8  out_t = sum_j w_j * y_j      fp32 combine, slots summed in expert order, then route_rows' order.
 //
 //  Backward
 //   B1  dOut_t [H]       q1x128 along H. Hook: round_row(kOutputGrad) on dy_j = w_j * dOut_t, a copy that
@@ -42,9 +42,9 @@
 //   B7  dx_j = dh_q . W13_q           fp32 partial per slot (round_row(kInputGradPartial) is a no-op);
 //       dx_t = sum_j dx_j             fp32 combine.
 //   B8  weight-gradient operands, per expert, token-major [channels, n_e] with the expert's routed rows in
-//       (source rank, token, slot) order, q1x128 along the routed-row axis: groups of 128 consecutive routed
-//       rows starting at the expert's first row, the last one partial (it never crosses into the next
-//       expert):
+//       the GPU's order (layer_math.hpp: source rank, windows of 32 tokens, slot, token), q1x128 along the
+//       routed-row axis: groups of 128 consecutive routed rows starting at the expert's first row, the last
+//       one partial (it never crosses into the next expert):
 //         dy^T [H, n]  (dy = w_j * dOut_t)   a^T [I, n]   for dW2 = dy^T a
 //         dh^T [2I, n]                       x^T [H, n]   for dW13 = dh^T x
 //       x and dOut reach the expert's rank only as their dispatched FP8 copies (F1, B1), so x^T and dy^T

@@ -18,9 +18,12 @@
 //                        contiguous, as the K-major FP8 operand on the GPU). routed_rows is any count,
 //                        not padded to 128.
 //
-// Row order: the rows routed to one expert are visited in (source rank, token, slot) order; that is
-// also the column order of the weight-gradient operands and the order contributions are summed in, so
-// every result is deterministic and identical for any partition of the same global problem.
+// Row order: the rows routed to one expert are visited in the order the GPU numbers them
+// (src/kernels/ep_layout.cuh): by source rank, then per window of kRoutingWindow consecutive tokens of that
+// rank (windows start at multiples of 32), by slot, then by token. That is also the column order of the
+// weight-gradient operands (so the FP8 reference's groups of 128 routed rows are the GPU's) and the order
+// contributions are summed in: every result is deterministic, and identical for any partition of the same
+// global problem whose ranks start their tokens at multiples of kRoutingWindow.
 #pragma once
 
 #include <cstdint>
@@ -110,7 +113,9 @@ struct RoutedRow {
   int64_t slot = 0;
 };
 
-// For every global expert, the rows routed to it in (rank, token, slot) order; masked slots are skipped.
+inline constexpr int64_t kRoutingWindow = 32;
+
+// For every global expert, the rows routed to it in the row order above; masked slots are skipped.
 // Expects inputs that passed check_inputs.
 template <typename Scalar>
 std::vector<std::vector<RoutedRow>> route_rows(const LayerConfig& config,

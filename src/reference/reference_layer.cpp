@@ -1,6 +1,7 @@
 // CPU reference of the expert-parallel MoE layer (docs/MODEL.md). The structure follows the GPU
 // data flow so a reduced-precision variant can round at the same places: dispatch (route_rows), expert
 // compute row by row, weight gradients per expert over its gathered rows, combine into per-token sums.
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -223,11 +224,14 @@ std::vector<std::vector<RoutedRow>> route_rows(const LayerConfig& config,
   std::vector<std::vector<RoutedRow>> rows_of_expert(config.num_experts);
   for (int64_t r = 0; r < config.num_ranks; ++r) {
     const RankInputs<Scalar>& rank = ranks[r];
-    for (int64_t t = 0; t < rank.num_tokens; ++t) {
+    for (int64_t window = 0; window < rank.num_tokens; window += kRoutingWindow) {
+      const int64_t end = std::min(window + kRoutingWindow, rank.num_tokens);
       for (int64_t j = 0; j < config.top_k; ++j) {
-        const int64_t expert = rank.topk_idx[t * config.top_k + j];
-        if (expert < 0) continue;  // masked slot
-        rows_of_expert[expert].push_back({r, t, j});
+        for (int64_t t = window; t < end; ++t) {
+          const int64_t expert = rank.topk_idx[t * config.top_k + j];
+          if (expert < 0) continue;  // masked slot
+          rows_of_expert[expert].push_back({r, t, j});
+        }
       }
     }
   }
@@ -245,8 +249,8 @@ Status forward_impl(const LayerConfig& config, const std::vector<RankInputs<Scal
   const std::vector<std::vector<RoutedRow>> rows_of_expert = route_rows(config, ranks);
   const ExpertWeightTable<Scalar> weights(config, ranks, hooks);
 
-  // The combine: out_t sums w_j * y_j in double; contributions arrive in (expert, rank, token, slot)
-  // order, which does not depend on how tokens are partitioned over ranks.
+  // The combine: out_t sums w_j * y_j in double; contributions arrive in expert order, then in the row
+  // order of route_rows.
   std::vector<std::vector<double>> combined(config.num_ranks);
   for (int64_t r = 0; r < config.num_ranks; ++r) combined[r].assign(ranks[r].num_tokens * hidden, 0.0);
 

@@ -20,6 +20,7 @@
 #include "megamoe/reference.hpp"
 #include "megamoe/reference_fp8.hpp"
 #include "megamoe/status.hpp"
+#include "reference/layer_math.hpp"
 
 namespace megamoe::testing::ep_problem {
 
@@ -99,11 +100,38 @@ struct Expected {
 };
 
 // The problem as one rank holding the routed experts only (compact ids in routing order), all ranks' tokens
-// in rank order.
+// in rank order, each rank's from a multiple of the reference's routing window (masked tokens in the gaps):
+// the reference then takes every expert's rows in the order the GPU numbers them on each rank
+// (reference/layer_math.hpp), which the FP8 weight gradients' groups of 128 rows depend on.
 struct CompactProblem {
   LayerConfig config;
   std::vector<reference::RankInputs<float>> in;
 };
+
+// The first token of each rank in the compact rank, and (last entry) its token count.
+inline std::vector<int64_t> compact_token_starts(const Problem& p) {
+  constexpr int64_t kWindow = reference::detail::kRoutingWindow;
+  std::vector<int64_t> starts;
+  int64_t at = 0;
+  for (const auto& x : p.x) {
+    starts.push_back(at);
+    at += static_cast<int64_t>(x.size()) / p.config.hidden;
+    at = (at + kWindow - 1) / kWindow * kWindow;
+  }
+  const int64_t last_tokens = p.x.empty() ? 0 : static_cast<int64_t>(p.x.back().size()) / p.config.hidden;
+  starts.push_back(p.x.empty() ? 0 : starts.back() + last_tokens);
+  return starts;
+}
+
+// A per-token [tokens, width] tensor of every rank in the compact rank's layout (zeros in the gaps).
+template <typename T>
+std::vector<T> compact_rows(const Problem& p, const std::vector<std::vector<T>>& per_rank, int64_t width, T gap) {
+  const std::vector<int64_t> starts = compact_token_starts(p);
+  std::vector<T> all(static_cast<size_t>(starts.back() * width), gap);
+  for (size_t r = 0; r < per_rank.size(); ++r)
+    std::copy(per_rank[r].begin(), per_rank[r].end(), all.begin() + starts[r] * width);
+  return all;
+}
 
 inline CompactProblem compact_problem(const Problem& p) {
   const LayerConfig& c = p.config;
@@ -112,8 +140,7 @@ inline CompactProblem compact_problem(const Problem& p) {
   LayerConfig compact = c;
   compact.num_ranks = 1;
   compact.num_experts = std::max<int64_t>(K, static_cast<int64_t>(p.routed.size()));
-  int64_t total_tokens = 0;
-  for (auto& x : p.x) total_tokens += static_cast<int64_t>(x.size()) / H;
+  const int64_t total_tokens = compact_token_starts(p).back();
   compact.max_tokens_per_rank = std::max<int64_t>(1, total_tokens);
   std::map<int64_t, int64_t> compact_id;
   for (size_t i = 0; i < p.routed.size(); ++i) compact_id[p.routed[i]] = static_cast<int64_t>(i);
@@ -121,11 +148,12 @@ inline CompactProblem compact_problem(const Problem& p) {
   std::vector<reference::RankInputs<float>> in(1);
   auto& r0 = in[0];
   r0.num_tokens = total_tokens;
-  for (int64_t r = 0; r < R; ++r) {
-    r0.x.insert(r0.x.end(), p.x[r].begin(), p.x[r].end());
-    for (int64_t e : p.idx[r]) r0.topk_idx.push_back(e < 0 ? -1 : compact_id[e]);
-    r0.topk_weights.insert(r0.topk_weights.end(), p.weights[r].begin(), p.weights[r].end());
-  }
+  std::vector<std::vector<int64_t>> ids(R);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t e : p.idx[r]) ids[r].push_back(e < 0 ? -1 : compact_id[e]);
+  r0.x = compact_rows(p, p.x, H, 0.0f);
+  r0.topk_idx = compact_rows<int64_t>(p, ids, K, -1);
+  r0.topk_weights = compact_rows(p, p.weights, K, 0.0f);
   r0.w13.assign(compact.num_experts * 2 * I * H, 0.0f);
   r0.w2.assign(compact.num_experts * H * I, 0.0f);
   for (size_t i = 0; i < p.routed.size(); ++i) {
@@ -135,14 +163,13 @@ inline CompactProblem compact_problem(const Problem& p) {
   return CompactProblem{compact, std::move(in)};
 }
 
-// Rows [token0, token0 + T) of a compact [tokens, width] result, per rank.
+// Each rank's rows of a compact [tokens, width] result (the gaps left out).
 inline std::vector<std::vector<float>> split_by_rank(const Problem& p, const std::vector<float>& all, int64_t width) {
+  const std::vector<int64_t> starts = compact_token_starts(p);
   std::vector<std::vector<float>> per_rank;
-  int64_t token0 = 0;
-  for (const auto& x : p.x) {
-    const int64_t T = static_cast<int64_t>(x.size()) / p.config.hidden;
-    per_rank.emplace_back(all.begin() + token0 * width, all.begin() + (token0 + T) * width);
-    token0 += T;
+  for (size_t r = 0; r < p.x.size(); ++r) {
+    const int64_t T = static_cast<int64_t>(p.x[r].size()) / p.config.hidden;
+    per_rank.emplace_back(all.begin() + starts[r] * width, all.begin() + (starts[r] + T) * width);
   }
   return per_rank;
 }
@@ -163,12 +190,11 @@ inline std::vector<std::vector<float>> run_reference_forward(const Problem& p, b
 inline Expected run_reference(const Problem& p, bool fp8 = false) {
   const LayerConfig& c = p.config;
   const int64_t H = c.hidden, I = c.intermediate, K = c.top_k;
-  const int64_t R = c.num_ranks;
   CompactProblem compact_p = compact_problem(p);
   const LayerConfig& compact = compact_p.config;
   const std::vector<reference::RankInputs<float>>& in = compact_p.in;
   std::vector<std::vector<float>> out, d_out(1);
-  for (int64_t r = 0; r < R; ++r) d_out[0].insert(d_out[0].end(), p.d_out[r].begin(), p.d_out[r].end());
+  d_out[0] = compact_rows(p, p.d_out, H, 0.0f);
   std::vector<reference::RankGradients<float>> grads;
   const Status forward_status = fp8 ? reference::forward_fp8(compact, in, &out) : reference::forward(compact, in, &out);
   EXPECT_TRUE(forward_status.is_ok()) << forward_status.to_string();
