@@ -207,12 +207,22 @@ struct ExpertParallelLayer::Impl {
     return tuning;
   }
 
-  // Operand rows read from a receive buffer (R * T rows) in expert order.
+  // Rows of a receive buffer (R * T of them).
+  int64_t received_source_rows() const { return static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank; }
+  // Operand rows read from a receive buffer in expert order.
   kernels::GemmGather received_rows() const {
     kernels::GemmGather g;
     g.a_rows = buffer<int32_t>(params.layout.row_src);
-    g.a_source_rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
+    g.a_source_rows = received_source_rows();
     return g;
+  }
+  // The same for the FP8 GEMM, its D kept in fp32.
+  kernels::Fp8GemmRows received_fp8_rows(float* d_fp32) const {
+    kernels::Fp8GemmRows rows;
+    rows.a_rows = buffer<int32_t>(params.layout.row_src);
+    rows.a_source_rows = received_source_rows();
+    rows.d_fp32 = d_fp32;
+    return rows;
   }
 
   // GEMM1 with SwiGLU -> GEMM2, y rows delivered to the sources' combine slots.
@@ -281,13 +291,9 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
   }
   const kernels::Fp8GemmTuning tuning{1, max_blocks};
   auto* h = buffer<float>(p.layout.h_f32);
-  kernels::Fp8GemmRows received;
-  received.a_rows = buffer<int32_t>(p.layout.row_src);
-  received.a_source_rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
-  received.d_fp32 = h;
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(
       buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs), w13_q, w13_s, nullptr, expert_offsets(), EL,
-      C, static_cast<int>(2 * I), static_cast<int>(H), stream, tuning, received));
+      C, static_cast<int>(2 * I), static_cast<int>(H), stream, tuning, received_fp8_rows(h)));
   auto* a_q = buffer<uint8_t>(p.layout.a_q);
   auto* a_s = buffer<float>(p.layout.a_s);
   // Only the rows the experts hold (expert_offsets[EL], counted on the device).
@@ -366,13 +372,10 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
                                                                  buffer<float>(l.w13t_s), stream));
   const kernels::Fp8GemmTuning tuning{1, max_blocks};
   auto* g = buffer<float>(l.g_f32);
-  kernels::Fp8GemmRows received;
-  received.a_rows = buffer<int32_t>(l.row_src);
-  received.a_source_rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
-  received.d_fp32 = g;
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(
       buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts), buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s),
-      nullptr, expert_offsets(), EL, C, static_cast<int>(I), static_cast<int>(H), stream, tuning, received));
+      nullptr, expert_offsets(), EL, C, static_cast<int>(I), static_cast<int>(H), stream, tuning,
+      received_fp8_rows(g)));
   auto* dh_q = buffer<uint8_t>(l.dh_q);
   auto* dh_s = buffer<float>(l.dh_s);
   MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_backward_quantize_rows_1x128(
@@ -393,7 +396,7 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
   const int EL = static_cast<int>(config.experts_per_rank());
   cudaStream_t stream = placement.stream;
   const ep::WorkspaceLayout& l = p.layout;
-  const int64_t source_rows = static_cast<int64_t>(config.num_ranks) * config.max_tokens_per_rank;
+  const int64_t source_rows = received_source_rows();
   const int32_t* offsets = expert_offsets();
   const auto* row_src = buffer<int32_t>(l.row_src);
   const auto* row_weight = buffer<float>(l.row_weight);

@@ -26,6 +26,16 @@
 
 namespace megamoe::device {
 
+// A tile's accumulator and the per-block partial, both zero before the first K block.
+template <int kN>
+__device__ __forceinline__ void zero_fp8_accumulators(float (&acc)[kN], float (&partial)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    acc[i] = 0.0f;
+    partial[i] = 0.0f;
+  }
+}
+
 // One K block of a warpgroup's FP8 tile: wgmma.m64nBNk32 x 4 on stage `st` into `partial` (the first
 // overwrites it), committed as one group; the caller waits for it.
 template <class Shape>
@@ -75,11 +85,8 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
   static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
-#pragma unroll
-  for (int i = 0; i < kN; ++i) acc[i] = 0.0f;
   float partial[kN];  // overwritten by each block's first wgmma; zeroed so that it is never read undefined
-#pragma unroll
-  for (int i = 0; i < kN; ++i) partial[i] = 0.0f;
+  zero_fp8_accumulators(acc, partial);
   const int k_tiles = max(tile.k_tiles, 0);
   float b_next = k_tiles > 0 ? __ldg(b_scales) : 0.0f;
   for (int kt = 0; kt < k_tiles; ++kt) {
@@ -124,11 +131,8 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
   static_assert(Shape::kBN == 128 && Shape::kBM == 128 && Shape::kCluster == 1, "128 x 128 tiles, single CTAs");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
-#pragma unroll
-  for (int i = 0; i < kN; ++i) acc[i] = 0.0f;
   float partial[kN];  // overwritten by each block's first wgmma; zeroed so that it is never read undefined
-#pragma unroll
-  for (int i = 0; i < kN; ++i) partial[i] = 0.0f;
+  zero_fp8_accumulators(acc, partial);
   for (int kt = 0; kt < k_tiles; ++kt) {
     pipe.consumer_wait(st);
     issue_fp8_block<Shape>(partial, stages, st, cwg);
