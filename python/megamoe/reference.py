@@ -56,6 +56,12 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I] -> out [T, H] in x's dtype.
 
     The combine accumulates in fp32 whatever the input dtype, as the GPU layer does."""
+    return _moe(x, topk_idx, topk_weights, w13, w2, check=check).to(x.dtype)
+
+
+def _moe(x, topk_idx, topk_weights, w13, w2, *, check: bool, round_a=None) -> torch.Tensor:
+    """moe's steps, out in the accumulation dtype (fp64 for fp64 x, else fp32); round_a, if given, rounds a
+    before GEMM2 (the FP8 layer's point F5)."""
     num_tokens, top_k = topk_idx.shape
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -73,13 +79,12 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
 
     h = _expert_matmul(x[rows_token], w13, counts)
     a = F.silu(h[:, :inter]) * h[:, inter:]
-    y = _expert_matmul(a, w2, counts)
+    y = _expert_matmul(a if round_a is None else round_a(a), w2, counts)
 
     weights = topk_weights.reshape(-1)[order]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.zeros(num_tokens, hidden, dtype=acc, device=x.device)
-    out = out.index_add(0, rows_token, y.to(acc) * weights.to(acc).unsqueeze(1))
-    return out.to(x.dtype)
+    return out.index_add(0, rows_token, y.to(acc) * weights.to(acc).unsqueeze(1))
 
 
 def moe_ranks(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
@@ -134,29 +139,8 @@ def moe_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     """The blockwise FP8 forward of one rank holding every expert (docs/FP8.md F1-F8): x per token and a per
     routed row in 1 x 128 groups, W13 and W2 in 128 x 128 blocks, the GEMMs and the SwiGLU in fp32, the
     combine in fp32; out in x's dtype. The GPU also rounds y to bf16 before the combine."""
-    num_experts, two_i, hidden = w13.shape
-    inter = two_i // 2
-    if check:
-        check_ids(topk_idx, num_experts)
-    num_tokens, top_k = topk_idx.shape
-    expert = topk_idx.reshape(-1).long()
-    routed = expert >= 0
-    token = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
-    order = torch.argsort(torch.where(routed, expert, num_experts), stable=True)
-    counts = torch.bincount(expert[routed], minlength=num_experts)
-    order = order[: int(counts.sum())]
-    rows_token = token[order]
-
-    xq = fake_quantize_1x128(x)
-    w13q, w2q = fake_quantize_128x128(w13), fake_quantize_128x128(w2)
-    h = _expert_matmul(xq[rows_token], w13q, counts)
-    a = F.silu(h[:, :inter]) * h[:, inter:]
-    y = _expert_matmul(fake_quantize_1x128(a), w2q, counts)
-
-    weights = topk_weights.reshape(-1)[order].float()
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    out = out.index_add(0, rows_token, y * weights.unsqueeze(1))
-    return out.to(x.dtype)
+    return _moe(fake_quantize_1x128(x), topk_idx, topk_weights.float(), fake_quantize_128x128(w13),
+                fake_quantize_128x128(w2), check=check, round_a=fake_quantize_1x128).to(x.dtype)
 
 
 def moe_ranks_fp8(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
