@@ -257,15 +257,17 @@ Result run(int64_t H, int64_t I, int iters) {
     f.out = out;
     BENCH_CHECK_OK(g.layer(0).forward(f));
   };
-  auto backward_on = [&](megamoe::VirtualRankGroup& g, int s) {
+  // The backward's status, for a caller that must survive a failing one (the FP8 timing below).
+  auto try_backward_on = [&](megamoe::VirtualRankGroup& g, int s) {
     megamoe::BackwardArgs b;
     b.d_out = d_out[s];
     b.d_x = d_x;
     b.d_topk_weights = d_weights;
     b.d_w13 = d_w13;
     b.d_w2 = d_w2;
-    BENCH_CHECK_OK(g.layer(0).backward(b));
+    return g.layer(0).backward(b);
   };
+  auto backward_on = [&](megamoe::VirtualRankGroup& g, int s) { BENCH_CHECK_OK(try_backward_on(g, s)); };
   auto step_on = [&](megamoe::VirtualRankGroup& g, int s) {
     forward_on(g, s);
     backward_on(g, s);
@@ -349,13 +351,7 @@ Result run(int64_t H, int64_t I, int iters) {
     // here: one trial step first, and an error leaves fp8_total_ms at -1 instead of ending the benchmark.
     auto fp8_step = [&](int s) {
       forward_on(*fp8_group, s);
-      megamoe::BackwardArgs b;
-      b.d_out = d_out[s];
-      b.d_x = d_x;
-      b.d_topk_weights = d_weights;
-      b.d_w13 = d_w13;
-      b.d_w2 = d_w2;
-      return fp8_group->layer(0).backward(b);
+      return try_backward_on(*fp8_group, s);
     };
     const megamoe::Status trial = [&] {
       const megamoe::Status step = fp8_step(0);
