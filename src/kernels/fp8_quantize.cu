@@ -12,6 +12,17 @@ using device::scale_from_amax;
 constexpr int kGroup = 128;
 constexpr int kWarpsPerBlock = 8;
 
+// The grid of a warp-per-item kernel: `needed` blocks of kWarpsPerBlock warps, at most 16 per SM (the warps
+// stride over the rest).
+Status warp_grid(int64_t needed, int* blocks) {
+  int device = 0;
+  int num_sms = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  *blocks = static_cast<int>(needed < num_sms * 16 ? needed : num_sms * 16);
+  return Status::ok();
+}
+
 // One 1x128 group held by a warp, 4 consecutive values per lane: the group's scale (amax from 0, NaN-ignoring
 // as fp8::amax_step: an all-NaN group has amax 0 and scale 1, as on the CPU) and the lane's 4 E4M3 bytes.
 struct WarpGroupQuantized {
@@ -249,12 +260,8 @@ Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t co
   if (x == nullptr || q == nullptr || scales == nullptr)
     return Status::invalid("quantize_rows_1x128: null pointer");
   const int64_t num_groups = rows * (cols / kGroup);
-  int device = 0;
-  int num_sms = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t blocks_needed = (num_groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  const int blocks = static_cast<int>(blocks_needed < num_sms * 16 ? blocks_needed : num_sms * 16);
+  int blocks = 0;
+  MEGAMOE_RETURN_IF_ERROR(warp_grid((num_groups + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
   quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(x, num_groups, cols / kGroup, scales_pitch,
                                                                           q, scales);
   MEGAMOE_CHECK_LAUNCH(stream, "quantize_rows_1x128_kernel");
@@ -274,13 +281,9 @@ Status swiglu_quantize_rows_1x128(const float* h, int64_t rows, int64_t I, const
     return Status::invalid("swiglu_quantize_rows_1x128: null pointer");
   if ((reinterpret_cast<uintptr_t>(h) & 15u) != 0 || (reinterpret_cast<uintptr_t>(aq) & 3u) != 0)
     return Status::invalid("swiglu_quantize_rows_1x128: h must be 16-byte and aq 4-byte aligned");
-  int device = 0;
-  int num_sms = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
   // Sized for every row; with rows_used the warps past the used rows' groups find no work.
-  const int64_t blocks_needed = (rows * (I / kGroup) + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  const int blocks = static_cast<int>(blocks_needed < num_sms * 16 ? blocks_needed : num_sms * 16);
+  int blocks = 0;
+  MEGAMOE_RETURN_IF_ERROR(warp_grid((rows * (I / kGroup) + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
   swiglu_quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(h, rows, I, rows_used, scales_pitch,
                                                                                  aq, scales);
   MEGAMOE_CHECK_LAUNCH(stream, "swiglu_quantize_rows_1x128_kernel");
@@ -305,12 +308,8 @@ Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const
   if ((reinterpret_cast<uintptr_t>(g) & 15u) != 0 || (reinterpret_cast<uintptr_t>(h) & 15u) != 0 ||
       (reinterpret_cast<uintptr_t>(a_out) & 15u) != 0 || (reinterpret_cast<uintptr_t>(dh_q) & 3u) != 0)
     return Status::invalid("swiglu_backward_quantize_rows_1x128: g, h and a_out must be 16-byte, dh_q 4-byte aligned");
-  int device = 0;
-  int num_sms = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t blocks_needed = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  const int blocks = static_cast<int>(blocks_needed < num_sms * 16 ? blocks_needed : num_sms * 16);
+  int blocks = 0;
+  MEGAMOE_RETURN_IF_ERROR(warp_grid((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
   swiglu_backward_quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
       g, h, row_weight, rows, I, rows_used, scales_pitch, dh_q, dh_s, a_out, dot_rows, dot_parts);
   MEGAMOE_CHECK_LAUNCH(stream, "swiglu_backward_quantize_rows_1x128_kernel");
