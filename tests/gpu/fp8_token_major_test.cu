@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -159,40 +160,52 @@ TEST(Fp8TokenMajorGpuTest, GatheredE4m3RowsMatchTheCpuRuleBitExactly) {
   }
 }
 
+// Random GEMM1 outputs h [capacity, 2I], dgrads g [capacity, I] and routing weights over the experts of
+// kOffsets, on the host and uploaded (the seed is printed).
+struct SwigluRowsProblem {
+  int experts = static_cast<int>(kOffsets.size()) - 1;
+  std::vector<float> h, g, w;
+  DeviceBuffer<float> d_h, d_g, d_w;
+  DeviceBuffer<int32_t> d_offsets;
+
+  explicit SwigluRowsProblem(int64_t I)
+      : h(kCapacity * 2 * I), g(kCapacity * I), w(kCapacity), d_h(h.size()), d_g(g.size()), d_w(w.size()),
+        d_offsets(kOffsets.size()) {
+    const uint32_t seed = std::random_device{}();
+    std::printf("[fp8_token_major_test] seed %u\n", seed);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 2.0f);
+    for (float& v : h) v = normal(rng);
+    for (float& v : g) v = normal(rng);
+    for (float& v : w) v = std::fabs(normal(rng)) + 0.01f;
+    d_h.upload(h);
+    d_g.upload(g);
+    d_w.upload(w);
+    d_offsets.upload(kOffsets);
+  }
+};
+
 // The activation recomputed from h is bit for bit the fp32 a the SwiGLU-backward quantizer writes (a_out),
 // taken through the fp32-rows path.
 TEST(Fp8TokenMajorGpuTest, SwigluRowsAreTheActivationBitExactly) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  const uint32_t seed = std::random_device{}();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
   constexpr int64_t I = 256;
-  std::normal_distribution<float> normal(0.0f, 2.0f);
-  std::vector<float> h(kCapacity * 2 * I), g(kCapacity * I), w(kCapacity);
-  for (float& v : h) v = normal(rng);
-  for (float& v : g) v = normal(rng);
-  for (float& v : w) v = std::fabs(normal(rng)) + 0.01f;
-  const int experts = static_cast<int>(kOffsets.size()) - 1;
-  const int64_t columns = kernels::token_major_columns(kCapacity, experts);
-  DeviceBuffer<float> d_h(h.size()), d_g(g.size()), d_w(w.size()), a_out(kCapacity * I);
+  const SwigluRowsProblem in(I);
+  const int64_t columns = kernels::token_major_columns(kCapacity, in.experts);
+  DeviceBuffer<float> a_out(kCapacity * I);
   DeviceBuffer<uint8_t> dh_q(kCapacity * 2 * I);
   DeviceBuffer<float> dh_s(2 * I / 128 * kCapacity);
-  DeviceBuffer<int32_t> d_offsets(kOffsets.size());
-  d_h.upload(h);
-  d_g.upload(g);
-  d_w.upload(w);
-  d_offsets.upload(kOffsets);
-  ASSERT_TRUE(kernels::swiglu_backward_quantize_rows_1x128(d_g.get(), d_h.get(), d_w.get(), kCapacity, I, nullptr,
-                                                           dh_q.get(), dh_s.get(), kCapacity, a_out.get(), nullptr, 0,
-                                                           nullptr)
+  ASSERT_TRUE(kernels::swiglu_backward_quantize_rows_1x128(in.d_g.get(), in.d_h.get(), in.d_w.get(), kCapacity, I,
+                                                           nullptr, dh_q.get(), dh_s.get(), kCapacity, a_out.get(),
+                                                           nullptr, 0, nullptr)
                   .is_ok());
   DeviceBuffer<uint8_t> via_rows(I * columns), via_h(I * columns);
   DeviceBuffer<float> s_rows(columns / 128 * I), s_h(columns / 128 * I);
-  ASSERT_TRUE(kernels::token_major_quantize_fp32(a_out.get(), I, d_offsets.get(), experts, kCapacity, via_rows.get(),
-                                                 s_rows.get(), nullptr)
+  ASSERT_TRUE(kernels::token_major_quantize_fp32(a_out.get(), I, in.d_offsets.get(), in.experts, kCapacity,
+                                                 via_rows.get(), s_rows.get(), nullptr)
                   .is_ok());
-  ASSERT_TRUE(kernels::token_major_quantize_swiglu(d_h.get(), I, d_offsets.get(), experts, kCapacity, via_h.get(),
-                                                   s_h.get(), nullptr)
+  ASSERT_TRUE(kernels::token_major_quantize_swiglu(in.d_h.get(), I, in.d_offsets.get(), in.experts, kCapacity,
+                                                   via_h.get(), s_h.get(), nullptr)
                   .is_ok());
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   const std::vector<uint8_t> q_rows = via_rows.download(), q_h = via_h.download();
@@ -207,27 +220,18 @@ TEST(Fp8TokenMajorGpuTest, SwigluRowsAreTheActivationBitExactly) {
 // move an element to its other E4M3 neighbour, nothing more.
 TEST(Fp8TokenMajorGpuTest, SwigluGradRowsQuantizeTheSwigluBackward) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  const uint32_t seed = std::random_device{}();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
   constexpr int64_t I = 128;
-  std::normal_distribution<float> normal(0.0f, 2.0f);
-  std::vector<float> h(kCapacity * 2 * I), g(kCapacity * I), w(kCapacity);
-  for (float& v : h) v = normal(rng);
-  for (float& v : g) v = normal(rng);
-  for (float& v : w) v = std::fabs(normal(rng)) + 0.01f;
-  const int experts = static_cast<int>(kOffsets.size()) - 1;
+  const SwigluRowsProblem in(I);
+  const int experts = in.experts;
+  const std::vector<float>& h = in.h;
+  const std::vector<float>& g = in.g;
+  const std::vector<float>& w = in.w;
   const int64_t columns = kernels::token_major_columns(kCapacity, experts);
-  DeviceBuffer<float> d_h(h.size()), d_g(g.size()), d_w(w.size());
-  DeviceBuffer<int32_t> d_offsets(kOffsets.size());
   DeviceBuffer<uint8_t> qt(2 * I * columns);
   DeviceBuffer<float> st(columns / 128 * 2 * I);
-  d_h.upload(h);
-  d_g.upload(g);
-  d_w.upload(w);
-  d_offsets.upload(kOffsets);
-  ASSERT_TRUE(kernels::token_major_quantize_swiglu_grad(d_g.get(), d_h.get(), d_w.get(), I, d_offsets.get(), experts,
-                                                        kCapacity, qt.get(), st.get(), nullptr)
+  ASSERT_TRUE(kernels::token_major_quantize_swiglu_grad(in.d_g.get(), in.d_h.get(), in.d_w.get(), I,
+                                                        in.d_offsets.get(), experts, kCapacity, qt.get(), st.get(),
+                                                        nullptr)
                   .is_ok());
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   const std::vector<uint8_t> q = qt.download();
