@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "comm/device_error.hpp"
-#include "kernels/fp8_token_major_layout.hpp"
+#include "kernels/fp8_layout.hpp"
 
 namespace megamoe::ep {
 
@@ -37,10 +37,6 @@ struct Shape {
   int32_t recompute_h;  // 1: the forward keeps no h, the backward recomputes it into the dh buffer (h == dh)
   int32_t fp8;          // 1: blockwise FP8 (the e4m3 operands and their scales below have room)
 };
-
-// Floats between two K blocks of K-block-major activation scales: rows rounded up to a multiple of 4 (16 bytes),
-// the layout the FP8 GEMM reads (kernels/fp8_gemm.hpp, fp8_scale_pitch).
-inline constexpr int64_t k_block_scale_pitch(int64_t rows) { return (rows + 3) / 4 * 4; }
 
 inline constexpr int64_t kAlign = 256;
 inline constexpr int64_t align_up(int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
@@ -96,7 +92,7 @@ struct WorkspaceLayout {
   int64_t recv_xs = 0;         // f32 [R, T, H / 128]: their scales, a row's together
   int64_t h_f32 = 0;           // f32 [C, 2I]: GEMM1's output, unrounded (a is quantized from it)
   int64_t a_q = 0;             // e4m3 [C, I]: GEMM2's operand
-  int64_t a_s = 0;             // f32 [I / 128, k_block_scale_pitch(C)]: K-block-major
+  int64_t a_s = 0;             // f32 [I / 128, kernels::fp8_scale_pitch(C)]: K-block-major
   int64_t w13_q = 0;           // e4m3 [E_local, 2I, H]: the call's W13, 128x128 blocks
   int64_t w13_s = 0;           // f32 [E_local, 2I / 128, H / 128]
   int64_t w2_q = 0;            // e4m3 [E_local, H, I]
@@ -108,7 +104,7 @@ struct WorkspaceLayout {
   int64_t recv_douts = 0;      // f32 [R, T, H / 128]
   int64_t g_f32 = 0;           // f32 [C, I]: g = q(dOut) . W2q, the dgrad of GEMM2 before the routing weight
   int64_t dh_q = 0;            // e4m3 [C, 2I]: dh, the dgrad of GEMM1's operand
-  int64_t dh_s = 0;            // f32 [2I / 128, k_block_scale_pitch(C)]: K-block-major
+  int64_t dh_s = 0;            // f32 [2I / 128, kernels::fp8_scale_pitch(C)]: K-block-major
   int64_t w2t_q = 0;           // e4m3 [E_local, I, H]: W2q transposed (K-major for g = dOut . W2)
   int64_t w2t_s = 0;           // f32 [E_local, I / 128, H / 128]
   int64_t w13t_q = 0;          // e4m3 [E_local, H, 2I]: W13q transposed (K-major for dx = dh . W13)
@@ -179,7 +175,7 @@ struct WorkspaceLayout {
     l.recv_xs = take(q * 4 * R * T * (H / 128));
     l.h_f32 = take(q * 4 * C * 2 * I);
     l.a_q = take(q * C * I);
-    l.a_s = take(q * 4 * (I / 128) * k_block_scale_pitch(C));
+    l.a_s = take(q * 4 * (I / 128) * kernels::fp8_scale_pitch(C));
     l.w13_q = take(q * EL * 2 * I * H);
     l.w13_s = take(q * 4 * EL * (2 * I / 128) * (H / 128));
     l.w2_q = take(q * EL * H * I);
@@ -190,7 +186,7 @@ struct WorkspaceLayout {
     l.recv_douts = take(q * 4 * R * T * (H / 128));
     l.g_f32 = take(q * 4 * C * I);
     l.dh_q = take(q * C * 2 * I);
-    l.dh_s = take(q * 4 * (2 * I / 128) * k_block_scale_pitch(C));
+    l.dh_s = take(q * 4 * (2 * I / 128) * kernels::fp8_scale_pitch(C));
     l.w2t_q = take(q * EL * I * H);
     l.w2t_s = take(q * 4 * EL * (I / 128) * (H / 128));
     l.w13t_q = take(q * EL * H * 2 * I);

@@ -298,7 +298,7 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
   auto* a_s = buffer<float>(p.layout.a_s);
   // Only the rows the experts hold (expert_offsets[EL], counted on the device).
   MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_quantize_rows_1x128(h, C, I, expert_offsets() + EL, a_q, a_s,
-                                                              ep::k_block_scale_pitch(C), stream));
+                                                              kernels::fp8_scale_pitch(C), stream));
   kernels::Fp8GemmRows home;
   home.d_rows = buffer<void*>(p.layout.row_dest);
   return kernels::fp8_grouped_gemm_nt(a_q, a_s, w2_q, w2_s, nullptr, expert_offsets(), EL, C, static_cast<int>(H),
@@ -380,7 +380,7 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
   auto* dh_s = buffer<float>(l.dh_s);
   MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_backward_quantize_rows_1x128(
       g, buffer<float>(l.h_f32), buffer<float>(l.row_weight), C, I, expert_offsets() + EL, dh_q, dh_s,
-      ep::k_block_scale_pitch(C), nullptr, buffer<float*>(l.row_dot_dest), p.shape.dot_parts, stream));
+      kernels::fp8_scale_pitch(C), nullptr, buffer<float*>(l.row_dot_dest), p.shape.dot_parts, stream));
   kernels::Fp8GemmRows home;
   home.d_rows = buffer<void*>(l.row_dest);
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(dh_q, dh_s, buffer<uint8_t>(l.w13t_q), buffer<float>(l.w13t_s),

@@ -42,6 +42,7 @@
 
 #include <cstdint>
 
+#include "kernels/fp8_layout.hpp"
 #include "megamoe/status.hpp"
 
 namespace megamoe::kernels {
@@ -52,9 +53,6 @@ struct Fp8GemmTuning {
   int cluster_size = 1;
   int max_ctas = 0;
 };
-
-// Floats between two K blocks of sa: rows rounded up to a multiple of 4 (16 bytes).
-constexpr int64_t fp8_scale_pitch(int64_t rows) { return (rows + 3) / 4 * 4; }
 
 // Dense: A [M, K], sa [K / 128, fp8_scale_pitch(M)], B [N, K], sb [ceil(N / 128), K / 128], D [M, N] bf16
 // row-major.

@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-#include "kernels/fp8_token_major_layout.hpp"
+#include "kernels/fp8_layout.hpp"
 #include "megamoe/status.hpp"
 
 namespace megamoe::kernels {
