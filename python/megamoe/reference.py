@@ -114,7 +114,9 @@ def _fake_quantize_groups(groups: torch.Tensor, dims) -> torch.Tensor:
     amax = torch.where(torch.isnan(magnitude), 0.0, magnitude).amax(dim=dims, keepdim=True)
     scale = torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax))
     q = torch.clamp(v / scale, -_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.float() * scale
+    # fp32 values (the dequantized value is an fp32 product); float64 input gets them as float64 (exactly), so
+    # that a float64 reference keeps its GEMMs in float64.
+    return (q.float() * scale).to(torch.promote_types(groups.dtype, torch.float32))
 
 
 def fake_quantize_1x128(t: torch.Tensor) -> torch.Tensor:
@@ -138,9 +140,14 @@ def moe_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
             w2: torch.Tensor, *, check: bool = True) -> torch.Tensor:
     """The blockwise FP8 forward of one rank holding every expert (docs/FP8.md F1-F8): x per token and a per
     routed row in 1 x 128 groups, W13 and W2 in 128 x 128 blocks, the GEMMs and the SwiGLU in fp32, the
-    combine in fp32; out in x's dtype. The GPU also rounds y to bf16 before the combine."""
-    return _moe(fake_quantize_1x128(x), topk_idx, topk_weights.float(), fake_quantize_128x128(w13),
-                fake_quantize_128x128(w2), check=check, round_a=fake_quantize_1x128).to(x.dtype)
+    combine in fp32; out in x's dtype. The GPU also rounds y to bf16 before the combine.
+
+    float64 x (and weights) run the GEMMs in float64: the oracle for the GPU layer. In fp32 the GEMMs may run
+    in a reduced-precision mode (TF32 on CUDA where allowed), and the quantization of a after them amplifies
+    that: such a reference was 1.1% away from the float64 one at H = I = 256 (docs/PERF.md run 43)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return _moe(fake_quantize_1x128(x), topk_idx, topk_weights.to(acc), fake_quantize_128x128(w13).to(acc),
+                fake_quantize_128x128(w2).to(acc), check=check, round_a=fake_quantize_1x128).to(x.dtype)
 
 
 def moe_ranks_fp8(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],

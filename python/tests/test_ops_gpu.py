@@ -288,8 +288,9 @@ def test_fp8_forward_matches_the_fp8_reference(ranks, kind):
     with torch.no_grad():
         got = ops.moe_ranks(x, idx, w, w13, w2, config=cfg)
         again = ops.moe_ranks(x, idx, w, w13, w2, config=cfg)
-    want = reference.moe_ranks_fp8([t.float() for t in x], idx, w, [t.float() for t in w13],
-                                   [t.float() for t in w2])
+    # The oracle in float64 (reference.moe_fp8's docstring: an fp32 one on the GPU is itself 1% off).
+    want = reference.moe_ranks_fp8([t.double() for t in x], idx, [t.double() for t in w], [t.double() for t in w13],
+                                   [t.double() for t in w2])
     exact = reference.moe_ranks([t.double() for t in x], idx, [t.double() for t in w], [t.double() for t in w13],
                                 [t.double() for t in w2])
     for r in range(ranks):
@@ -307,7 +308,7 @@ def test_fp8_module_runs_inference_and_refuses_training():
     x, idx, w, _, _, _ = make(1, [200], "random")
     with torch.inference_mode():
         out = model(x[0], idx[0], w[0])
-    want = reference.moe_fp8(x[0].float(), idx[0], w[0], model.w13.float(), model.w2.float())
+    want = reference.moe_fp8(x[0].double(), idx[0], w[0].double(), model.w13.double(), model.w2.double())
     assert rel_err(out, want) <= TOL
     with pytest.raises(NotImplementedError, match="no FP8 backward"):
         model(x[0], idx[0], w[0])

@@ -21,12 +21,13 @@
 //   F8  out_t = sum_j w_j * y_j      fp32 combine, slots summed in expert order, then route_rows' order.
 //
 //  Backward
-//   B1  dOut_t [H]       q1x128 along H. Hook: round_row(kOutputGrad) on dy_j = w_j * dOut_t, a copy that
-//                        only the dgrad of GEMM2 reads. The GPU may instead quantize dOut_t once per token
-//                        (source rank, before the dispatch) and multiply by w_j in the dgrad epilogue:
-//                        q1x128(w * d) = w * q1x128(d) up to the fp32 rounding of the scale (the E4M3 codes
-//                        agree except where v / scale lies within a few fp32 ulps of a rounding midpoint),
-//                        far below the tolerance of any GPU check.
+//   B1  dOut_t [H]       q1x128 along H, once per token (the GPU quantizes it on the source rank, before
+//                        the dispatch); dy_j = w_j * q(dOut_t) in fp32, the operand the dgrad of GEMM2 reads.
+//                        Not q1x128(w_j * dOut_t): the two differ in about 1 element in 1000 (bf16 data puts
+//                        v / scale exactly on an E4M3 rounding midpoint that often, and the two fp32 paths to
+//                        it break the tie differently), which moves d_w13 by about 0.8% and d_x by 0.4%
+//                        (measured against the GPU, docs/PERF.md run 44). The pre-quantized dOut goes through
+//                        backward_impl with round_row(kOutputGrad) a no-op.
 //   B2  W2_q^T           the K-major copy of W2_q for da = dy . W2 (K = H): same E4M3 codes, the 128x128
 //                        block scales transposed, so numerically the same matrix as F6 (the reference
 //                        reuses the rounded copy of F6).
@@ -48,8 +49,8 @@
 //         dy^T [H, n]  (dy = w_j * dOut_t)   a^T [I, n]   for dW2 = dy^T a
 //         dh^T [2I, n]                       x^T [H, n]   for dW13 = dh^T x
 //       x and dOut reach the expert's rank only as their dispatched FP8 copies (F1, B1), so x^T and dy^T
-//       are built from those: each routed row rounded 1 x 128 along its channels first (the F1 / B1
-//       rounding, the same values), then along the routed rows (a second rounding, as a GPU that dequantizes,
+//       are built from those: x's routed rows rounded 1 x 128 along their channels first (F1), dy's already
+//       w_j * q(dOut_t) (B1), then both along the routed rows (a second rounding, as a GPU that dequantizes,
 //       transposes and quantizes the copies again gets). a and dh are the expert rank's own fp32 values
 //       (F4, B4), rounded along the routed rows only. Hook: round_wgrad_operand (all four operands), via
 //       fake_quantize_channels_1x128 and fake_quantize_token_major_1x128.
@@ -106,10 +107,10 @@ QuantizationHooks<float> fp8_hooks() {
     switch (point) {
       case RowPoint::kTokenInput:    // F1
       case RowPoint::kActivation:    // F5
-      case RowPoint::kOutputGrad:    // B1
       case RowPoint::kGateUpGrad:    // B5
         quantize_operand_row(row);
         return;
+      case RowPoint::kOutputGrad:        // B1: dOut was quantized per token before backward_impl
       case RowPoint::kGateUp:            // F3: fp32 accumulator
       case RowPoint::kExpertOutput:      // F7: fp32
       case RowPoint::kActivationGrad:    // B3: fp32
@@ -121,30 +122,24 @@ QuantizationHooks<float> fp8_hooks() {
   hooks.round_weight = [](WeightKind, std::span<float> matrix, int64_t rows, int64_t cols) {
     fp8::fake_quantize_blocks_128x128(matrix.data(), rows, cols);
   };
-  // B8: the dispatched operands (x, dy) through their FP8 copies first.
+  // B8: x through its dispatched FP8 copy first (dy is built from the quantized dOut already).
   hooks.round_wgrad_operand = [](WgradOperand operand, std::span<float> matrix, int64_t channels,
                                  int64_t routed_rows) {
-    if (operand == WgradOperand::kTokenInput || operand == WgradOperand::kOutputGrad)
-      fake_quantize_channels_1x128(matrix.data(), channels, routed_rows);
+    if (operand == WgradOperand::kTokenInput) fake_quantize_channels_1x128(matrix.data(), channels, routed_rows);
     fake_quantize_token_major_1x128(matrix.data(), channels, routed_rows);
   };
   return hooks;
 }
 
-// B3's routing-weight gradient for every routed row: d_topk_weights[t, j] = <q(dOut_t) . W2_q[e], a_j>.
-// Overwrites the entries backward_impl wrote (masked slots keep their 0).
+// B3's routing-weight gradient for every routed row: d_topk_weights[t, j] = <q(dOut_t) . W2_q[e], a_j>, given
+// d_out_q = q(dOut) (B1). Overwrites the entries backward_impl wrote (masked slots keep their 0).
 void fp8_routing_weight_grads(const LayerConfig& config, const std::vector<RankInputs<float>>& ranks,
-                              const std::vector<std::vector<float>>& d_out, const QuantizationHooks<float>& hooks,
+                              const std::vector<std::vector<float>>& d_out_q, const QuantizationHooks<float>& hooks,
                               std::vector<RankGradients<float>>* grads) {
   const int64_t hidden = config.hidden;
   const int64_t intermediate = config.intermediate;
   const int64_t top_k = config.top_k;
   const int64_t experts_per_rank = config.experts_per_rank();
-
-  // dOut quantized once per token, as the GPU does before the dispatch (B1).
-  std::vector<std::vector<float>> d_out_q = d_out;
-  for (int64_t r = 0; r < config.num_ranks; ++r)
-    fp8::fake_quantize_rows_1x128(d_out_q[r].data(), ranks[r].num_tokens, hidden);
 
   const std::vector<std::vector<detail::RoutedRow>> rows_of_expert = detail::route_rows(config, ranks);
   std::vector<float> w13_q;
@@ -219,9 +214,16 @@ Status forward_fp8(const LayerConfig& config, const std::vector<RankInputs<float
 Status backward_fp8(const LayerConfig& config, const std::vector<RankInputs<float>>& ranks,
                     const std::vector<std::vector<float>>& d_out, std::vector<RankGradients<float>>* grads) {
   const QuantizationHooks<float> hooks = fp8_hooks();
-  // backward_impl checks the inputs and d_out before anything runs, so the pass below sees valid shapes.
-  MEGAMOE_RETURN_IF_ERROR(detail::backward_impl(config, ranks, d_out, hooks, grads));
-  fp8_routing_weight_grads(config, ranks, d_out, hooks, grads);
+  // backward_impl checks the inputs and d_out (with the configuration) before anything runs; the per-token
+  // quantization (B1) only needs the row count to match first.
+  std::vector<std::vector<float>> d_out_q = d_out;
+  for (size_t r = 0; r < d_out_q.size() && r < ranks.size(); ++r) {
+    if (config.hidden > 0 && config.hidden % fp8::kGroup == 0 &&
+        static_cast<int64_t>(d_out_q[r].size()) == ranks[r].num_tokens * config.hidden)
+      fp8::fake_quantize_rows_1x128(d_out_q[r].data(), ranks[r].num_tokens, config.hidden);
+  }
+  MEGAMOE_RETURN_IF_ERROR(detail::backward_impl(config, ranks, d_out_q, hooks, grads));
+  fp8_routing_weight_grads(config, ranks, d_out_q, hooks, grads);
   return Status::ok();
 }
 

@@ -192,7 +192,7 @@ enum Point : int {
   kW13,        // F2: W13 128x128 blocks
   kA,          // F5: a, 1x128 along I
   kW2,         // F6: W2 128x128 blocks
-  kDOut,       // B1: dOut (dy for the dgrad, dOut for d_topk_weights), 1x128 along H
+  kDOut,       // B1: dOut per token, 1x128 along H (dy = w q(dOut) for the dgrad and dy^T)
   kDh,         // B5: dh, 1x128 along 2I
   kWgradDy,    // B8: dy^T along the token axis
   kWgradA,     // B8: a^T
@@ -282,11 +282,12 @@ LayerResults hand_written_fp8(const Problem& p, const PointSet& on) {
       for (int64_t k = 0; k < H; ++k) y[k] = static_cast<float>(dot(aq.data(), w2.data() + k * I, I));
       for (int64_t k = 0; k < H; ++k) out_sum[t * H + k] += static_cast<double>(w) * static_cast<double>(y[k]);
 
-      // Backward: da = q(w dOut) . W2, dh, dx partial.
-      std::vector<float> dy(H);
-      for (int64_t k = 0; k < H; ++k) dy[k] = static_cast<float>(static_cast<double>(w) * static_cast<double>(g_out[k]));
-      std::vector<float> dyq = dy;
-      quantize_row(dyq, on[kDOut]);
+      // Backward: da = (w q(dOut)) . W2 (dOut quantized per token, then weighted), dh, dx partial.
+      std::vector<float> g_outq(g_out, g_out + H);
+      quantize_row(g_outq, on[kDOut]);
+      std::vector<float> dyq(H);
+      for (int64_t k = 0; k < H; ++k)
+        dyq[k] = static_cast<float>(static_cast<double>(w) * static_cast<double>(g_outq[k]));
       std::vector<float> da(I), dh(2 * I);
       for (int64_t i = 0; i < I; ++i) {
         double sum = 0.0;
@@ -307,8 +308,6 @@ LayerResults hand_written_fp8(const Problem& p, const PointSet& on) {
       }
 
       // d_topk_weights = <q(dOut) . W2q, a>, a unquantized.
-      std::vector<float> g_outq(g_out, g_out + H);
-      quantize_row(g_outq, on[kDOut]);
       double dw = 0.0;
       for (int64_t i = 0; i < I; ++i) {
         double sum = 0.0;

@@ -335,8 +335,8 @@ LayerConfig fp8_config(int64_t intermediate, int64_t experts, int64_t top_k) {
 
 // Shapes whose H and I are multiples of the 128-wide scale blocks, routing of every kind, 1 to 8 virtual
 // ranks. The forward and the backward (every output and gradient) must be within 1e-2 of the FP8 CPU
-// reference (which quantizes at the same points; the GPU also rounds y and the d_x partials to bf16,
-// multiplies the routing weight after quantizing d_out, and accumulates in the tensor cores' order), bitwise
+// reference (which quantizes at the same points, d_out once per token before the routing weight multiplies
+// it; the GPU also rounds y and the d_x partials to bf16 and accumulates in the tensor cores' order), bitwise
 // the same on a second run; the distance to the exact reference is printed.
 // Two tests, so that the sanitizers can take the one- and two-rank scenarios alone (scripts/sanitize.sh).
 const LayerConfig kFp8ScenarioShape = fp8_config(384, 16, 4);
