@@ -112,7 +112,10 @@ def _fake_quantize_groups(groups: torch.Tensor, dims) -> torch.Tensor:
     v = groups.float()
     magnitude = v.abs()
     amax = torch.where(torch.isnan(magnitude), 0.0, magnitude).amax(dim=dims, keepdim=True)
-    scale = torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax))
+    # A tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its reciprocal, which is off
+    # by an ulp in about half the groups and then breaks v / scale's exact E4M3 ties (frequent on bf16 data)
+    # the other way: 1.2% on a layer's output (docs/PERF.md run 45). fp8.hpp's rule is one IEEE division.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, _E4M3_MAX), torch.ones_like(amax))
     q = torch.clamp(v / scale, -_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
     # fp32 values (the dequantized value is an fp32 product); float64 input gets them as float64 (exactly), so
     # that a float64 reference keeps its GEMMs in float64.

@@ -404,11 +404,10 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
   MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_e4m3(
       buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts), source_rows, row_src, row_weight, H, offsets, EL, C,
       buffer<uint8_t>(l.dyt_q), buffer<float>(l.dyt_s), stream));
-  MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_swiglu(h, I, offsets, EL, C, buffer<uint8_t>(l.at_q),
-                                                               buffer<float>(l.at_s), stream));
-  MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_swiglu_grad(buffer<float>(l.g_f32), h, row_weight, I, offsets,
-                                                                    EL, C, buffer<uint8_t>(l.dht_q),
-                                                                    buffer<float>(l.dht_s), stream));
+  // a^T and dh^T in one pass over g and h (both recomputed from them).
+  MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_swiglu_pair(
+      buffer<float>(l.g_f32), h, row_weight, I, offsets, EL, C, buffer<uint8_t>(l.at_q), buffer<float>(l.at_s),
+      buffer<uint8_t>(l.dht_q), buffer<float>(l.dht_s), stream));
   MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_e4m3(buffer<uint8_t>(l.recv_xq), buffer<float>(l.recv_xs),
                                                              source_rows, row_src, nullptr, H, offsets, EL, C,
                                                              buffer<uint8_t>(l.xt_q), buffer<float>(l.xt_s), stream));

@@ -1,7 +1,16 @@
-// One block of 256 threads per (group of 128 routed rows of one expert, 64 channels): the rows are read
-// row-major (half a warp per row, 4 channels a lane, coalesced) into a shared fp32 tile (33 KB); then each
-// channel's 128 values are taken by four threads of 32 rows each, whose amax meets by shuffles, and stored
-// as 32 contiguous E4M3 bytes each of the channel's row of the copy (fp8_token_major.hpp).
+// One block of 256 threads per group of 128 routed rows of one expert and a run of up to kSlabsPerBlock slabs
+// of input channels (fp8_token_major.hpp). Each warp finds the block's group itself, by scans of the clamped
+// expert offsets across its lanes, so that nothing waits on one thread walking the experts; the group's rows
+// (where each starts in the input, its routing weight) go to shared memory once.
+//
+// Per slab, each thread loads 4 channels (E4M3: twice 4) of four rows: 16-byte fp32 loads, 4-byte E4M3 loads.
+// The next slab's loads are issued before this slab is quantized, so that they are in flight meanwhile. The
+// thread turns them into the slab's values (one to three per input channel: the copy's own; dh's gate and up
+// halves from one read of g and h; or a and both halves of dh) and stores them as float4 into a shared fp32
+// tile [128 rows][values]. Then eight lanes take one tile column, 16 rows each: amax by three shuffles, and
+// each lane stores its 16 codes with one 16-byte store, the eight together one 128-byte line of the channel's
+// row of the copy. The tile's columns are XOR-swizzled by row / 16, so that both the row-wise float4 stores
+// and the column-wise loads hit 32 distinct banks.
 #include <string>
 
 #include "device/epilogue/transforms.cuh"
@@ -14,39 +23,100 @@ namespace {
 
 constexpr int kGroup = 128;
 constexpr int kThreads = 256;
-constexpr int kChannelsPerBlock = 64;
+constexpr int kWarps = kThreads / 32;
+// Enough work per block to amortize finding the group and starting the load pipeline, few enough that the
+// grid still has many waves.
+constexpr int kSlabsPerBlock = 8;
+// The quantizing pass: a lane's rows of one column, and the columns one pass of the block takes (four per
+// warp: 8 lanes x 16 rows each).
+constexpr int kLaneRows = 16;
+constexpr int kPassColumns = 4 * kWarps;
+static_assert(kLaneRows * 8 == kGroup && kPassColumns == 32, "the swizzle below assumes these");
+
+// The tile [128 rows][kColumns floats] holds (row, column) at row * kColumns + (column ^ (((row / 16) & 7) << 2)):
+// the column's bits 2..4 XORed with the group of 16 rows that one lane of the quantizing pass reads. Aligned
+// runs of 32 columns stay in place, so with kColumns a multiple of 32 each row is whole bank rounds; the eight
+// float4 stores of a quarter warp (one row, 32 columns) and the 32 lanes reading four columns of eight row
+// groups each hit 32 distinct banks.
+
+// A routed row as its loads see it: where it starts in the Rows type's input, in elements (-1: it reads as
+// zeros), and its routing weight (0 for a row that reads as zeros).
+struct RowRef {
+  int64_t base;
+  float weight;
+};
+
+// One output of a Rows type: where its value k of input channel j goes, channel first + j of a copy of
+// `channels` channels.
+struct Output {
+  uint8_t* qt;
+  float* st;
+  int64_t channels;
+  int64_t first;
+};
+template <int kCount>
+struct Outputs {
+  Output o[kCount];
+};
+
+// A Rows type is the value source of one kernel: kPieces pieces of 4 input channels per row and lane, 32
+// channels apart (a slab is kWidth = 32 kPieces input channels), kOutputs values per input channel, kMinBlocks
+// resident blocks an SM (the register budget: the most that compile without spilling). row() once per block
+// and row, fetch() a row's raw loads of channels j + 32 m + (0..3), expand() their values. A row that reads as
+// zeros gets an all-zero Raw, which every expand() turns into +0 values (0 * anything finite here is +0:
+// e4m3_value(0) * 0 * 0; silu(0) * 0; swiglu_backward(0, 0, 0)).
+
+__device__ __forceinline__ float4 load_float4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
 
 struct Fp32Rows {
+  static constexpr int kPieces = 1, kOutputs = 1, kMinBlocks = 4;
   const float* rows;
   int64_t channels;
-  __device__ __forceinline__ void load4(int64_t r, int64_t c, float (&v)[4]) const {
-    const float4 x = *reinterpret_cast<const float4*>(rows + r * channels + c);
-    v[0] = x.x;
-    v[1] = x.y;
-    v[2] = x.z;
-    v[3] = x.w;
+  using Raw = float4;
+  __device__ __forceinline__ RowRef row(int r) const { return {r * channels, 0.0f}; }
+  __device__ __forceinline__ void fetch(RowRef row, int64_t j, Raw& raw) const {
+    raw = load_float4(rows + row.base + j);
+  }
+  __device__ __forceinline__ void expand(const Raw& raw, RowRef, float (&v)[kOutputs][4 * kPieces]) const {
+    v[0][0] = raw.x;
+    v[0][1] = raw.y;
+    v[0][2] = raw.z;
+    v[0][3] = raw.w;
   }
 };
 
+// Two pieces a lane: one 32-bit load of codes gives only 4 values, so a row's address and scale serve 8.
 struct E4m3Rows {
+  static constexpr int kPieces = 2, kOutputs = 1, kMinBlocks = 4;
   const uint8_t* q;
   const float* scales;
   int64_t source_rows;
   const int32_t* row_src;
   const float* row_weight;
   int64_t channels;
-  __device__ __forceinline__ void load4(int64_t r, int64_t c, float (&v)[4]) const {
-    const int64_t src = row_src[r];
-    if (src < 0 || src >= source_rows) {
-      v[0] = v[1] = v[2] = v[3] = 0.0f;
-      return;
-    }
-    const uint32_t codes = *reinterpret_cast<const uint32_t*>(q + src * channels + c);
-    const float scale = scales[src * (channels / kGroup) + c / kGroup];
+  struct Raw {
+    uint32_t codes[kPieces];
+    float scale;
+  };
+  __device__ __forceinline__ RowRef row(int r) const {
+    const int32_t src = __ldg(row_src + r);
+    if (src < 0 || src >= source_rows) return {-1, 0.0f};
+    return {src * channels, row_weight != nullptr ? __ldg(row_weight + r) : 1.0f};
+  }
+  // The row's scale for channel j is scales[src * (channels / 128) + j / 128] = scales[(base + j) / 128],
+  // written as a shift (both are >= 0) to spare the signed division's fix-ups; a slab's 64 channels share it.
+  __device__ __forceinline__ void fetch(RowRef row, int64_t j, Raw& raw) const {
+    static_assert(kGroup == 1 << 7 && kGroup % (32 * kPieces) == 0, "a slab has one scale a row");
+    const uint8_t* p = q + row.base + j;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      v[k] = device::e4m3_value(codes >> (8 * k)) * scale;
-      if (row_weight != nullptr) v[k] *= row_weight[r];
+    for (int m = 0; m < kPieces; ++m) raw.codes[m] = __ldg(reinterpret_cast<const uint32_t*>(p + 32 * m));
+    raw.scale = __ldg(scales + ((row.base + j) >> 7));
+  }
+  __device__ __forceinline__ void expand(const Raw& raw, RowRef row, float (&v)[kOutputs][4 * kPieces]) const {
+#pragma unroll
+    for (int k = 0; k < 4 * kPieces; ++k) {
+      v[0][k] = device::e4m3_value(raw.codes[k / 4] >> (8 * (k % 4))) * raw.scale;
+      if (row_weight != nullptr) v[0][k] *= row.weight;
     }
   }
 };
@@ -54,110 +124,215 @@ struct E4m3Rows {
 // a = silu(g) u of GEMM1's fp32 output h [rows, 2I] (gate columns, then up), I channels: the forward's
 // activation, recomputed with the epilogues' arithmetic (device/epilogue/transforms.cuh).
 struct SwigluRows {
+  static constexpr int kPieces = 1, kOutputs = 1, kMinBlocks = 3;
   const float* h;
   int64_t I;
-  __device__ __forceinline__ void load4(int64_t r, int64_t c, float (&v)[4]) const {
-    const float4 g = *reinterpret_cast<const float4*>(h + r * 2 * I + c);
-    const float4 u = *reinterpret_cast<const float4*>(h + r * 2 * I + I + c);
-    v[0] = device::swiglu(g.x, u.x);
-    v[1] = device::swiglu(g.y, u.y);
-    v[2] = device::swiglu(g.z, u.z);
-    v[3] = device::swiglu(g.w, u.w);
+  struct Raw {
+    float4 gate, up;
+  };
+  __device__ __forceinline__ RowRef row(int r) const { return {r * (2 * I), 0.0f}; }
+  __device__ __forceinline__ void fetch(RowRef row, int64_t j, Raw& raw) const {
+    raw.gate = load_float4(h + row.base + j);
+    raw.up = load_float4(h + row.base + I + j);
+  }
+  __device__ __forceinline__ void expand(const Raw& raw, RowRef, float (&v)[kOutputs][4 * kPieces]) const {
+    v[0][0] = device::swiglu(raw.gate.x, raw.up.x);
+    v[0][1] = device::swiglu(raw.gate.y, raw.up.y);
+    v[0][2] = device::swiglu(raw.gate.z, raw.up.z);
+    v[0][3] = device::swiglu(raw.gate.w, raw.up.w);
   }
 };
 
-// dh = SwiGLU'(w g) of row r, 2I channels (dg for the gate columns, then du), from g [rows, I], h and the
-// row's routing weight: the values swiglu_backward_quantize_rows_1x128 (fp8_quantize.hpp) quantizes along
-// the channels, the same arithmetic.
+// dh = SwiGLU'(w g) of row r, from g [rows, I], h and the row's routing weight: the values
+// swiglu_backward_quantize_rows_1x128 (fp8_quantize.hpp) quantizes along the channels, the same arithmetic.
+// Input channel j gives dh's channels j (dg) and I + j (du), so g and h are read once.
 struct SwigluGradRows {
+  static constexpr int kPieces = 1, kOutputs = 2, kMinBlocks = 2;
   const float* g;
   const float* h;
   const float* row_weight;
   int64_t I;
-  __device__ __forceinline__ void load4(int64_t r, int64_t c, float (&v)[4]) const {
-    const bool up = c >= I;
-    const int64_t j = up ? c - I : c;
-    const float w = row_weight[r];
-    const float4 gs = *reinterpret_cast<const float4*>(g + r * I + j);
-    const float4 hg = *reinterpret_cast<const float4*>(h + r * 2 * I + j);
-    const float4 hu = *reinterpret_cast<const float4*>(h + r * 2 * I + I + j);
-    const float da[4] = {w * gs.x, w * gs.y, w * gs.z, w * gs.w};
-    const float gate[4] = {hg.x, hg.y, hg.z, hg.w}, upv[4] = {hu.x, hu.y, hu.z, hu.w};
+  struct Raw {
+    float4 g, gate, up;
+  };
+  // base: the row's start in g; in h it is 2 base.
+  __device__ __forceinline__ RowRef row(int r) const { return {r * I, __ldg(row_weight + r)}; }
+  __device__ __forceinline__ void fetch(RowRef row, int64_t j, Raw& raw) const {
+    raw.g = load_float4(g + row.base + j);
+    raw.gate = load_float4(h + 2 * row.base + j);
+    raw.up = load_float4(h + 2 * row.base + I + j);
+  }
+  // dh's gate and up values into v[kDg] and v[kDu].
+  template <int kDg, int kDu, int kCount>
+  __device__ __forceinline__ static void backward(const Raw& raw, float w, float (&v)[kCount][4]) {
+    const float da[4] = {w * raw.g.x, w * raw.g.y, w * raw.g.z, w * raw.g.w};
+    const float gate[4] = {raw.gate.x, raw.gate.y, raw.gate.z, raw.gate.w};
+    const float up[4] = {raw.up.x, raw.up.y, raw.up.z, raw.up.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const device::SwiGLUGrad d = device::swiglu_backward(da[k], gate[k], upv[k]);
-      v[k] = up ? d.du : d.dg;
+      const device::SwiGLUGrad d = device::swiglu_backward(da[k], gate[k], up[k]);
+      v[kDg][k] = d.dg;
+      v[kDu][k] = d.du;
     }
+  }
+  __device__ __forceinline__ void expand(const Raw& raw, RowRef row, float (&v)[kOutputs][4 * kPieces]) const {
+    backward<0, 1>(raw, row.weight, v);
   }
 };
 
-template <class Rows>
-__global__ void __launch_bounds__(kThreads) token_major_quantize_kernel(Rows rows, const int32_t* __restrict__ offsets,
-                                                                        int experts, int64_t capacity,
-                                                                        int64_t channels, int64_t columns,
-                                                                        uint8_t* __restrict__ qt,
-                                                                        float* __restrict__ st) {
-  __shared__ float tile[kGroup][kChannelsPerBlock + 1];
-  // The block's group: how many rows it has (0: the block has none), its first row, its first column.
-  __shared__ int64_t group_rows, group_first, group_column;
-  const int t = threadIdx.x;
-  if (t == 0) {
-    // Groups are numbered expert by expert. Each expert's rows are clamped to start where the previous one's
-    // end and to stay inside [0, capacity]: then no group reads past the rows or writes into another
-    // expert's columns, whatever the offsets hold.
-    group_rows = 0;
-    int64_t remaining = blockIdx.x, previous_end = 0;
-    for (int e = 0; e < experts; ++e) {
-      const int64_t begin = min(max(static_cast<int64_t>(offsets[e]), previous_end), capacity);
-      const int64_t end = min(max(static_cast<int64_t>(offsets[e + 1]), begin), capacity);
-      previous_end = end;
-      const int64_t groups = (end - begin + kGroup - 1) / kGroup;
-      if (remaining < groups) {
-        group_first = begin + remaining * kGroup;
-        group_rows = min(end - group_first, static_cast<int64_t>(kGroup));
-        group_column = token_major_start(begin, e) + remaining * kGroup;
-        break;
-      }
-      remaining -= groups;
+// Both SwiGLU operands of the weight gradients from one read of g and h: a (SwigluRows' values), then dh's dg
+// and du (SwigluGradRows').
+struct SwigluPairRows : SwigluGradRows {
+  static constexpr int kOutputs = 3, kMinBlocks = 2;
+  __device__ __forceinline__ void expand(const Raw& raw, RowRef row, float (&v)[kOutputs][4 * kPieces]) const {
+    v[0][0] = device::swiglu(raw.gate.x, raw.up.x);
+    v[0][1] = device::swiglu(raw.gate.y, raw.up.y);
+    v[0][2] = device::swiglu(raw.gate.z, raw.up.z);
+    v[0][3] = device::swiglu(raw.gate.w, raw.up.w);
+    backward<1, 2>(raw, row.weight, v);
+  }
+};
+
+// The group of blockIdx.x: how many rows it has (0: the slot has none), its first row, its first column.
+struct Group {
+  int first = 0, rows = 0;
+  int64_t column = 0;
+};
+
+// Groups are numbered expert by expert. Each expert's rows are clamped to start where the previous one's end
+// and to stay inside [0, capacity]: then no group reads past the rows or writes into another expert's columns,
+// whatever the offsets hold. That walk has a closed form: expert e's rows are [b_e, b_{e+1}) with b_k =
+// min(max(0, offsets[0..k]), capacity), so the lanes take 31 experts at a time (lane l boundary base + l) with
+// a max-scan for the b's and a sum-scan for the groups before each expert.
+__device__ Group find_group(const int32_t* __restrict__ offsets, int experts, int64_t capacity, int slot) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  int carried_max = 0, carried_groups = 0;
+  for (int base = 0; base < experts; base += 31) {
+    const int k = base + lane;
+    int bound = max(k <= experts ? __ldg(offsets + k) : 0, carried_max);
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int other = __shfl_up_sync(kAll, bound, d);
+      if (lane >= d) bound = max(bound, other);
     }
+    const int begin = static_cast<int>(min(static_cast<int64_t>(bound), capacity));
+    const int end = __shfl_down_sync(kAll, begin, 1);
+    const bool expert = lane < 31 && k < experts;
+    const int groups = expert ? static_cast<int>((static_cast<int64_t>(end) - begin + kGroup - 1) / kGroup) : 0;
+    int through = groups;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int other = __shfl_up_sync(kAll, through, d);
+      if (lane >= d) through += other;
+    }
+    const int before = carried_groups + through - groups;
+    const unsigned hit = __ballot_sync(kAll, expert && slot >= before && slot - before < groups);
+    if (hit != 0) {
+      const int owner = __ffs(hit) - 1;
+      const int first = __shfl_sync(kAll, begin, owner), last = __shfl_sync(kAll, end, owner);
+      const int local = slot - __shfl_sync(kAll, before, owner);
+      Group group;
+      group.first = first + local * kGroup;
+      group.rows = min(last - group.first, kGroup);
+      group.column = token_major_start(first, base + owner) + static_cast<int64_t>(local) * kGroup;
+      return group;
+    }
+    carried_groups += __shfl_sync(kAll, through, 30);
+    carried_max = __shfl_sync(kAll, bound, 30);
   }
-  __syncthreads();
-  const int valid = static_cast<int>(group_rows);
-  if (valid == 0) return;  // uniform over the block
-  const int64_t first = group_first, column = group_column;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kChannelsPerBlock;
+  return Group{};
+}
 
-  constexpr int kLanesPerRow = kChannelsPerBlock / 4, kRowsPerPass = kThreads / kLanesPerRow;
-  const int quad = t % kLanesPerRow;
-#pragma unroll 4
-  for (int i = 0; i < kGroup / kRowsPerPass; ++i) {
-    const int rr = t / kLanesPerRow + kRowsPerPass * i;
-    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (rr < valid) rows.load4(first + rr, c0 + 4 * quad, v);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) tile[rr][4 * quad + k] = v[k];
-  }
+template <class Rows>
+__global__ void __launch_bounds__(kThreads, Rows::kMinBlocks)
+    token_major_quantize_kernel(Rows rows, Outputs<Rows::kOutputs> out, const int32_t* __restrict__ offsets,
+                                int experts, int64_t capacity, int64_t columns, int slabs) {
+  constexpr int kPieces = Rows::kPieces, kWidth = 32 * kPieces, kColumns = Rows::kOutputs * kWidth;
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* const tile = reinterpret_cast<float*>(smem);  // [kGroup][kColumns], swizzled
+  // Shared rather than in registers: there the compiler would hoist every row's addresses out of the slab loop.
+  RowRef* const row_refs = reinterpret_cast<RowRef*>(tile + kGroup * kColumns);
+
+  const Group group = find_group(offsets, experts, capacity, static_cast<int>(blockIdx.x));
+  if (group.rows == 0) return;  // uniform over the block
+  const unsigned t = threadIdx.x;
+  if (t < kGroup) row_refs[t] = static_cast<int>(t) < group.rows ? rows.row(group.first + static_cast<int>(t))
+                                                                 : RowRef{-1, 0.0f};
   __syncthreads();
 
-  constexpr int kThreadsPerChannel = kThreads / kChannelsPerBlock, kRowsPerThread = kGroup / kThreadsPerChannel;
-  const int c = t / kThreadsPerChannel, part = t % kThreadsPerChannel;
-  float amax = 0.0f;
-#pragma unroll 8
-  for (int i = 0; i < kRowsPerThread; ++i) amax = fmaxf(amax, fabsf(tile[part * kRowsPerThread + i][c]));
+  // The loading steps: step i takes 32 rows, 8 lanes a row. A thread's four rows all lie in one group of 16
+  // (rows 16 row_group + 4 i + row_slot / 8), so its tile swizzle is fixed: it stores tile quad `quad` (and
+  // quad + 8 m for piece m) of its rows, which holds channels 4 (quad ^ row_group) (+ 32 m) of the slab, and
+  // every address moves by a constant from step to step (so the compiler has nothing to hoist out of the slab
+  // loop into registers).
+  constexpr int kSteps = 4, kRowStride = 4;
+  static_assert(kSteps * (kThreads / 8) == kGroup && kRowStride * kSteps == 16, "8 lanes a row, 4 rows a group");
+  const int quad = static_cast<int>(t % 8), row_slot = static_cast<int>(t / 8);
+  const int row_group = row_slot % 8, first_row = 16 * row_group + row_slot / 8;
+  const int channel = 4 * (quad ^ row_group);
+  float* const tile_rows = tile + first_row * kColumns + 4 * quad;
+
+  const int slab_begin = static_cast<int>(blockIdx.y) * kSlabsPerBlock;
+  const int slab_end = min(slabs, slab_begin + kSlabsPerBlock);
+  typename Rows::Raw raw[kSteps];
+  const auto fetch = [&](int slab) {
 #pragma unroll
-  for (int offset = 1; offset < kThreadsPerChannel; offset *= 2)
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  const float scale = device::scale_from_amax(amax);
-  uint8_t* dst = qt + (c0 + c) * columns + column + part * kRowsPerThread;
+    for (int i = 0; i < kSteps; ++i) {
+      const RowRef row = row_refs[first_row + kRowStride * i];
+      if (row.base >= 0)
+        rows.fetch(row, static_cast<int64_t>(slab) * kWidth + channel, raw[i]);
+      else
+        raw[i] = typename Rows::Raw{};
+    }
+  };
+  fetch(slab_begin);
+
+  // The quantizing passes: eight lanes per tile column, `part` taking rows 16 part .. 16 part + 15, which all
+  // have the swizzle of group `part`; a pass moves by whole bank rounds, so every load is one base plus a
+  // constant.
+  const int warp = static_cast<int>(t / 32), lane = static_cast<int>(t % 32), part = lane % 8;
+  const int pass_column = 4 * warp + lane / 8;
+  const float* const lane_tile = tile + kLaneRows * part * kColumns + (pass_column ^ (part << 2));
+
+  for (int slab = slab_begin; slab < slab_end; ++slab) {
 #pragma unroll
-  for (int chunk = 0; chunk < kRowsPerThread / 16; ++chunk) {
-    uint32_t word[4] = {0u, 0u, 0u, 0u};
+    for (int i = 0; i < kSteps; ++i) {
+      float v[Rows::kOutputs][4 * kPieces];
+      rows.expand(raw[i], row_refs[first_row + kRowStride * i], v);
 #pragma unroll
-    for (int k = 0; k < 16; ++k)
-      word[k / 4] |= device::e4m3_of(tile[part * kRowsPerThread + 16 * chunk + k][c], scale) << (8 * (k % 4));
-    *reinterpret_cast<uint4*>(dst + 16 * chunk) = make_uint4(word[0], word[1], word[2], word[3]);
+      for (int o = 0; o < Rows::kOutputs; ++o)
+#pragma unroll
+        for (int m = 0; m < kPieces; ++m)
+          *reinterpret_cast<float4*>(tile_rows + kRowStride * i * kColumns + o * kWidth + 32 * m) =
+              make_float4(v[o][4 * m], v[o][4 * m + 1], v[o][4 * m + 2], v[o][4 * m + 3]);
+    }
+    __syncthreads();
+    if (slab + 1 < slab_end) fetch(slab + 1);
+
+#pragma unroll
+    for (int pass = 0; pass < kColumns / kPassColumns; ++pass) {
+      float v[kLaneRows];
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kLaneRows; ++i) {
+        v[i] = lane_tile[i * kColumns + kPassColumns * pass];
+        amax = fmaxf(amax, fabsf(v[i]));
+      }
+#pragma unroll
+      for (int offset = 1; offset < 8; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      const float scale = device::scale_from_amax(amax);
+      uint32_t word[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int i = 0; i < kLaneRows; ++i) word[i / 4] |= device::e4m3_of(v[i], scale) << (8 * (i % 4));
+      const Output& o = out.o[kPassColumns * pass / kWidth];  // a constant index: the pass's output
+      const int64_t c = o.first + static_cast<int64_t>(slab) * kWidth + (kPassColumns * pass + pass_column) % kWidth;
+      *reinterpret_cast<uint4*>(o.qt + c * columns + group.column + kLaneRows * part) =
+          make_uint4(word[0], word[1], word[2], word[3]);
+      if (part == 0) o.st[(group.column / kGroup) * o.channels + c] = scale;
+    }
+    __syncthreads();
   }
-  if (part == 0) st[(column / kGroup) * channels + c0 + c] = scale;
 }
 
 Status check_common(const char* what, int64_t channels, const int32_t* offsets, int experts, int64_t capacity,
@@ -170,20 +345,33 @@ Status check_common(const char* what, int64_t channels, const int32_t* offsets, 
   if ((reinterpret_cast<uintptr_t>(qt) & 15u) != 0)
     return Status::invalid(std::string(what) + ": qt must be 16-byte aligned");
   const int64_t groups = (capacity + kGroup - 1) / kGroup + experts;
-  if (groups >= (int64_t{1} << 31) || channels / kChannelsPerBlock > 65535)
-    return Status::invalid(std::string(what) + ": too many row groups or channel blocks");
+  if (groups >= (int64_t{1} << 31)) return Status::invalid(std::string(what) + ": too many row groups");
   return Status::ok();
 }
 
+// `inputs`: the input channels (channels, or I for the SwiGLU rows).
 template <class Rows>
-Status launch(const char* what, const Rows& rows, int64_t channels, const int32_t* offsets, int experts,
-              int64_t capacity, uint8_t* qt, float* st, cudaStream_t stream) {
+Status launch(const char* what, const Rows& rows, const Outputs<Rows::kOutputs>& out, int64_t inputs,
+              const int32_t* offsets, int experts, int64_t capacity, cudaStream_t stream) {
   // Every possible group gets a block (the counts are on the device): at most one partial group per expert.
   const int64_t groups = (capacity + kGroup - 1) / kGroup + experts;
-  const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(channels / kChannelsPerBlock), 1);
-  token_major_quantize_kernel<Rows><<<grid, kThreads, 0, stream>>>(rows, offsets, experts, capacity, channels,
-                                                                  token_major_columns(capacity, experts), qt, st);
+  const int64_t slabs = inputs / (32 * Rows::kPieces), slab_blocks = (slabs + kSlabsPerBlock - 1) / kSlabsPerBlock;
+  if (slab_blocks > 65535) return Status::invalid(std::string(what) + ": too many channels");
+  const dim3 grid(static_cast<unsigned>(groups), static_cast<unsigned>(slab_blocks), 1);
+  constexpr int kSmemBytes =
+      static_cast<int>(kGroup * Rows::kOutputs * 32 * Rows::kPieces * sizeof(float) + kGroup * sizeof(RowRef));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(token_major_quantize_kernel<Rows>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  token_major_quantize_kernel<Rows><<<grid, kThreads, kSmemBytes, stream>>>(
+      rows, out, offsets, experts, capacity, token_major_columns(capacity, experts), static_cast<int>(slabs));
   MEGAMOE_CHECK_LAUNCH(stream, what);
+  return Status::ok();
+}
+
+Status check_swiglu_grad_inputs(const char* what, const float* g, const float* h, const float* row_weight) {
+  if (g == nullptr || h == nullptr || row_weight == nullptr || (reinterpret_cast<uintptr_t>(g) & 15u) != 0 ||
+      (reinterpret_cast<uintptr_t>(h) & 15u) != 0)
+    return Status::invalid(std::string(what) + ": g, h and row_weight must be non-null, g and h 16-byte aligned");
   return Status::ok();
 }
 
@@ -195,8 +383,8 @@ Status token_major_quantize_fp32(const float* rows, int64_t channels, const int3
   if (capacity == 0) return Status::ok();
   if (rows == nullptr || (reinterpret_cast<uintptr_t>(rows) & 15u) != 0)
     return Status::invalid("token_major_quantize_fp32: rows must be non-null and 16-byte aligned");
-  return launch("token_major_quantize_kernel<Fp32Rows>", Fp32Rows{rows, channels}, channels, offsets, experts,
-                capacity, qt, st, stream);
+  return launch("token_major_quantize_kernel<Fp32Rows>", Fp32Rows{rows, channels},
+                Outputs<1>{{{qt, st, channels, 0}}}, channels, offsets, experts, capacity, stream);
 }
 
 Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t source_rows, const int32_t* row_src,
@@ -210,8 +398,8 @@ Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t 
   if ((reinterpret_cast<uintptr_t>(q) & 3u) != 0)
     return Status::invalid("token_major_quantize_e4m3: q must be 4-byte aligned");
   return launch("token_major_quantize_kernel<E4m3Rows>",
-                E4m3Rows{q, scales, source_rows, row_src, row_weight, channels}, channels, offsets, experts, capacity,
-                qt, st, stream);
+                E4m3Rows{q, scales, source_rows, row_src, row_weight, channels}, Outputs<1>{{{qt, st, channels, 0}}},
+                channels, offsets, experts, capacity, stream);
 }
 
 Status token_major_quantize_swiglu(const float* h, int64_t I, const int32_t* offsets, int experts, int64_t capacity,
@@ -220,8 +408,8 @@ Status token_major_quantize_swiglu(const float* h, int64_t I, const int32_t* off
   if (capacity == 0) return Status::ok();
   if (h == nullptr || (reinterpret_cast<uintptr_t>(h) & 15u) != 0)
     return Status::invalid("token_major_quantize_swiglu: h must be non-null and 16-byte aligned");
-  return launch("token_major_quantize_kernel<SwigluRows>", SwigluRows{h, I}, I, offsets, experts, capacity, qt, st,
-                stream);
+  return launch("token_major_quantize_kernel<SwigluRows>", SwigluRows{h, I}, Outputs<1>{{{qt, st, I, 0}}}, I,
+                offsets, experts, capacity, stream);
 }
 
 Status token_major_quantize_swiglu_grad(const float* g, const float* h, const float* row_weight, int64_t I,
@@ -229,12 +417,22 @@ Status token_major_quantize_swiglu_grad(const float* g, const float* h, const fl
                                         cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu_grad", I, offsets, experts, capacity, qt, st));
   if (capacity == 0) return Status::ok();
-  if (g == nullptr || h == nullptr || row_weight == nullptr || (reinterpret_cast<uintptr_t>(g) & 15u) != 0 ||
-      (reinterpret_cast<uintptr_t>(h) & 15u) != 0)
-    return Status::invalid("token_major_quantize_swiglu_grad: g, h and row_weight must be non-null, g and h 16-byte "
-                           "aligned");
-  return launch("token_major_quantize_kernel<SwigluGradRows>", SwigluGradRows{g, h, row_weight, I}, 2 * I, offsets,
-                experts, capacity, qt, st, stream);
+  MEGAMOE_RETURN_IF_ERROR(check_swiglu_grad_inputs("token_major_quantize_swiglu_grad", g, h, row_weight));
+  return launch("token_major_quantize_kernel<SwigluGradRows>", SwigluGradRows{g, h, row_weight, I},
+                Outputs<2>{{{qt, st, 2 * I, 0}, {qt, st, 2 * I, I}}}, I, offsets, experts, capacity, stream);
+}
+
+Status token_major_quantize_swiglu_pair(const float* g, const float* h, const float* row_weight, int64_t I,
+                                        const int32_t* offsets, int experts, int64_t capacity, uint8_t* at_q,
+                                        float* at_s, uint8_t* dht_q, float* dht_s, cudaStream_t stream) {
+  MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu_pair", I, offsets, experts, capacity, at_q, at_s));
+  MEGAMOE_RETURN_IF_ERROR(
+      check_common("token_major_quantize_swiglu_pair", 2 * I, offsets, experts, capacity, dht_q, dht_s));
+  if (capacity == 0) return Status::ok();
+  MEGAMOE_RETURN_IF_ERROR(check_swiglu_grad_inputs("token_major_quantize_swiglu_pair", g, h, row_weight));
+  return launch("token_major_quantize_kernel<SwigluPairRows>", SwigluPairRows{{g, h, row_weight, I}},
+                Outputs<3>{{{at_q, at_s, I, 0}, {dht_q, dht_s, 2 * I, 0}, {dht_q, dht_s, 2 * I, I}}}, I, offsets,
+                experts, capacity, stream);
 }
 
 Status token_major_preload() {
@@ -243,6 +441,7 @@ Status token_major_preload() {
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<E4m3Rows>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<SwigluRows>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<SwigluGradRows>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<SwigluPairRows>));
   return Status::ok();
 }
 

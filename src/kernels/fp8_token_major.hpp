@@ -47,6 +47,13 @@ Status token_major_quantize_swiglu_grad(const float* g, const float* h, const fl
                                         const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt, float* st,
                                         cudaStream_t stream);
 
+// Both SwiGLU operands of the weight gradients from one read of g and h (the two calls above read them twice
+// between them): writes bit for bit what token_major_quantize_swiglu(h, I, ..., at_q, at_s, ...) and
+// token_major_quantize_swiglu_grad(g, h, row_weight, I, ..., dht_q, dht_s, ...) write, with their requirements.
+Status token_major_quantize_swiglu_pair(const float* g, const float* h, const float* row_weight, int64_t I,
+                                        const int32_t* offsets, int experts, int64_t capacity, uint8_t* at_q,
+                                        float* at_s, uint8_t* dht_q, float* dht_s, cudaStream_t stream);
+
 // Loads every instantiation of the kernel now (see fp8_quantize_preload).
 Status token_major_preload();
 

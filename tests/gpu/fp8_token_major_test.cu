@@ -260,6 +260,53 @@ TEST(Fp8TokenMajorGpuTest, SwigluGradRowsQuantizeTheSwigluBackward) {
   EXPECT_LE(std::sqrt(num / den), 0.05);
 }
 
+// Both SwiGLU copies from one read of g and h: a^T is the rule applied to the activation the SwiGLU-backward
+// quantizer writes (a_out), and both copies are bit for bit what the two single quantizers write (dh^T's
+// values are checked against exact arithmetic above). I = 384 is a whole and a partial run of channel slabs.
+TEST(Fp8TokenMajorGpuTest, SwigluPairIsBothSwigluCopiesBitExactly) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  constexpr int64_t I = 384;
+  const SwigluRowsProblem in(I);
+  const int64_t columns = kernels::token_major_columns(kCapacity, in.experts);
+  DeviceBuffer<float> a_out(kCapacity * I);
+  DeviceBuffer<uint8_t> dh_q(kCapacity * 2 * I);
+  DeviceBuffer<float> dh_s(2 * I / 128 * kCapacity);
+  ASSERT_TRUE(kernels::swiglu_backward_quantize_rows_1x128(in.d_g.get(), in.d_h.get(), in.d_w.get(), kCapacity, I,
+                                                           nullptr, dh_q.get(), dh_s.get(), kCapacity, a_out.get(),
+                                                           nullptr, 0, nullptr)
+                  .is_ok());
+  DeviceBuffer<uint8_t> at_pair(I * columns), at_single(I * columns);
+  DeviceBuffer<uint8_t> dht_pair(2 * I * columns), dht_single(2 * I * columns);
+  DeviceBuffer<float> ats_pair(columns / 128 * I), ats_single(columns / 128 * I);
+  DeviceBuffer<float> dhts_pair(columns / 128 * 2 * I), dhts_single(columns / 128 * 2 * I);
+  ASSERT_TRUE(kernels::token_major_quantize_swiglu_pair(in.d_g.get(), in.d_h.get(), in.d_w.get(), I,
+                                                        in.d_offsets.get(), in.experts, kCapacity, at_pair.get(),
+                                                        ats_pair.get(), dht_pair.get(), dhts_pair.get(), nullptr)
+                  .is_ok());
+  ASSERT_TRUE(kernels::token_major_quantize_swiglu(in.d_h.get(), I, in.d_offsets.get(), in.experts, kCapacity,
+                                                   at_single.get(), ats_single.get(), nullptr)
+                  .is_ok());
+  ASSERT_TRUE(kernels::token_major_quantize_swiglu_grad(in.d_g.get(), in.d_h.get(), in.d_w.get(), I,
+                                                        in.d_offsets.get(), in.experts, kCapacity, dht_single.get(),
+                                                        dhts_single.get(), nullptr)
+                  .is_ok());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> a = a_out.download();
+  expect_token_major(kOffsets, kCapacity, I, [&](int64_t r, int64_t c) { return a[r * I + c]; }, at_pair.download(),
+                     ats_pair.download());
+  const auto differing_bytes = [](const auto& x, const auto& y) {
+    const auto* bx = reinterpret_cast<const uint8_t*>(x.data());
+    const auto* by = reinterpret_cast<const uint8_t*>(y.data());
+    int64_t differ = 0;
+    for (size_t i = 0; i < x.size() * sizeof(x[0]); ++i) differ += bx[i] != by[i];
+    return differ;
+  };
+  EXPECT_EQ(differing_bytes(at_pair.download(), at_single.download()), 0);
+  EXPECT_EQ(differing_bytes(ats_pair.download(), ats_single.download()), 0);
+  EXPECT_EQ(differing_bytes(dht_pair.download(), dht_single.download()), 0);
+  EXPECT_EQ(differing_bytes(dhts_pair.download(), dhts_single.download()), 0);
+}
+
 TEST(Fp8TokenMajorGpuTest, BadArgumentsAreRefused) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   DeviceBuffer<float> rows(kCapacity * kChannels);
@@ -280,6 +327,10 @@ TEST(Fp8TokenMajorGpuTest, BadArgumentsAreRefused) {
             StatusCode::kInvalidArgument);
   EXPECT_EQ(kernels::token_major_quantize_e4m3(nullptr, nullptr, 10, nullptr, nullptr, kChannels, offsets.get(), 4,
                                                kCapacity, qt.get(), st.get(), nullptr)
+                .code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(kernels::token_major_quantize_swiglu_pair(rows.get(), rows.get(), rows.get(), 128, offsets.get(), 4,
+                                                      kCapacity, qt.get(), st.get(), qt.get() + 1, st.get(), nullptr)
                 .code(),
             StatusCode::kInvalidArgument);
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
