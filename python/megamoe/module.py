@@ -56,11 +56,11 @@ class MegaMoE(nn.Module):
     weight gradients follow as their own GEMMs); recompute_h=True keeps no h between forward and backward
     (the backward runs GEMM1 again). Results are bitwise the same either way (docs/LAYER.md).
 
-    precision="fp8" runs DeepSeek-V3's blockwise FP8 forward (docs/FP8.md): the layer quantizes x per token,
-    the weights in 128 x 128 blocks (on every call) and the SwiGLU output per row; the weights stay bf16
-    parameters. It offers no gradients from Python yet (the library's FP8 backward has not run on a GPU), so
-    it runs only where no gradient is asked (torch.no_grad(), inference), and not with the fused kernels or
-    recompute_h; H and I are multiples of 128 either way.
+    precision="fp8" runs DeepSeek-V3's blockwise FP8 recipe (docs/FP8.md): the forward quantizes x per token,
+    the weights in 128 x 128 blocks (on every call) and the SwiGLU output per row; the backward quantizes
+    d_out per token, dh per row and the weight gradients' operands along the routed rows, with every GEMM in
+    FP8; the weights stay bf16 parameters and their gradients come in fp32 (main_grad) or the parameters'
+    dtype. Not with the fused kernels or recompute_h; H and I are multiples of 128.
 
     main_grad=True: the weight gradients are added to fp32 buffers `w13.main_grad` and `w2.main_grad` (made
     here, zeroed; or the caller's, if it set them before the first forward) by the GEMMs themselves, and w13

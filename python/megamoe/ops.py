@@ -74,9 +74,8 @@ class LayerConfig:
     fused persistent kernels instead of the modular sequences of kernels; recompute_h, the backward recomputes
     h instead of the forward keeping it). Every choice computes bitwise the same results.
 
-    precision: PRECISION_BF16, or PRECISION_FP8_BLOCKWISE (precision_from_name("fp8")): x, W13, a and W2
-    quantized in DeepSeek-V3's blocks, the modular forward only from Python so far (no gradients, no fused
-    kernels)."""
+    precision: PRECISION_BF16, or PRECISION_FP8_BLOCKWISE (precision_from_name("fp8")): DeepSeek-V3's blockwise
+    FP8 forward and backward (docs/FP8.md), modular paths only (no fused kernels, no recompute_h)."""
 
     hidden: int
     intermediate: int
@@ -128,17 +127,6 @@ class LayerConfig:
             raise ValueError("megamoe: precision='fp8' runs the modular paths only so far: fused_forward, "
                              "fused_backward and recompute_h are not available with it")
         _lib.validate_config(self.to_c())
-
-
-def _refuse_fp8_gradients(config: LayerConfig, *tensors) -> None:
-    """FP8 gradients are not offered from Python yet (the library's FP8 backward has not run on a GPU): refuse
-    a forward autograd would differentiate, before it runs, instead of failing in the backward."""
-    if config.fp8 and torch.is_grad_enabled() and any(
-            isinstance(t, Tensor) and t.requires_grad for group in tensors for t in
-            (group if isinstance(group, (list, tuple)) else [group])):
-        raise NotImplementedError("megamoe: precision='fp8' offers no gradients yet (no FP8 backward from Python); "
-                                  "run it under torch.no_grad() or torch.inference_mode(), or on inputs and "
-                                  "weights that need no gradient")
 
 
 _debug_checks = os.environ.get("MEGAMOE_DEBUG_CHECKS", "1") != "0"
@@ -769,8 +757,7 @@ def _key_for(config: LayerConfig, key: int | None) -> int:
 def moe_ranks(x: list[Tensor], topk_idx: list[Tensor], topk_weights: list[Tensor], w13: list[Tensor],
               w2: list[Tensor], *, config: LayerConfig, key: int | None = None) -> list[Tensor]:
     """R virtual ranks on one GPU: one tensor per rank in each list (the shapes of docs/MODEL.md; rank r holds
-    experts [r*E/R, (r+1)*E/R), ids are global). Differentiable in x, topk_weights, w13 and w2 (bf16 only)."""
-    _refuse_fp8_gradients(config, x, topk_weights, w13, w2)
+    experts [r*E/R, (r+1)*E/R), ids are global). Differentiable in x, topk_weights, w13 and w2."""
     return torch.ops.megamoe.moe_forward(_key_for(config, key), config.as_list(), list(x), list(topk_idx),
                                          list(topk_weights), list(w13), list(w2))
 
@@ -785,7 +772,6 @@ def moe_ranks_all_experts(x: list[Tensor], topk_idx: list[Tensor], topk_weights:
     (in the GEMMs' epilogues: no gradient tensor, no conversion, no separate add kernel) and gives w13 and w2
     no gradient through autograd (gradient accumulation over micro-batches with fp32 main gradients, as
     Megatron-style trainers keep them in `param.main_grad`)."""
-    _refuse_fp8_gradients(config, x, topk_weights, w13, w2)
     g13, g2 = main_grads if main_grads is not None else (None, None)
     return torch.ops.megamoe.moe_forward_all_experts(_key_for(config, key), config.as_list(), list(x),
                                                      list(topk_idx), list(topk_weights), w13, w2, g13, g2)
@@ -810,7 +796,6 @@ def moe(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tens
 
 def _moe_process(x, topk_idx, topk_weights, w13, w2, *, config: LayerConfig, key: int | None, name: str,
                  main_grads: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    _refuse_fp8_gradients(config, x, topk_weights, w13, w2)
     g13, g2 = main_grads if main_grads is not None else (None, None)
     return torch.ops.megamoe.moe_process_forward(_key_for(config, key), config.as_list(), name, x, topk_idx,
                                                  topk_weights, w13, w2, g13, g2)

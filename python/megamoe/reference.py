@@ -9,7 +9,8 @@ only move rows, so the multi-rank layer equals one layer over all ranks' tokens 
 reference computes exactly that and splits the result, which keeps it free of any communication code.
 
 FP8 (moe_fp8, moe_ranks_fp8): the blockwise FP8 forward (docs/FP8.md), the same steps with x, W13, a and W2
-rounded to E4M3 through their scales at the points where the GPU layer quantizes them.
+rounded to E4M3 through their scales at the points where the GPU layer quantizes them;
+moe_ranks_fp8_backward: its backward, with the backward's own quantization points (not autograd).
 
 Process ranks (moe_distributed): each process holds its tokens and its E/R experts, as the GPU layer's
 process groups do, so the reference has to communicate: the routed (token, slot) rows go to the rank of
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["moe", "moe_ranks", "moe_distributed", "check_ids", "fake_quantize_1x128", "fake_quantize_128x128",
-           "moe_fp8", "moe_ranks_fp8"]
+           "moe_fp8", "moe_ranks_fp8", "moe_ranks_fp8_backward"]
 
 
 def check_ids(topk_idx: torch.Tensor, num_experts: int, what: str = "topk_idx") -> None:
@@ -161,6 +162,77 @@ def moe_ranks_fp8(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_wei
     out = moe_fp8(torch.cat(xs), torch.cat(topk_idx), torch.cat(topk_weights), torch.cat(w13), torch.cat(w2),
                   check=check)
     return list(torch.split(out, [x.shape[0] for x in xs]))
+
+
+_ROUTING_WINDOW = 32  # the GPU layout numbers a rank's routed rows per window of 32 tokens (docs/FP8.md)
+
+
+def _fake_quantize_token_major(rows: torch.Tensor) -> torch.Tensor:
+    """rows [n, C] (one expert's routed rows in order) -> the values of its token-major FP8 copy: one scale per
+    channel and group of 128 consecutive rows, the last group partial (zero padding leaves amax alone)."""
+    n, c = rows.shape
+    padded = torch.cat([rows, rows.new_zeros((-n) % 128, c)]) if n % 128 else rows
+    return _fake_quantize_groups(padded.reshape(-1, 128, c), (-2,)).reshape(-1, c)[:n]
+
+
+def moe_ranks_fp8_backward(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
+                           w13: list[torch.Tensor], w2: list[torch.Tensor], d_out: list[torch.Tensor]
+                           ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The blockwise FP8 backward over R virtual ranks (docs/FP8.md; the CPU reference's points B1-B9 of
+    src/reference/fp8_reference_layer.cpp): d_x, d_topk_weights, d_w13 and d_w2 per rank, in the inputs' float
+    dtype (pass float64: the oracle of the GPU layer). Not the autograd of moe_fp8: the FP8 backward quantizes
+    d_out per token, dh per row, and the weight gradients' operands along the routed rows.
+
+    Per routed row of expert e (the forward recomputed): g = q(dOut_t) W2q[e]; d_topk_weights = <g, a> (a the
+    unquantized activation); dh = SwiGLU'(w g); d_x_t += q(dh) W13q[e]. Per expert, its rows in the GPU's
+    order (source rank, windows of 32 tokens, slot, token): dW2 = T(w q(dOut))^T T(a), dW13 = T(dh)^T T(q(x)),
+    T(.) the token-major quantization in groups of 128 rows from the expert's first row."""
+    ranks = len(xs)
+    if not (len(topk_idx) == len(topk_weights) == len(w13) == len(w2) == len(d_out) == ranks) or ranks == 0:
+        raise ValueError("moe_ranks_fp8_backward needs one tensor per rank in every list, and at least one rank")
+    acc = torch.float64 if xs[0].dtype == torch.float64 else torch.float32
+    per_rank = w13[0].shape[0]
+    w13q = fake_quantize_128x128(torch.cat(w13)).to(acc)
+    w2q = fake_quantize_128x128(torch.cat(w2)).to(acc)
+    inter = w13q.shape[1] // 2
+    xq = [fake_quantize_1x128(x).to(acc) for x in xs]
+    doutq = [fake_quantize_1x128(d).to(acc) for d in d_out]
+    d_x = [torch.zeros_like(x, dtype=acc) for x in xs]
+    d_w = [torch.zeros_like(w, dtype=acc) for w in topk_weights]
+    d_w13 = torch.zeros_like(w13q)
+    d_w2 = torch.zeros_like(w2q)
+    for e in range(w13q.shape[0]):
+        rows = []  # (rank, token, slot) in the GPU's order
+        for r in range(ranks):
+            if topk_idx[r].numel() == 0:
+                continue
+            token, slot = (topk_idx[r] == e).nonzero(as_tuple=True)
+            key = (token // _ROUTING_WINDOW) * (topk_idx[r].shape[1] * xs[r].shape[0]) + slot * xs[r].shape[0] + token
+            order = torch.argsort(key)
+            rows += [(r, token[order], slot[order])]
+        if sum(len(t) for _, t, _ in rows) == 0:
+            continue
+        xs_e = torch.cat([xq[r][t] for r, t, _ in rows])
+        dout_e = torch.cat([doutq[r][t] for r, t, _ in rows])
+        w_e = torch.cat([topk_weights[r][t, j].to(acc) for r, t, j in rows]).unsqueeze(1)
+        h = xs_e @ w13q[e].T
+        gate, up = h[:, :inter], h[:, inter:]
+        a = (F.silu(gate) * up).float().to(acc)  # the GPU's a is fp32
+        g = (dout_e @ w2q[e]).float().to(acc)    # the dgrad's fp32 output
+        s = torch.sigmoid(gate)
+        da = w_e * g
+        dh = torch.cat([da * up * s * (1 + gate * (1 - s)), da * gate * s], 1).float().to(acc)
+        dx_e = fake_quantize_1x128(dh).to(acc) @ w13q[e]
+        dy = (w_e * dout_e).float().to(acc)
+        d_w2[e] = _fake_quantize_token_major(dy).T @ _fake_quantize_token_major(a)
+        d_w13[e] = _fake_quantize_token_major(dh).T @ _fake_quantize_token_major(xs_e)
+        at = 0
+        for r, t, j in rows:
+            n = len(t)
+            d_x[r].index_add_(0, t, dx_e[at:at + n])
+            d_w[r][t, j] = (g[at:at + n] * a[at:at + n]).sum(1)
+            at += n
+    return d_x, d_w, list(torch.split(d_w13, per_rank)), list(torch.split(d_w2, per_rank))
 
 
 class _AllToAll(torch.autograd.Function):

@@ -382,9 +382,9 @@ def test_synchronize_and_check_before_any_gpu_work_checks_nothing_and_allocates_
     assert not ops._states[layer._key].groups, "a check created a library group"
 
 
-# ---- precision="fp8": the forward only, refused where a gradient is asked ----
+# ---- precision="fp8": the forward is moe_fp8, the gradients moe_ranks_fp8_backward (not autograd) ----
 
-def test_fp8_module_forward_is_the_fp8_reference(backend):
+def test_fp8_module_forward_and_gradients_are_the_fp8_reference(backend):
     from megamoe import MegaMoE
 
     torch.manual_seed(0)
@@ -392,31 +392,67 @@ def test_fp8_module_forward_is_the_fp8_reference(backend):
                      virtual_ranks=2, device="cpu", precision="fp8")
     assert module.config.fp8 and "precision='fp8'" in module.extra_repr()
     _, x, idx, w, _, _ = inputs()
-    x_all, idx_all, w_all = torch.cat([t.detach() for t in x]), torch.cat(idx), torch.cat([t.detach() for t in w])
-    with torch.no_grad():
-        out = module(x_all, idx_all, w_all)
-    want = reference.moe_fp8(x_all.float(), idx_all, w_all, module.w13.float(), module.w2.float())
+    x_all, idx_all = torch.cat([t.detach() for t in x]), torch.cat(idx)
+    w_all = torch.cat([t.detach() for t in w]).requires_grad_()
+    out = module(x_all, idx_all, w_all)
+    want = reference.moe_fp8(x_all.float(), idx_all, w_all.detach(), module.w13.float(), module.w2.float())
     assert torch.equal(out, want.bfloat16())
-    assert not torch.equal(out, reference.moe(x_all.float(), idx_all, w_all, module.w13.float(),
+    assert not torch.equal(out, reference.moe(x_all.float(), idx_all, w_all.detach(), module.w13.float(),
                                               module.w2.float()).bfloat16())
-    with pytest.raises(NotImplementedError, match="no FP8 backward"):
-        module(x_all, idx_all, w_all)  # the weights need their gradient
-    assert backend.backwards == 0
+    d_out = torch.randn_like(out)
+    out.backward(d_out)
+    assert backend.backwards == 1
+    # The module's two virtual ranks: contiguous token chunks (torch.tensor_split), experts [0, 2) and [2, 4).
+    def chunks(t):
+        return list(torch.tensor_split(t, 2))
+    d_x, d_w, d_w13, d_w2 = reference.moe_ranks_fp8_backward(
+        chunks(x_all.float()), chunks(idx_all), chunks(w_all.detach()), list(module.w13.detach().float().split(2)),
+        list(module.w2.detach().float().split(2)), chunks(d_out.float()))
+    assert torch.equal(w_all.grad, torch.cat(d_w))
+    assert torch.equal(module.w13.grad, torch.cat(d_w13).to(module.w13.dtype))
+    assert torch.equal(module.w2.grad, torch.cat(d_w2).to(module.w2.dtype))
 
 
-def test_fp8_functional_forward_refuses_gradients_before_running(backend):
+def test_fp8_functional_gradients_are_the_fp8_backward(backend):
     cfg, x, idx, w, w13, w2 = inputs()
     cfg8 = ops.LayerConfig(**{**cfg.__dict__, "precision": ops.precision_from_name("fp8")})
-    forwards = backend.forwards
-    with pytest.raises(NotImplementedError, match="torch.no_grad"):
-        ops.moe_ranks(x, idx, w, w13, w2, config=cfg8)
-    assert backend.forwards == forwards
-    with torch.inference_mode():
-        outs = ops.moe_ranks(x, idx, w, w13, w2, config=cfg8)
-    want = reference.moe_ranks_fp8([t.float() for t in x], idx, [t.float() for t in w], [t.float() for t in w13],
-                                   [t.float() for t in w2])
+    d_out = [torch.randn_like(t) for t in x]
+    outs, grads = grads_of(lambda *a: ops.moe_ranks(*a, config=cfg8, key=ops.new_key()), x, idx, w, w13, w2, d_out)
+    up = [[t.detach().float() for t in ts] for ts in (x, w, w13, w2)]
+    want = reference.moe_ranks_fp8(up[0], idx, up[1], up[2], up[3])
     for got, ref in zip(outs, want):
-        assert torch.equal(got, ref.bfloat16())
+        assert torch.equal(got, ref.bfloat16().float())
+    d_x, d_w, d_w13, d_w2 = reference.moe_ranks_fp8_backward(up[0], idx, up[1], up[2], up[3],
+                                                             [g.float() for g in d_out])
+    assert [g.dtype for g in grads] == [t.dtype for t in (*x, *w, *w13, *w2)]
+    for got, ref in zip(grads, [*d_x, *d_w, *d_w13, *d_w2]):
+        assert torch.equal(got, ref.to(got.dtype))
+    # Not the autograd of the FP8 forward: the backward quantizes at its own points.
+    _, exact = grads_of(reference.moe_ranks, [t.detach().float().requires_grad_() for t in x], idx,
+                        [t.detach().float().requires_grad_() for t in w],
+                        [t.detach().float().requires_grad_() for t in w13],
+                        [t.detach().float().requires_grad_() for t in w2], [g.float() for g in d_out])
+    assert not torch.equal(grads[0].float(), exact[0])
+
+
+def test_fp8_backward_order_of_routed_rows():
+    """The weight gradients' token-major groups of 128 rows depend on the order of an expert's routed rows (the
+    GPU's: rank, window of 32 tokens, slot, token): with more than 128 rows on one expert, another order gives
+    other weight gradients, so the GPU tests that compare with this oracle check the order too."""
+    g = torch.Generator().manual_seed(5)
+    tokens, hidden, inter = 200, 128, 128
+    x = [torch.randn(tokens, hidden, generator=g).double()]
+    idx = [torch.stack([torch.tensor([0, 1]) if t % 2 else torch.tensor([1, 0]) for t in range(tokens)])]
+    w = [torch.rand(tokens, 2, generator=g).double()]
+    w13 = [(torch.randn(2, 2 * inter, hidden, generator=g) / hidden ** 0.5).double()]
+    w2 = [(torch.randn(2, hidden, inter, generator=g) / inter ** 0.5).double()]
+    d_out = [torch.randn(tokens, hidden, generator=g).double()]
+    _, _, d_w13, _ = reference.moe_ranks_fp8_backward(x, idx, w, w13, w2, d_out)
+    # The same problem with the tokens in reverse order reaches the experts' rows in another order.
+    flip = [t.flip(0) for t in x], [t.flip(0) for t in idx], [t.flip(0) for t in w]
+    _, _, d_w13_flipped, _ = reference.moe_ranks_fp8_backward(*flip, w13, w2, [t.flip(0) for t in d_out])
+    diff = float((d_w13[0] - d_w13_flipped[0]).norm() / d_w13[0].norm())
+    assert 0 < diff < 0.05  # other groups of 128, the same gradient up to FP8 rounding
 
 
 @pytest.mark.parametrize("option", ["fused_forward", "fused_backward", "recompute_h"])
