@@ -87,6 +87,18 @@ struct ForwardArgs {
   // workspace, one set: a graph whose capture quantized rewrites them when it replays, so a layer that
   // replays such graphs must not mix in eager calls that reuse a version of other weights.
   uint64_t weights_version = 0;
+  // fp8-blockwise only, optional: the expert weights already quantized, in the layout of the layer's own
+  // quantization (fp8.hpp's 128 x 128 blocks of w13 as one [E_local * 2I, H] matrix and of w2 as one
+  // [E_local * H, I] matrix): e4m3 codes w13_fp8 [E_local, 2I, H] and w2_fp8 [E_local, H, I], fp32 scales
+  // w13_scales [E_local * 2I / 128, H / 128] and w2_scales [E_local * H / 128, I / 128], row-major. All four
+  // or none. With them the layer quantizes nothing, reads neither w13 nor w2 (either may be null) and ignores
+  // weights_version; they are copied into the workspace, so the caller may change them after the call (the
+  // backward differentiates with respect to the weights these codes and scales represent).
+  const uint8_t* w13_fp8 = nullptr;
+  const float* w13_scales = nullptr;
+  const uint8_t* w2_fp8 = nullptr;
+  const float* w2_scales = nullptr;
+  bool prequantized() const { return w13_fp8 != nullptr; }
 };
 
 struct BackwardArgs {

@@ -40,7 +40,7 @@ extern "C" {
 /* Bumped whenever a signature or a struct below changes; bindings refuse a library of another version.
  * Functions and structs added without changing existing ones keep the version: a binding finds out that
  * a library lacks them by their symbols (the Python binding checks every one it declares). */
-#define MEGAMOE_ABI_VERSION 3
+#define MEGAMOE_ABI_VERSION 4
 
 #define MEGAMOE_OK 0
 #define MEGAMOE_INVALID_ARGUMENT 1
@@ -96,6 +96,14 @@ typedef struct megamoe_forward_args {
   uint64_t weights_version;    /* fp8-blockwise: 0 = quantize w13 / w2 on every call; a repeated nonzero value
                                   with the same pointers promises unchanged weights (their quantized copies
                                   are reused). Added in ABI version 3. */
+  /* fp8-blockwise, optional (all four or none; added in ABI version 4): the weights already quantized, e4m3
+   * codes [E_local, 2I, H] and [E_local, H, I] with fp32 scales [E_local * 2I / 128, H / 128] and
+   * [E_local * H / 128, I / 128] (128 x 128 blocks, row-major; ForwardArgs in megamoe/layer.hpp). With them
+   * w13 and w2 are not read and may be NULL, and weights_version is not used. */
+  const void* w13_fp8;
+  const float* w13_scales;
+  const void* w2_fp8;
+  const float* w2_scales;
 } megamoe_forward_args;
 
 /* One rank's backward; uses the routing of the latest forward of the same group. */

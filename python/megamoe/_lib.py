@@ -16,7 +16,7 @@ import pathlib
 import threading
 import warnings
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 OK = 0
 INVALID_ARGUMENT = 1
@@ -80,6 +80,11 @@ class ForwardArgs(ctypes.Structure):
         ("w2", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
         ("weights_version", ctypes.c_uint64),  # fp8-blockwise layers: 0 = quantize the weights on every call
+        # fp8-blockwise, optional: pre-quantized weights (codes and scales, all four or none; ABI version 4)
+        ("w13_fp8", ctypes.c_void_p),
+        ("w13_scales", ctypes.c_void_p),
+        ("w2_fp8", ctypes.c_void_p),
+        ("w2_scales", ctypes.c_void_p),
     ]
 
 

@@ -38,8 +38,9 @@ def test_struct_sizes_match_the_header():
     assert ctypes.sizeof(_lib.Config) == 56 and _lib.Config.precision.offset == 48
     assert ctypes.sizeof(_lib.Options) == 32 and _lib.Options.wait_timeout_seconds.offset == 8
     assert _lib.Options.forward_path.offset == 16 and _lib.Options.backward_path.offset == 24
-    assert ctypes.sizeof(_lib.ForwardArgs) == 72 and _lib.ForwardArgs.topk_weights.offset == 32
-    assert _lib.ForwardArgs.weights_version.offset == 64
+    assert ctypes.sizeof(_lib.ForwardArgs) == 104 and _lib.ForwardArgs.topk_weights.offset == 32
+    assert _lib.ForwardArgs.weights_version.offset == 64 and _lib.ForwardArgs.w13_fp8.offset == 72
+    assert _lib.ForwardArgs.w2_scales.offset == 96
     assert ctypes.sizeof(_lib.BackwardArgs) == 48 and _lib.BackwardArgs.accumulate_weight_grads.offset == 40
     assert ctypes.sizeof(_lib.BootstrapId) == _lib.BOOTSTRAP_ID_BYTES == 128
 

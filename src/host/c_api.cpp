@@ -153,6 +153,10 @@ Status to_forward_args(const megamoe_forward_args& a, megamoe::ForwardArgs* f) {
   f->w2 = static_cast<const __nv_bfloat16*>(a.w2);
   f->out = static_cast<__nv_bfloat16*>(a.out);
   f->weights_version = a.weights_version;
+  f->w13_fp8 = static_cast<const uint8_t*>(a.w13_fp8);
+  f->w13_scales = a.w13_scales;
+  f->w2_fp8 = static_cast<const uint8_t*>(a.w2_fp8);
+  f->w2_scales = a.w2_scales;
   return Status::ok();
 }
 

@@ -227,10 +227,9 @@ struct ExpertParallelLayer::Impl {
 
   // GEMM1 with SwiGLU -> GEMM2, y rows delivered to the sources' combine slots.
   Status expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2) const;
-  // The same in blockwise FP8, on the e4m3 rows the FP8 dispatch delivered; quantize_weights: refresh the
-  // quantized copies of w13 and w2 first.
-  Status expert_mlp_forward_fp8(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2,
-                                bool quantize_weights) const;
+  // The same in blockwise FP8, on the e4m3 rows the FP8 dispatch delivered; refresh_weights: fill the
+  // workspace's quantized weights first (quantizing args.w13 / w2, or copying the caller's pre-quantized ones).
+  Status expert_mlp_forward_fp8(const ep::Params& p, const ForwardArgs& args, bool refresh_weights) const;
   // h = x W13^T over the received rows, a = silu(g) * u in its epilogue; with keep_h h itself is stored too.
   Status gemm1_swiglu(const ep::Params& p, const __nv_bfloat16* w13, bool keep_h) const;
   // dgrad GEMMs with the SwiGLU backward and d_topk_weights, d_x rows home, weight-gradient GEMMs.
@@ -275,8 +274,8 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward(const ep::Params& p, const 
 // other e4m3 neighbour than the reference's, about 1% of error in out);
 // a = silu(g) u quantized in 1x128 groups along I; y = aq W2q^T, each row stored straight into its combine
 // slot on the source rank.
-Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, const __nv_bfloat16* w13,
-                                                         const __nv_bfloat16* w2, bool quantize_weights) const {
+Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, const ForwardArgs& args,
+                                                         bool refresh_weights) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
   cudaStream_t stream = placement.stream;
@@ -285,9 +284,18 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
   auto* w2_q = buffer<uint8_t>(p.layout.w2_q);
   auto* w2_s = buffer<float>(p.layout.w2_s);
   // Expert weights [E, N, K] with N a multiple of 128 quantize as one matrix of E * N rows.
-  if (quantize_weights) {
-    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(w13, EL * 2 * I, H, w13_q, w13_s, stream));
-    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(w2, EL * H, I, w2_q, w2_s, stream));
+  if (refresh_weights && args.prequantized()) {
+    // Copied, not referenced: the backward reads the workspace's copy whatever the caller does meanwhile.
+    const size_t w13_codes = static_cast<size_t>(EL * 2 * I * H), w2_codes = static_cast<size_t>(EL * H * I);
+    const size_t w13_scales = static_cast<size_t>(EL * 2 * I / 128 * (H / 128)) * sizeof(float);
+    const size_t w2_scales = static_cast<size_t>(EL * H / 128 * (I / 128)) * sizeof(float);
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w13_q, args.w13_fp8, w13_codes, cudaMemcpyDeviceToDevice, stream));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w13_s, args.w13_scales, w13_scales, cudaMemcpyDeviceToDevice, stream));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w2_q, args.w2_fp8, w2_codes, cudaMemcpyDeviceToDevice, stream));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w2_s, args.w2_scales, w2_scales, cudaMemcpyDeviceToDevice, stream));
+  } else if (refresh_weights) {
+    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(args.w13, EL * 2 * I, H, w13_q, w13_s, stream));
+    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(args.w2, EL * H, I, w2_q, w2_s, stream));
   }
   const kernels::Fp8GemmTuning tuning{1, max_blocks};
   auto* h = buffer<float>(p.layout.h_f32);
@@ -510,12 +518,23 @@ Status ExpertParallelLayer::check_forward(const ForwardArgs& args) const {
   if (args.num_tokens < 0 || args.num_tokens > c.max_tokens_per_rank)
     return Status::invalid("num_tokens must be in [0, max_tokens_per_rank=" + std::to_string(c.max_tokens_per_rank) +
                            "], got " + std::to_string(args.num_tokens));
-  if (args.w13 == nullptr || args.w2 == nullptr) return Status::invalid("forward: w13 and w2 are required");
+  const int fp8_given = (args.w13_fp8 != nullptr) + (args.w13_scales != nullptr) + (args.w2_fp8 != nullptr) +
+                        (args.w2_scales != nullptr);
+  if (fp8_given != 0 && fp8_given != 4)
+    return Status::invalid("forward: pre-quantized FP8 weights need all four of w13_fp8, w13_scales, w2_fp8 and "
+                           "w2_scales, got " + std::to_string(fp8_given));
+  if (fp8_given == 4 && c.precision != Precision::kFP8Blockwise)
+    return Status::invalid("forward: pre-quantized FP8 weights need a layer of precision fp8-blockwise");
+  if (fp8_given == 0 && (args.w13 == nullptr || args.w2 == nullptr))
+    return Status::invalid("forward: w13 and w2 are required (or, with fp8-blockwise, the pre-quantized w13_fp8, "
+                           "w13_scales, w2_fp8 and w2_scales)");
   if (args.num_tokens > 0 && (args.x == nullptr || args.topk_idx == nullptr || args.topk_weights == nullptr ||
                               args.out == nullptr))
     return Status::invalid("forward: x, topk_idx, topk_weights and out are required when num_tokens > 0");
-  MEGAMOE_RETURN_IF_ERROR(check_alignment({{args.x, "x"}, {args.w13, "w13"}, {args.w2, "w2"}, {args.out, "out"}},
-                                          {{args.topk_weights, "topk_weights"}}));
+  MEGAMOE_RETURN_IF_ERROR(check_alignment({{args.x, "x"}, {args.w13, "w13"}, {args.w2, "w2"}, {args.out, "out"},
+                                           {args.w13_fp8, "w13_fp8"}, {args.w2_fp8, "w2_fp8"}},
+                                          {{args.topk_weights, "topk_weights"}, {args.w13_scales, "w13_scales"},
+                                           {args.w2_scales, "w2_scales"}}));
   if (args.topk_idx != nullptr &&
       !aligned_to(args.topk_idx, args.topk_idx_type == IndexType::kInt64 ? 8 : 4))
     return Status::invalid("topk_idx must be aligned to its element size");
@@ -563,13 +582,15 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
     MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierDispatched, stream));
     MEGAMOE_RETURN_IF_ERROR(ep::launch_route_rows(p, stream, m.max_blocks));
     if (fp8) {
-      const bool same_weights = args.weights_version != 0 && args.weights_version == m.quantized_version &&
-                                args.w13 == m.quantized_w13 && args.w2 == m.quantized_w2;
+      const bool same_weights = !args.prequantized() && args.weights_version != 0 &&
+                                args.weights_version == m.quantized_version && args.w13 == m.quantized_w13 &&
+                                args.w2 == m.quantized_w2;
       // Forgotten until the quantization is enqueued: a call that fails before it leaves no stale promise.
       m.quantized_version = 0;
-      MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward_fp8(p, args.w13, args.w2, !same_weights));
-      // Under stream capture the quantization is only recorded (it runs when the graph does): no promise.
-      if (capture == cudaStreamCaptureStatusNone) {
+      MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward_fp8(p, args, !same_weights));
+      // Under stream capture the quantization is only recorded (it runs when the graph does): no promise; nor
+      // for pre-quantized weights, which are no copy of w13 / w2.
+      if (capture == cudaStreamCaptureStatusNone && !args.prequantized()) {
         m.quantized_w13 = args.w13;
         m.quantized_w2 = args.w2;
         m.quantized_version = args.weights_version;

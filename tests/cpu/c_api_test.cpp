@@ -106,7 +106,9 @@ TEST(CApiTest, DefaultOptionsMatchTheLibrary) {
 TEST(CApiTest, ForwardArgsLayout) {
   EXPECT_EQ(offsetof(megamoe_forward_args, topk_weights), 32u);
   EXPECT_EQ(offsetof(megamoe_forward_args, weights_version), 64u);
-  EXPECT_EQ(sizeof(megamoe_forward_args), 72u);
+  EXPECT_EQ(offsetof(megamoe_forward_args, w13_fp8), 72u);
+  EXPECT_EQ(offsetof(megamoe_forward_args, w2_scales), 96u);
+  EXPECT_EQ(sizeof(megamoe_forward_args), 104u);
   EXPECT_EQ(offsetof(megamoe_backward_args, accumulate_weight_grads), 40u);
   EXPECT_EQ(sizeof(megamoe_backward_args), 48u);
 }

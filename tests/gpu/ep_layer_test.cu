@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -22,6 +23,7 @@
 
 #include "ep_layer_problem.hpp"
 #include "gpu_test_util.hpp"
+#include "kernels/fp8_quantize.hpp"
 #include "kernels/hashed_fill.hpp"
 #include "megamoe/layer.hpp"
 #include "megamoe/process_group.hpp"
@@ -127,8 +129,10 @@ ExpertParallelLayer& layer_of(VirtualRankGroup& group, int rank) { return group.
 ExpertParallelLayer& layer_of(ProcessRankGroup& group, int) { return group.layer(); }
 
 // Uploads the problem, runs forward + backward on every rank, downloads. Outputs are poisoned first.
+// adjust, if given, changes each rank's forward arguments before the call.
 template <typename Group>
-void run_gpu(const Problem& p, Group& group, std::vector<RankTensors>& t, Outputs* o, int repetitions = 1) {
+void run_gpu(const Problem& p, Group& group, std::vector<RankTensors>& t, Outputs* o, int repetitions = 1,
+             const std::function<void(int, ForwardArgs&)>& adjust = {}) {
   const LayerConfig& c = p.config;
   const int64_t H = c.hidden, I = c.intermediate, EL = c.experts_per_rank();
   const int R = static_cast<int>(c.num_ranks);
@@ -142,7 +146,9 @@ void run_gpu(const Problem& p, Group& group, std::vector<RankTensors>& t, Output
     }
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     for (int r = 0; r < R; ++r) {
-      const Status s = layer_of(group, r).forward(forward_args_of(t[r], static_cast<int64_t>(p.x[r].size()) / H));
+      ForwardArgs f = forward_args_of(t[r], static_cast<int64_t>(p.x[r].size()) / H);
+      if (adjust) adjust(r, f);
+      const Status s = layer_of(group, r).forward(f);
       ASSERT_TRUE(s.is_ok()) << s.to_string();
     }
     for (int r = 0; r < R; ++r) {
@@ -430,6 +436,74 @@ TEST(EpLayerFp8Test, WeightsVersionReusesTheQuantizedWeights) {
   refill(other_w13.get(), p.seed_of(11));
   const std::vector<float> moved = forward(7, other_w13.get());
   EXPECT_FALSE(same(unknown, moved)) << "the same version with other weight pointers must requantize";
+}
+
+// ForwardArgs' pre-quantized FP8 weights: given the codes and scales the layer's own quantization makes of
+// w13 and w2, and no bf16 weights, the layer gives bitwise its own results, forward and backward (two ranks,
+// so that each rank's copy is its own experts'); a partial set, and pre-quantized weights for a bf16 layer,
+// are refused with the reason before anything runs.
+TEST(EpLayerFp8Test, PrequantizedWeightsGiveTheLayersOwnResults) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const Scenario sc{"Fp8_prequantized", kFp8ScenarioShape, 2, {131, 77}, Routing::kRandom};
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Problem p = make_problem(sc, seed);
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(p.config, scenario_options(), &group).is_ok());
+  std::vector<RankTensors> t = upload(p);
+  Outputs own, given;
+  run_gpu(p, *group, t, &own);
+  if (::testing::Test::HasFatalFailure()) return;
+
+  const LayerConfig& c = p.config;
+  const int64_t H = c.hidden, I = c.intermediate, EL = c.experts_per_rank();
+  std::vector<DeviceBuffer<uint8_t>> w13_q, w2_q;
+  std::vector<DeviceBuffer<float>> w13_s, w2_s;
+  for (int r = 0; r < sc.ranks; ++r) {
+    w13_q.emplace_back(static_cast<size_t>(EL * 2 * I * H));
+    w2_q.emplace_back(static_cast<size_t>(EL * H * I));
+    w13_s.emplace_back(static_cast<size_t>(EL * 2 * I / 128 * (H / 128)));
+    w2_s.emplace_back(static_cast<size_t>(EL * H / 128 * (I / 128)));
+    ASSERT_TRUE(kernels::quantize_blocks_128x128_bf16(t[r].w13.get(), EL * 2 * I, H, w13_q[r].get(), w13_s[r].get(),
+                                                      nullptr).is_ok());
+    ASSERT_TRUE(kernels::quantize_blocks_128x128_bf16(t[r].w2.get(), EL * H, I, w2_q[r].get(), w2_s[r].get(),
+                                                      nullptr).is_ok());
+  }
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const auto prequantized = [&](int r, ForwardArgs& f) {
+    f.w13 = nullptr;
+    f.w2 = nullptr;
+    f.w13_fp8 = w13_q[r].get();
+    f.w13_scales = w13_s[r].get();
+    f.w2_fp8 = w2_q[r].get();
+    f.w2_scales = w2_s[r].get();
+  };
+  run_gpu(p, *group, t, &given, 1, prequantized);
+  if (::testing::Test::HasFatalFailure()) return;
+  expect_same_bits(own, given, p, "pre-quantized weights");
+  // And back to the bf16 weights (a pre-quantized call leaves no promise behind for weights_version).
+  Outputs again;
+  run_gpu(p, *group, t, &again);
+  if (::testing::Test::HasFatalFailure()) return;
+  expect_same_bits(own, again, p, "the bf16 weights after pre-quantized ones");
+
+  ForwardArgs partial = forward_args_of(t[0], sc.tokens[0]);
+  partial.w13_fp8 = w13_q[0].get();
+  const Status refused = group->layer(0).check_forward(partial);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.to_string();
+  EXPECT_NE(refused.message().find("all four"), std::string::npos) << refused.message();
+
+  LayerConfig bf16 = fp8_config(128, 4, 2);
+  bf16.precision = Precision::kBF16;
+  bf16.num_ranks = 1;
+  bf16.max_tokens_per_rank = 16;
+  std::unique_ptr<VirtualRankGroup> bf16_group;
+  ASSERT_TRUE(VirtualRankGroup::create(bf16, scenario_options(), &bf16_group).is_ok());
+  ForwardArgs wrong = forward_args_of(t[0], 0);
+  prequantized(0, wrong);
+  const Status not_fp8 = bf16_group->layer(0).check_forward(wrong);
+  EXPECT_EQ(not_fp8.code(), StatusCode::kInvalidArgument) << not_fp8.to_string();
+  EXPECT_NE(not_fp8.message().find("fp8-blockwise"), std::string::npos) << not_fp8.message();
 }
 
 // FP8 options the layer does not run yet are refused at creation, with the reason.
