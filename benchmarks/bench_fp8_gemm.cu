@@ -268,9 +268,11 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
 int main(int argc, char** argv) {
   // Both orders by default (runs 38-40 saw 740-920 TFLOP/s dense interleaved where run 23 measured 1030 one
   // contender after another, with the same main loop): --interleaved or --sequential for one of them.
-  bool interleaved = true, sequential = true;
+  bool interleaved = true, sequential = true, dense_only = false;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--sequential")) {
+    if (!std::strcmp(argv[i], "--dense-only")) {  // the 8192^3 GEMM alone (scripts/profile-fp8-gemm.sh)
+      dense_only = true;
+    } else if (!std::strcmp(argv[i], "--sequential")) {
       interleaved = false;
     } else if (!std::strcmp(argv[i], "--interleaved")) {
       sequential = false;
@@ -278,7 +280,8 @@ int main(int argc, char** argv) {
       ++i;  // scripts/gpu-check.sh passes these to every benchmark; this one times its own baseline
     } else {
       std::fprintf(stderr,
-                   "usage: bench_fp8_gemm [--interleaved | --sequential] [--out IGNORED] [--baseline IGNORED]\n");
+                   "usage: bench_fp8_gemm [--interleaved | --sequential] [--dense-only] [--out IGNORED] "
+                   "[--baseline IGNORED]\n");
       return 2;
     }
   }
@@ -296,6 +299,7 @@ int main(int argc, char** argv) {
                 "x = single-CTA time / pair time, and cuBLASLt time / ours (single / pairs); contenders timed %s\n",
                 g_sequential ? "one after another" : "in interleaved rounds");
     bench("dense 8192^3", 0, 8192, 8192, 8192, one);
+    if (dense_only) continue;
     const int shapes[4][2] = {{1536, 2048}, {2048, 768}, {3072, 4096}, {4096, 1536}};
     for (const auto& s : shapes) {
       char name[64];
