@@ -16,7 +16,7 @@ command -v ncu >/dev/null 2>&1 || { echo "ncu not found"; exit 1; }
 
 # Launch order of one interleaved round: ours (single CTA), ours (pairs), cuBLASLt. The first round is a
 # warm-up; profile its single-CTA launch and cuBLASLt's.
-timeout "${MEGAMOE_PROFILE_TIMEOUT:-300}" ncu --launch-count 3 \
+timeout "${MEGAMOE_PROFILE_TIMEOUT:-300}" ncu --kernel-name regex:gemm --launch-count 3 \
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
   --section MemoryWorkloadAnalysis --csv --page details "$bench" --interleaved --dense-only >"$out/ncu.csv" 2>"$out/ncu.log"
 rc=$?
@@ -25,7 +25,10 @@ echo "ncu rc $rc (raw: $out/ncu.csv, log: $out/ncu.log)"
 python3 - "$out/ncu.csv" <<'PY'
 import csv, sys
 from collections import OrderedDict
-rows = list(csv.reader(open(sys.argv[1], errors="replace")))
+# ncu writes its own ==PROF== lines into the same stream: the CSV starts at its header.
+lines = open(sys.argv[1], errors="replace").read().splitlines()
+start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), len(lines))
+rows = list(csv.reader(lines[start:]))
 if not rows:
     print("no ncu output"); sys.exit(0)
 head = rows[0]
