@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Nsight Compute on the blockwise FP8 GEMM, dense 8192^3 (bench_fp8_gemm --dense-only: its first launch, a
-# single-CTA one), next to cuBLASLt's FP8 GEMM on the same shape (the bench's third contender): duration,
-# speed-of-light throughputs, the tensor pipe's share, issue activity and the warps' top stall reasons, so
-# that the gap between the two can be traced to what limits ours.
+# Nsight Compute on the blockwise FP8 GEMM, dense 8192^3 (bench_fp8_gemm --interleaved --dense-only), next to
+# cuBLASLt's FP8 GEMM on the same shape (the bench's third contender, an `nvjet` kernel): duration, the tensor
+# pipe's active share, issue activity and the warps' stall reasons per issued instruction (raw metrics), then
+# the SASS lines of ours where the warps' stall samples fall, so that the gap between the two can be traced.
 #   scripts/profile-fp8-gemm.sh OUTDIR [BUILD_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -13,53 +13,65 @@ export PATH=/usr/local/cuda/bin:$PATH
 bench="$build_dir/bench_fp8_gemm"
 [ -x "$bench" ] || { echo "$bench missing: build it first"; exit 1; }
 command -v ncu >/dev/null 2>&1 || { echo "ncu not found"; exit 1; }
+limit=${MEGAMOE_PROFILE_TIMEOUT:-300}
 
-# Launch order of one interleaved round: ours (single CTA), ours (pairs), cuBLASLt. The first round is a
-# warm-up; profile its single-CTA launch and cuBLASLt's.
-timeout "${MEGAMOE_PROFILE_TIMEOUT:-300}" ncu --kernel-name regex:gemm --launch-count 3 \
-  --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-  --section MemoryWorkloadAnalysis --csv --page details "$bench" --interleaved --dense-only >"$out/ncu.csv" 2>"$out/ncu.log"
-rc=$?
-echo "ncu rc $rc (raw: $out/ncu.csv, log: $out/ncu.log)"
+# One interleaved round launches ours (single CTAs), ours (2-CTA pairs), cuBLASLt: the first round's three.
+timeout "$limit" ncu --kernel-name regex:'fp8_gemm_kernel|nvjet' --launch-count 3 --section WarpStateStats \
+  --section ComputeWorkloadAnalysis --section SpeedOfLight --page raw --csv "$bench" --interleaved --dense-only \
+  >"$out/raw.csv" 2>"$out/raw.log"
+echo "ncu (raw metrics) rc $?"
+# Stall samples per SASS instruction of ours (single CTAs).
+timeout "$limit" ncu --kernel-name regex:fp8_gemm_kernel --launch-count 1 --section SourceCounters --page source \
+  --print-source sass --csv "$bench" --interleaved --dense-only >"$out/source.csv" 2>"$out/source.log"
+echo "ncu (source) rc $?"
 
-python3 - "$out/ncu.csv" <<'PY'
+python3 - "$out/raw.csv" "$out/source.csv" <<'PY'
 import csv, sys
-from collections import OrderedDict
-# ncu writes its own ==PROF== lines into the same stream: the CSV starts at its header.
-lines = open(sys.argv[1], errors="replace").read().splitlines()
-start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), len(lines))
-rows = list(csv.reader(lines[start:]))
+
+def table(path, first):
+    # ncu writes its own ==PROF== lines into the same stream: the CSV starts at its header.
+    lines = open(path, errors="replace").read().splitlines()
+    start = next((i for i, line in enumerate(lines) if first(line)), None)
+    return list(csv.reader(lines[start:])) if start is not None else []
+
+def number(v):
+    try:
+        return float(v.replace(",", ""))
+    except ValueError:
+        return None
+
+rows = table(sys.argv[1], lambda line: line.startswith('"ID"'))
 if not rows:
-    print("no ncu output"); sys.exit(0)
-head = rows[0]
-try:
-    col = {k: head.index(k) for k in ("ID", "Kernel Name", "Section Name", "Metric Name", "Metric Unit", "Metric Value")}
-except ValueError:
-    print("unexpected ncu CSV header:", head[:12]); sys.exit(0)
-kernels = OrderedDict()
+    print("no raw metrics")
+head = rows[0] if rows else []
 for r in rows[1:]:
-    if len(r) <= max(col.values()):
-        continue
-    k = kernels.setdefault(r[col["ID"]], {"name": r[col["Kernel Name"]][:60], "m": {}})
-    k["m"][(r[col["Section Name"]], r[col["Metric Name"]])] = (r[col["Metric Value"]], r[col["Metric Unit"]])
-keys = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "L1/TEX Cache Throughput", "L2 Cache Throughput",
-        "DRAM Throughput", "Issue Slots Busy", "Issued Warp Per Scheduler", "No Eligible", "Active Warps Per Scheduler",
-        "Eligible Warps Per Scheduler")
-for kid, k in kernels.items():
-    m = k["m"]
-    print(f"== {k['name']}")
-    for (sec, met), (val, unit) in m.items():
-        if met in keys or "Tensor" in met or "tensor" in met or "Pipe" in met and "Utilization" in met:
-            print(f"   {met}: {val} {unit}")
-    stalls = []
-    for (sec, met), (val, unit) in m.items():
-        if sec == "Warp State Statistics" and met.startswith("Stall"):
-            try:
-                stalls.append((float(val.replace(",", "")), met))
-            except ValueError:
-                pass
-    stalls.sort(reverse=True)
-    print("   top stalls (cycles per issued instruction): " +
-          ", ".join(f"{met.replace('Stall ', '')} {v:.2f}" for v, met in stalls[:6]))
+    d = dict(zip(head, r))
+    if number(d.get("gpu__time_duration.sum", "")) is None:
+        continue  # the units row
+    print(f"== {d.get('Kernel Name', '')[:90]}")
+    print(f"   duration {d.get('gpu__time_duration.sum')} ns; tensor pipe active "
+          f"{d.get('sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active', '-')}%; issue active "
+          f"{d.get('smsp__issue_active.sum.per_cycle_active', '-')} per SM cycle")
+    stalls = [(number(v), k) for k, v in d.items() if "issue_stalled" in k and k.endswith("per_issue_active.ratio")]
+    stalls = sorted((s for s in stalls if s[0] is not None), reverse=True)[:8]
+    print("   stalls per issued instruction: " + ", ".join(
+        f"{k.split('issue_stalled_')[1].replace('_per_issue_active.ratio', '')} {v:.2f}" for v, k in stalls))
+
+src = table(sys.argv[2], lambda line: '"Source"' in line or line.startswith('"Address"'))
+if src:
+    head = src[0]
+    sample_cols = [i for i, h in enumerate(head) if "Sampling" in h and "All" in h] or \
+                  [i for i, h in enumerate(head) if "Sampling" in h]
+    text = head.index("Source") if "Source" in head else 1
+    if sample_cols:
+        c = sample_cols[0]
+        lines = [(number(r[c]) or 0.0, r[text]) for r in src[1:] if len(r) > max(c, text)]
+        total = sum(v for v, _ in lines) or 1.0
+        print(f"== stall samples of ours by SASS instruction ({head[c]}; top 20 of {int(total)})")
+        for v, t in sorted(lines, reverse=True)[:20]:
+            print(f"   {100 * v / total:5.1f}%  {t.strip()[:100]}")
+    else:
+        print("no sampling column in the source page:", head[:10])
+else:
+    print("no source page")
 PY
-exit $rc
