@@ -256,6 +256,17 @@ class _LibraryBackend:
                 for xi, ii, wi, a, b, o in zip(x, topk_idx, topk_weights, w13, w2, out)]
         group.forward(args, torch.cuda.current_stream(x[0].device).cuda_stream)
 
+    def forward_fp8_weights(self, state, x, topk_idx, topk_weights, fp8_weights, out) -> None:
+        """fp8_weights: (w13_fp8, w13_scales, w2_fp8, w2_scales), one tensor per rank each."""
+        group = self.group(state, x[0].device)
+        args = [_lib.ForwardArgs(num_tokens=xi.shape[0], x=xi.data_ptr(), topk_idx=ii.data_ptr(),
+                                 topk_idx_is_int32=int(ii.dtype == torch.int32), reserved=0,
+                                 topk_weights=wi.data_ptr(), w13=None, w2=None, out=o.data_ptr(), weights_version=0,
+                                 w13_fp8=a.data_ptr(), w13_scales=a_s.data_ptr(), w2_fp8=b.data_ptr(),
+                                 w2_scales=b_s.data_ptr())
+                for xi, ii, wi, a, a_s, b, b_s, o in zip(x, topk_idx, topk_weights, *fp8_weights, out)]
+        group.forward(args, torch.cuda.current_stream(x[0].device).cuda_stream)
+
     def backward(self, state, d_out, d_x, d_topk_weights, d_w13, d_w2, accumulate=False) -> None:
         group = self.group(state, d_out[0].device)
         args = [_lib.BackwardArgs(d_out=g.data_ptr(), d_x=dx.data_ptr(), d_topk_weights=dw.data_ptr(),
@@ -335,6 +346,8 @@ def _check_inputs(cfg: LayerConfig, x, topk_idx, topk_weights, w13, w2, d_out=No
     """local: the lists hold one process's rank of a process group (one tensor each, E/R experts)."""
     ranks = 1 if local else cfg.num_ranks
     lists = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "w13": w13, "w2": w2}
+    if w13 is None and w2 is None:  # pre-quantized FP8 weights instead (_check_fp8_weights)
+        del lists["w13"], lists["w2"]
     if d_out is not None:
         lists["d_out"] = d_out
     for name, values in lists.items():
@@ -356,6 +369,8 @@ def _check_inputs(cfg: LayerConfig, x, topk_idx, topk_weights, w13, w2, d_out=No
         if d_out is not None:
             expected["d_out"] = ((t, h), (torch.bfloat16,))
         for name, (shape, dtypes) in expected.items():
+            if name not in lists:
+                continue
             tensor = lists[name][r]
             label = name if ranks == 1 else f"{name}[{r}]"
             if not isinstance(tensor, Tensor):
@@ -378,6 +393,40 @@ def _check_inputs(cfg: LayerConfig, x, topk_idx, topk_weights, w13, w2, d_out=No
         if t > cfg.max_tokens_per_rank:
             raise ValueError(f"megamoe: {'x' if ranks == 1 else f'x[{r}]'} has {t} tokens, more than "
                              f"max_tokens_per_rank={cfg.max_tokens_per_rank}")
+
+
+def _check_fp8_weights(cfg: LayerConfig, device, w13_fp8, w13_scales, w2_fp8, w2_scales) -> None:
+    """Pre-quantized FP8 weights (docs/FP8.md): per rank, e4m3 codes and the fp32 scales of their 128 x 128
+    blocks, in the layout of reference.quantize_128x128."""
+    if not cfg.fp8:
+        raise ValueError("megamoe: pre-quantized FP8 weights need a layer of precision 'fp8' "
+                         "(LayerConfig(precision=ops.precision_from_name('fp8')))")
+    h, i, e = cfg.hidden, cfg.intermediate, cfg.experts_per_rank
+    expected = {
+        "w13_fp8": (w13_fp8, (e, 2 * i, h), (torch.float8_e4m3fn, torch.uint8), 16),
+        "w13_scales": (w13_scales, (e, 2 * i // 128, h // 128), (torch.float32,), 4),
+        "w2_fp8": (w2_fp8, (e, h, i), (torch.float8_e4m3fn, torch.uint8), 16),
+        "w2_scales": (w2_scales, (e, h // 128, i // 128), (torch.float32,), 4),
+    }
+    for name, (values, shape, dtypes, alignment) in expected.items():
+        if len(values) != cfg.num_ranks:
+            raise ValueError(f"megamoe: {name} needs one tensor per rank ({cfg.num_ranks}), got {len(values)}")
+        for r, tensor in enumerate(values):
+            label = name if cfg.num_ranks == 1 else f"{name}[{r}]"
+            if not isinstance(tensor, Tensor):
+                raise TypeError(f"megamoe: {label} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.dtype not in dtypes:
+                raise TypeError(f"megamoe: {label} must be {' or '.join(str(d) for d in dtypes)}, got {tensor.dtype}")
+            if tensor.device != device:
+                raise ValueError(f"megamoe: {label} is on {tensor.device}, x on {device}; all must be on one device")
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"megamoe: {label} must have shape {list(shape)} (H={h}, I={i}, "
+                                 f"E_local={e}), got {list(tensor.shape)}")
+            if not tensor.is_contiguous():
+                raise ValueError(f"megamoe: {label} must be contiguous (row-major); call .contiguous()")
+            address = _address(tensor)
+            if address is not None and address % alignment:
+                raise ValueError(f"megamoe: {label} must start at a {alignment}-byte aligned address; call .clone()")
 
 
 def _check_ids(cfg: LayerConfig, topk_idx) -> None:
@@ -409,6 +458,33 @@ def _moe_forward(key: int, config: list[int], x: list[Tensor], topk_idx: list[Te
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, x, topk_idx, topk_weights, w13, w2)
     return _run_forward(key, cfg, x, topk_idx, topk_weights, w13, w2)
+
+
+@torch.library.custom_op("megamoe::moe_forward_fp8_weights", mutates_args=())
+def _moe_forward_fp8_weights(key: int, config: list[int], x: list[Tensor], topk_idx: list[Tensor],
+                             topk_weights: list[Tensor], w13_fp8: list[Tensor], w13_scales: list[Tensor],
+                             w2_fp8: list[Tensor], w2_scales: list[Tensor]) -> list[Tensor]:
+    cfg = LayerConfig.from_list(config)
+    _check_inputs(cfg, x, topk_idx, topk_weights, None, None)
+    _check_fp8_weights(cfg, x[0].device, w13_fp8, w13_scales, w2_fp8, w2_scales)
+    state = _state(key, cfg)
+    if _host_may_wait():
+        _check_ids(cfg, topk_idx)
+    out = [torch.empty_like(xi) for xi in x]
+    _backend.forward_fp8_weights(state, x, topk_idx, topk_weights, (w13_fp8, w13_scales, w2_fp8, w2_scales), out)
+    # The workspace now holds these weights: a later backward of a bf16-weight forward runs that forward again.
+    state.latest_forward[x[0].device.index] = None
+    if _host_may_wait():
+        _backend.synchronize_and_check(state, x[0].device)
+    return out
+
+
+@_moe_forward_fp8_weights.register_fake
+def _(key, config, x, topk_idx, topk_weights, w13_fp8, w13_scales, w2_fp8, w2_scales):
+    cfg = LayerConfig.from_list(config)
+    _check_inputs(cfg, x, topk_idx, topk_weights, None, None)
+    _check_fp8_weights(cfg, x[0].device, w13_fp8, w13_scales, w2_fp8, w2_scales)
+    return [torch.empty_like(xi) for xi in x]
 
 
 @_moe_forward.register_fake
@@ -760,6 +836,24 @@ def moe_ranks(x: list[Tensor], topk_idx: list[Tensor], topk_weights: list[Tensor
     experts [r*E/R, (r+1)*E/R), ids are global). Differentiable in x, topk_weights, w13 and w2."""
     return torch.ops.megamoe.moe_forward(_key_for(config, key), config.as_list(), list(x), list(topk_idx),
                                          list(topk_weights), list(w13), list(w2))
+
+
+def moe_ranks_fp8_weights(x: list[Tensor], topk_idx: list[Tensor], topk_weights: list[Tensor],
+                          w13_fp8: list[Tensor], w13_scales: list[Tensor], w2_fp8: list[Tensor],
+                          w2_scales: list[Tensor], *, config: LayerConfig, key: int | None = None) -> list[Tensor]:
+    """moe_ranks of an fp8 layer on weights already quantized (an FP8 checkpoint: DeepSeek-V3's format, e4m3
+    codes with one fp32 scale per 128 x 128 block): per rank, w13_fp8 [E_local, 2I, H] and w2_fp8
+    [E_local, H, I] (torch.float8_e4m3fn or uint8), w13_scales [E_local, 2I / 128, H / 128] and w2_scales
+    [E_local, H / 128, I / 128] (fp32); reference.quantize_128x128 makes them from bf16 weights, and
+    reference.moe_ranks_fp8(..., weights_quantized=True) on reference.dequantize_128x128's values is the
+    oracle. The forward only: there are no bf16 weights to differentiate, and no gradient of x or
+    topk_weights is offered either (run it under torch.no_grad() or torch.inference_mode())."""
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in [*x, *topk_weights]):
+        raise NotImplementedError("megamoe: moe_ranks_fp8_weights runs the forward only (no gradients); run it "
+                                  "under torch.no_grad() or torch.inference_mode()")
+    return torch.ops.megamoe.moe_forward_fp8_weights(_key_for(config, key), config.as_list(), list(x),
+                                                     list(topk_idx), list(topk_weights), list(w13_fp8),
+                                                     list(w13_scales), list(w2_fp8), list(w2_scales))
 
 
 def moe_ranks_all_experts(x: list[Tensor], topk_idx: list[Tensor], topk_weights: list[Tensor], w13: Tensor,

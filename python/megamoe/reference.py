@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["moe", "moe_ranks", "moe_distributed", "check_ids", "fake_quantize_1x128", "fake_quantize_128x128",
-           "moe_fp8", "moe_ranks_fp8", "moe_ranks_fp8_backward"]
+           "quantize_128x128", "dequantize_128x128", "moe_fp8", "moe_ranks_fp8", "moe_ranks_fp8_backward"]
 
 
 def check_ids(topk_idx: torch.Tensor, num_experts: int, what: str = "topk_idx") -> None:
@@ -105,8 +105,8 @@ def moe_ranks(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights
 _E4M3_MAX = 448.0
 
 
-def _fake_quantize_groups(groups: torch.Tensor, dims) -> torch.Tensor:
-    """groups [..., g] (g elements sharing one scale along dims) -> E4M3 values times their scale, fp32.
+def _quantize_groups(groups: torch.Tensor, dims) -> tuple[torch.Tensor, torch.Tensor]:
+    """groups [..., g] (g elements sharing one scale along dims) -> (E4M3 codes, fp32 scales, dims kept).
     Scale amax / 448 (NaN ignored, an all-zero or all-NaN group 1); e4m3(v / scale) rounds to nearest even and
     saturates finite values at +-448; an infinite element makes the scale infinite (the group dequantizes
     to NaN); NaN stays NaN."""
@@ -117,9 +117,13 @@ def _fake_quantize_groups(groups: torch.Tensor, dims) -> torch.Tensor:
     # by an ulp in about half the groups and then breaks v / scale's exact E4M3 ties (frequent on bf16 data)
     # the other way: 1.2% on a layer's output (docs/PERF.md run 45). fp8.hpp's rule is one IEEE division.
     scale = torch.where(amax > 0, amax / torch.full_like(amax, _E4M3_MAX), torch.ones_like(amax))
-    q = torch.clamp(v / scale, -_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
-    # fp32 values (the dequantized value is an fp32 product); float64 input gets them as float64 (exactly), so
-    # that a float64 reference keeps its GEMMs in float64.
+    return torch.clamp(v / scale, -_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _fake_quantize_groups(groups: torch.Tensor, dims) -> torch.Tensor:
+    """groups [..., g] -> their E4M3 values times their scale (_quantize_groups), fp32; float64 input gets them
+    as float64 (exactly), so that a float64 reference keeps its GEMMs in float64."""
+    q, scale = _quantize_groups(groups, dims)
     return (q.float() * scale).to(torch.promote_types(groups.dtype, torch.float32))
 
 
@@ -129,6 +133,24 @@ def fake_quantize_1x128(t: torch.Tensor) -> torch.Tensor:
     if k % 128:
         raise ValueError(f"1 x 128 groups need the last dimension to be a multiple of 128, got {k}")
     return _fake_quantize_groups(t.reshape(*t.shape[:-1], k // 128, 128), (-1,)).reshape(t.shape)
+
+
+def quantize_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] (N and K multiples of 128) -> (codes [..., N, K] torch.float8_e4m3fn, scales
+    [..., N / 128, K / 128] fp32): the layout the layer's pre-quantized FP8 weights take (ops.moe_ranks_fp8_weights),
+    DeepSeek-V3's checkpoint format (its `weight_scale_inv` is this scale)."""
+    n, k = w.shape[-2:]
+    if n % 128 or k % 128:
+        raise ValueError(f"128 x 128 blocks need both matrix dimensions to be multiples of 128, got {n} x {k}")
+    codes, scales = _quantize_groups(w.reshape(*w.shape[:-2], n // 128, 128, k // 128, 128), (-3, -1))
+    return codes.reshape(w.shape), scales.reshape(*w.shape[:-2], n // 128, k // 128)
+
+
+def dequantize_128x128(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of 128 x 128-block FP8 weights: codes [..., N, K], scales [..., N / 128, K / 128]."""
+    n, k = codes.shape[-2:]
+    blocks = codes.view(torch.float8_e4m3fn).float().reshape(*codes.shape[:-2], n // 128, 128, k // 128, 128)
+    return (blocks * scales.float().reshape(*codes.shape[:-2], n // 128, 1, k // 128, 1)).reshape(codes.shape)
 
 
 def fake_quantize_128x128(w: torch.Tensor) -> torch.Tensor:
@@ -141,26 +163,30 @@ def fake_quantize_128x128(w: torch.Tensor) -> torch.Tensor:
 
 
 def moe_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-            w2: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+            w2: torch.Tensor, *, check: bool = True, weights_quantized: bool = False) -> torch.Tensor:
     """The blockwise FP8 forward of one rank holding every expert (docs/FP8.md F1-F8): x per token and a per
     routed row in 1 x 128 groups, W13 and W2 in 128 x 128 blocks, the GEMMs and the SwiGLU in fp32, the
     combine in fp32; out in x's dtype. The GPU also rounds y to bf16 before the combine.
 
     float64 x (and weights) run the GEMMs in float64: the oracle for the GPU layer. In fp32 the GEMMs may run
     in a reduced-precision mode (TF32 on CUDA where allowed), and the quantization of a after them amplifies
-    that: such a reference was 1.1% away from the float64 one at H = I = 256 (docs/PERF.md run 43)."""
+    that: such a reference was 1.1% away from the float64 one at H = I = 256 (docs/PERF.md run 43).
+
+    weights_quantized: w13 and w2 are already the values of FP8 weights (dequantize_128x128), used as they are."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return _moe(fake_quantize_1x128(x), topk_idx, topk_weights.to(acc), fake_quantize_128x128(w13).to(acc),
-                fake_quantize_128x128(w2).to(acc), check=check, round_a=fake_quantize_1x128).to(x.dtype)
+    round_w = (lambda w: w) if weights_quantized else fake_quantize_128x128
+    return _moe(fake_quantize_1x128(x), topk_idx, topk_weights.to(acc), round_w(w13).to(acc), round_w(w2).to(acc),
+                check=check, round_a=fake_quantize_1x128).to(x.dtype)
 
 
 def moe_ranks_fp8(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
-                  w13: list[torch.Tensor], w2: list[torch.Tensor], *, check: bool = True) -> list[torch.Tensor]:
+                  w13: list[torch.Tensor], w2: list[torch.Tensor], *, check: bool = True,
+                  weights_quantized: bool = False) -> list[torch.Tensor]:
     """moe_fp8 over R virtual ranks (as moe_ranks: one layer over all ranks' tokens and experts)."""
     if not (len(xs) == len(topk_idx) == len(topk_weights) == len(w13) == len(w2)) or not xs:
         raise ValueError("moe_ranks_fp8 needs one tensor per rank in every list, and at least one rank")
     out = moe_fp8(torch.cat(xs), torch.cat(topk_idx), torch.cat(topk_weights), torch.cat(w13), torch.cat(w2),
-                  check=check)
+                  check=check, weights_quantized=weights_quantized)
     return list(torch.split(out, [x.shape[0] for x in xs]))
 
 

@@ -27,6 +27,17 @@ class ReferenceBackend:
         for o, r in zip(out, layer(*latest)):
             o.copy_(r)
 
+    def forward_fp8_weights(self, state, x, idx, w, fp8_weights, out):
+        self.forwards += 1
+        self.latest.pop(id(state), None)  # no bf16 weights to differentiate
+        w13_q, w13_s, w2_q, w2_s = fp8_weights
+        w13 = [reference.dequantize_128x128(q, s) for q, s in zip(w13_q, w13_s)]
+        w2 = [reference.dequantize_128x128(q, s) for q, s in zip(w2_q, w2_s)]
+        outs = reference.moe_ranks_fp8([t.float() for t in x], list(idx), [t.float() for t in w], w13, w2,
+                                       weights_quantized=True)
+        for o, r in zip(out, outs):
+            o.copy_(r)
+
     def backward(self, state, d_out, d_x, d_w, d_w13, d_w2, accumulate=False):
         self.backwards += 1
         latest = self.latest[id(state)]

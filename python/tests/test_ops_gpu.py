@@ -350,6 +350,34 @@ def test_fp8_training_curve_stays_within_2_percent_of_bf16():
     assert control > 0.05
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fp8_prequantized_weights_match_the_layers_own_quantization(ranks):
+    """ops.moe_ranks_fp8_weights on reference.quantize_128x128's codes and scales gives bitwise what the layer
+    gives quantizing the bf16 weights itself (the same rule, IEEE divisions); with other scales (a
+    checkpoint's), the oracle on the dequantized weights, used as they are."""
+    tokens = [333, 129][:ranks]
+    x, idx, w, w13, w2, _ = make(ranks, tokens, "random", seed=40 + ranks)
+    cfg = ops.LayerConfig(H, I, E, K, MAX_TOKENS, num_ranks=ranks, precision=ops.precision_from_name("fp8"))
+    q13 = [reference.quantize_128x128(t) for t in w13]
+    q2 = [reference.quantize_128x128(t) for t in w2]
+    with torch.no_grad():
+        own = ops.moe_ranks(x, idx, w, w13, w2, config=cfg)
+        given = ops.moe_ranks_fp8_weights(x, idx, w, [c for c, _ in q13], [s for _, s in q13], [c for c, _ in q2],
+                                          [s for _, s in q2], config=cfg)
+        scaled = [s * 0.75 for _, s in q2]
+        other = ops.moe_ranks_fp8_weights(x, idx, w, [c for c, _ in q13], [s for _, s in q13], [c for c, _ in q2],
+                                          scaled, config=cfg)
+        back = ops.moe_ranks(x, idx, w, w13, w2, config=cfg)  # the bf16 weights again after pre-quantized ones
+    want = reference.moe_ranks_fp8([t.double() for t in x], idx, [t.double() for t in w],
+                                   [reference.dequantize_128x128(c, s).double() for c, s in q13],
+                                   [reference.dequantize_128x128(c, s).double() for (c, _), s in zip(q2, scaled)],
+                                   weights_quantized=True)
+    for r in range(ranks):
+        assert torch.equal(own[r], given[r]), f"rank {r}: pre-quantized weights differ from the layer's own"
+        assert torch.equal(own[r], back[r]), f"rank {r}: the bf16 weights after pre-quantized ones differ"
+        assert rel_err(other[r], want[r]) <= TOL, f"rank {r}: {rel_err(other[r], want[r]):.3g} from the oracle"
+
+
 def test_fp8_module_trains_and_runs_inference():
     torch.manual_seed(0)
     model = megamoe.MegaMoE(H, I, E, K, MAX_TOKENS, virtual_ranks=2, device="cuda", precision="fp8")

@@ -455,6 +455,58 @@ def test_fp8_backward_order_of_routed_rows():
     assert 0 < diff < 0.05  # other groups of 128, the same gradient up to FP8 rounding
 
 
+def _fp8_config(cfg):
+    return ops.LayerConfig(**{**cfg.__dict__, "precision": ops.precision_from_name("fp8")})
+
+
+def test_fp8_prequantized_weights_are_the_layers_own_quantization(backend):
+    cfg, x, idx, w, w13, w2 = inputs()
+    cfg8 = _fp8_config(cfg)
+    q13 = [reference.quantize_128x128(t.detach()) for t in w13]
+    q2 = [reference.quantize_128x128(t.detach()) for t in w2]
+    with torch.no_grad():
+        own = ops.moe_ranks(x, idx, w, w13, w2, config=cfg8)
+        given = ops.moe_ranks_fp8_weights(x, idx, w, [c for c, _ in q13], [s for _, s in q13], [c for c, _ in q2],
+                                          [s for _, s in q2], config=cfg8)
+        # uint8 codes are the same bytes
+        as_bytes = ops.moe_ranks_fp8_weights(x, idx, w, [c.view(torch.uint8) for c, _ in q13], [s for _, s in q13],
+                                             [c.view(torch.uint8) for c, _ in q2], [s for _, s in q2], config=cfg8)
+    for a, b, c in zip(own, given, as_bytes):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    # Weights whose scales are not amax / 448 (a checkpoint's): used as given, not quantized again.
+    halved = [s * 2 for _, s in q13]
+    with torch.no_grad():
+        other = ops.moe_ranks_fp8_weights(x, idx, w, [c for c, _ in q13], halved, [c for c, _ in q2],
+                                          [s for _, s in q2], config=cfg8)
+    want = reference.moe_ranks_fp8([t.detach().float() for t in x], idx, [t.detach() for t in w],
+                                   [reference.dequantize_128x128(c, s) for (c, _), s in zip(q13, halved)],
+                                   [reference.dequantize_128x128(c, s) for c, s in q2], weights_quantized=True)
+    for got, ref in zip(other, want):
+        assert torch.equal(got, ref.bfloat16())
+    assert not torch.equal(other[0], own[0])
+
+
+def test_fp8_prequantized_weights_are_checked(backend):
+    cfg, x, idx, w, w13, w2 = inputs()
+    cfg8 = _fp8_config(cfg)
+    q13 = [reference.quantize_128x128(t.detach()) for t in w13]
+    q2 = [reference.quantize_128x128(t.detach()) for t in w2]
+    args = [[c for c, _ in q13], [s for _, s in q13], [c for c, _ in q2], [s for _, s in q2]]
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="precision 'fp8'"):
+            ops.moe_ranks_fp8_weights(x, idx, w, *args, config=cfg)
+        with pytest.raises(TypeError, match="w13_fp8\\[0\\] must be"):
+            ops.moe_ranks_fp8_weights(x, idx, w, [t.detach() for t in w13], *args[1:], config=cfg8)
+        with pytest.raises(ValueError, match="w2_scales\\[1\\] must have shape"):
+            ops.moe_ranks_fp8_weights(x, idx, w, *args[:3], [args[3][0], args[3][1][:1]], config=cfg8)
+        with pytest.raises(ValueError, match="one tensor per rank"):
+            ops.moe_ranks_fp8_weights(x, idx, w, args[0][:1], *args[1:], config=cfg8)
+    forwards = backend.forwards
+    with pytest.raises(NotImplementedError, match="forward only"):
+        ops.moe_ranks_fp8_weights(x, idx, w, *args, config=cfg8)  # x requires grad
+    assert backend.forwards == forwards
+
+
 @pytest.mark.parametrize("option", ["fused_forward", "fused_backward", "recompute_h"])
 def test_fp8_refuses_what_it_does_not_run_yet(option):
     from megamoe import MegaMoE
