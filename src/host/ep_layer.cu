@@ -187,6 +187,9 @@ struct ExpertParallelLayer::Impl {
   const void* quantized_w13 = nullptr;
   const void* quantized_w2 = nullptr;
   uint64_t quantized_version = 0;
+  // The version whose quantized weights the backward's transposed copies hold (0: none known), so that
+  // micro-batches between two weight updates transpose once.
+  uint64_t transposed_version = 0;
 
   template <typename T>
   T* buffer(int64_t offset) const {
@@ -237,7 +240,7 @@ struct ExpertParallelLayer::Impl {
   Status weight_gradients(const ep::Params& p, const BackwardArgs& args) const;
   // The same in blockwise FP8 (docs/FP8.md, the backward), on the e4m3 d_out rows the FP8 dispatch delivered
   // and what the FP8 forward kept (the received x rows, the fp32 h, the quantized weights).
-  Status expert_mlp_backward_fp8(const ep::Params& p, const BackwardArgs& args) const;
+  Status expert_mlp_backward_fp8(const ep::Params& p, const BackwardArgs& args, bool transpose_weights) const;
   Status weight_gradients_fp8(const ep::Params& p, const BackwardArgs& args) const;
 };
 
@@ -365,19 +368,23 @@ Status ExpertParallelLayer::Impl::weight_gradients(const ep::Params& p, const Ba
 // g = q(dOut) W2q (fp32, d_out rows gathered from the receive buffer, W2q read K-major: its transposed copy);
 // then per routed row dh = SwiGLU'(w g) quantized 1 x 128 along 2I, with <g, a> sent to the source's slot;
 // dx rows = dh_q W13q straight into the combine slots (W13q's transposed copy); then the weight gradients.
-Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, const BackwardArgs& args) const {
+Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, const BackwardArgs& args,
+                                                          bool transpose_weights) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
   cudaStream_t stream = placement.stream;
   const ep::WorkspaceLayout& l = p.layout;
   // The forward's quantized weights, K-major for the dgrads: W2q [E, H, I] -> [E, I, H], W13q [E, 2I, H] ->
-  // [E, H, 2I] (the same codes, the block scales transposed).
-  MEGAMOE_RETURN_IF_ERROR(kernels::transpose_blocks_128x128_e4m3(buffer<uint8_t>(l.w2_q), buffer<float>(l.w2_s), EL,
-                                                                 H, I, buffer<uint8_t>(l.w2t_q),
-                                                                 buffer<float>(l.w2t_s), stream));
-  MEGAMOE_RETURN_IF_ERROR(kernels::transpose_blocks_128x128_e4m3(buffer<uint8_t>(l.w13_q), buffer<float>(l.w13_s), EL,
-                                                                 2 * I, H, buffer<uint8_t>(l.w13t_q),
-                                                                 buffer<float>(l.w13t_s), stream));
+  // [E, H, 2I] (the same codes, the block scales transposed); kept from an earlier backward of the same
+  // weights version when transpose_weights is false.
+  if (transpose_weights) {
+    MEGAMOE_RETURN_IF_ERROR(kernels::transpose_blocks_128x128_e4m3(buffer<uint8_t>(l.w2_q), buffer<float>(l.w2_s),
+                                                                   EL, H, I, buffer<uint8_t>(l.w2t_q),
+                                                                   buffer<float>(l.w2t_s), stream));
+    MEGAMOE_RETURN_IF_ERROR(kernels::transpose_blocks_128x128_e4m3(buffer<uint8_t>(l.w13_q), buffer<float>(l.w13_s),
+                                                                   EL, 2 * I, H, buffer<uint8_t>(l.w13t_q),
+                                                                   buffer<float>(l.w13t_s), stream));
+  }
   const kernels::Fp8GemmTuning tuning{1, max_blocks};
   auto* g = buffer<float>(l.g_f32);
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(
@@ -585,8 +592,11 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
       const bool same_weights = !args.prequantized() && args.weights_version != 0 &&
                                 args.weights_version == m.quantized_version && args.w13 == m.quantized_w13 &&
                                 args.w2 == m.quantized_w2;
-      // Forgotten until the quantization is enqueued: a call that fails before it leaves no stale promise.
+      // Forgotten until the quantization is enqueued: a call that fails before it leaves no stale promise. New
+      // quantized weights also make the backward's transposed copies stale (a reused version may come with
+      // other pointers).
       m.quantized_version = 0;
+      if (!same_weights) m.transposed_version = 0;
       MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward_fp8(p, args, !same_weights));
       // Under stream capture the quantization is only recorded (it runs when the graph does): no promise; nor
       // for pre-quantized weights, which are no copy of w13 / w2.
@@ -628,6 +638,9 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
   cudaStream_t stream = m.placement.stream;
   ep::Params p = m.params;
   p.num_tokens = m.forward_tokens;
+  // Asked before anything is enqueued: a failure after the first launch would leave peers at a barrier.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (p.shape.fp8 != 0) MEGAMOE_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
   // The forward's error was reported and cleared already: this backward's outputs must still be NaN.
   if (m.forward_failed) MEGAMOE_RETURN_IF_ERROR(ep::launch_record_forward_failed(p, stream));
   // h was not kept: GEMM1 once more, on the forward's rows and weights (bitwise the forward's h). The SwiGLU
@@ -666,7 +679,17 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
   }
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradDispatched, stream));
 
-  MEGAMOE_RETURN_IF_ERROR(p.shape.fp8 != 0 ? m.expert_mlp_backward_fp8(p, args) : m.expert_mlp_backward(p, args));
+  if (p.shape.fp8 != 0) {
+    // The transposed weights of a known, nonzero version are kept until the forward quantizes another one (the
+    // promise of ForwardArgs::weights_version); forgotten until this call's are enqueued, and under stream
+    // capture (only recorded there) never promised.
+    const bool transposed = m.quantized_version != 0 && m.transposed_version == m.quantized_version;
+    m.transposed_version = 0;
+    MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_backward_fp8(p, args, !transposed));
+    if (capture == cudaStreamCaptureStatusNone) m.transposed_version = m.quantized_version;
+  } else {
+    MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_backward(p, args));
+  }
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradCombined, stream));
   // The weight gradients were written by the GEMMs: a failed call turns them into NaN too.

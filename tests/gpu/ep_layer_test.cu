@@ -438,6 +438,48 @@ TEST(EpLayerFp8Test, WeightsVersionReusesTheQuantizedWeights) {
   EXPECT_FALSE(same(unknown, moved)) << "the same version with other weight pointers must requantize";
 }
 
+// The backward's transposed FP8 weights follow the forward's quantized ones: kept while a nonzero version
+// repeats with the same pointers (micro-batches between two weight updates), made again for a new version,
+// version 0, other pointers under a repeated version, or pre-quantized weights. Every gradient must equal
+// that of a layer quantizing (and transposing) afresh on every call.
+TEST(EpLayerFp8Test, WeightsVersionKeepsTheTransposedWeightsInStep) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const LayerConfig shape = fp8_config(128, 4, 2);
+  const Scenario sc{"Fp8_transposes", shape, 1, {64}, Routing::kRandom, 4};
+  const Problem p = make_problem(sc, std::random_device{}());
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(p.config, scenario_options(), &group).is_ok());
+  std::vector<RankTensors> t = upload(p);
+  const int64_t w13_count = shape.num_experts * 2 * shape.intermediate * shape.hidden;
+  DeviceBuffer<__nv_bfloat16> other_w13(static_cast<size_t>(w13_count));
+  ASSERT_TRUE(kernels::fill_hashed_bf16(other_w13.get(), w13_count, p.seed_of(12), 0, p.w13_scale));
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  // d_x and d_w13 of one forward + backward with this version and these weights.
+  const auto step = [&](uint64_t version, const __nv_bfloat16* w13) {
+    Outputs o;
+    run_gpu(p, *group, t, &o, 1, [&](int, ForwardArgs& f) {
+      f.weights_version = version;
+      f.w13 = w13;
+    });
+    std::vector<float> all = o.d_x[0];
+    for (const auto& [e, g] : o.d_w13) all.insert(all.end(), g.begin(), g.end());
+    return all;
+  };
+  const auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  };
+  const std::vector<float> fresh = step(0, t[0].w13.get());
+  if (::testing::Test::HasFatalFailure()) return;
+  const std::vector<float> fresh_other = step(0, other_w13.get());
+  EXPECT_FALSE(same(fresh, fresh_other)) << "the two weights must give other gradients for the test to mean anything";
+  EXPECT_TRUE(same(fresh, step(3, t[0].w13.get()))) << "a first nonzero version quantizes and transposes";
+  EXPECT_TRUE(same(fresh, step(3, t[0].w13.get()))) << "the same version keeps both";
+  EXPECT_TRUE(same(fresh_other, step(3, other_w13.get()))) << "the same version with other pointers makes both again";
+  EXPECT_TRUE(same(fresh, step(4, t[0].w13.get()))) << "a new version makes both again";
+  EXPECT_TRUE(same(fresh_other, step(0, other_w13.get()))) << "version 0 makes both again";
+  EXPECT_TRUE(same(fresh, step(4, t[0].w13.get()))) << "version 0 in between leaves no promise";
+}
+
 // ForwardArgs' pre-quantized FP8 weights: given the codes and scales the layer's own quantization makes of
 // w13 and w2, and no bf16 weights, the layer gives bitwise its own results, forward and backward (two ranks,
 // so that each rank's copy is its own experts'); a partial set, and pre-quantized weights for a bf16 layer,
