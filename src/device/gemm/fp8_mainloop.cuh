@@ -47,12 +47,13 @@ __device__ __forceinline__ void issue_fp8_block(float (&partial)[Shape::kBN / 2]
   const uint32_t sa = smem_addr(stages + st.index * Shape::kStageBytes);
   const uint32_t sb = sa + Shape::kABytes;
   const uint32_t a_base = sa + cwg * kBoxBytes;  // rows 64 cwg .. of the tile (64 rows x 128 bytes)
+  const uint64_t da0 = make_smem_desc(a_base, Shape::kALbo, 1024);
+  const uint64_t db0 = make_smem_desc(sb, Shape::kBLbo, 1024);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-    const uint64_t da = make_smem_desc(a_base + kk * Shape::kAStep, Shape::kALbo, 1024);
-    const uint64_t db = make_smem_desc(sb + kk * Shape::kBStep, Shape::kBLbo, 1024);
-    Mma::mma(partial, da, db, kk > 0 ? 1 : 0);
+    Mma::mma(partial, advance_smem_desc(da0, kk * Shape::kAStep), advance_smem_desc(db0, kk * Shape::kBStep),
+             kk > 0 ? 1 : 0);
   }
   wgmma_commit();
 }

@@ -67,11 +67,12 @@ __device__ __forceinline__ void mma_tile(float (&acc)[Shape::kBN / 2], const Sta
     const uint32_t sb = sa + Shape::kABytes;
     wgmma_fence();
     const uint32_t a_base = sa + cwg * kBoxBytes;  // K-major: rows 64 cwg..; MN-major: box cwg
+    const uint64_t da0 = make_smem_desc(a_base, Shape::kALbo, 1024);
+    const uint64_t db0 = make_smem_desc(sb, Shape::kBLbo, 1024);
 #pragma unroll
     for (int kk = 0; kk < Shape::kBK / 16; ++kk) {
-      const uint64_t da = make_smem_desc(a_base + kk * Shape::kAStep, Shape::kALbo, 1024);
-      const uint64_t db = make_smem_desc(sb + kk * Shape::kBStep, Shape::kBLbo, 1024);
-      Mma::template mma<Shape::kTransA, Shape::kTransB>(acc, da, db, 1);
+      Mma::template mma<Shape::kTransA, Shape::kTransB>(acc, advance_smem_desc(da0, kk * Shape::kAStep),
+                                                        advance_smem_desc(db0, kk * Shape::kBStep), 1);
     }
     wgmma_commit();
     if (kt == 0) side_work();

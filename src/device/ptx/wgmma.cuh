@@ -24,6 +24,16 @@ __device__ __forceinline__ uint64_t make_smem_desc(uint32_t smem_addr, uint32_t 
   return desc;
 }
 
+// The descriptor of the operand `bytes` further on in the same swizzled tile: the start address field is
+// (address mod 2^18) / 16 in the low 14 bits, and shared-memory addresses stay below 2^18, so moving on by
+// `bytes` (a multiple of 16) adds bytes / 16 to the descriptor without a carry out of that field. One add,
+// where make_smem_desc's masks and shifts would be recomputed for every k slice.
+__device__ __forceinline__ uint64_t advance_smem_desc(uint64_t desc, uint32_t bytes) {
+  // On the low word only, so that no carry into the high word (the strides and the swizzle) is computed.
+  const uint32_t low = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | low;
+}
+
 // Orders register accesses of the warpgroup before the wgmma that follows (needed whenever the
 // accumulators were touched by ordinary instructions since the last wgmma).
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
