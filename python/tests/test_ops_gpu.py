@@ -127,13 +127,16 @@ def test_module_matches_reference_and_torchtitan_layout(ranks):
     assert torch.equal(other.w13, model.w13) and torch.equal(other.w2, model.w2)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_main_grads_accumulate_micro_batches(ranks):
+def test_main_grads_accumulate_micro_batches(ranks, precision):
     """MegaMoE(main_grad=True) on the GPU layer: the GEMMs add each micro-batch's fp32 weight gradients to
     w13.main_grad / w2.main_grad (accumulate_weight_grads): bitwise the sum of the two separate fp32 gradients,
-    within 1e-2 of the fp32 reference's sum, and no .grad on the weights."""
+    within 1e-2 of the reference's sum (the fp32 layer's, or the FP8 backward's oracle), and no .grad on the
+    weights."""
     torch.manual_seed(1)
-    model = megamoe.MegaMoE(H, I, E, K, MAX_TOKENS, virtual_ranks=ranks, device="cuda", main_grad=True)
+    model = megamoe.MegaMoE(H, I, E, K, MAX_TOKENS, virtual_ranks=ranks, device="cuda", main_grad=True,
+                            precision=precision)
     separate13, separate2, want13, want2 = [], [], 0, 0
     for seed in (2, 3):
         x, idx, w, _, _, d_out = make(1, [96 * ranks], "masked", seed=seed)
@@ -145,9 +148,17 @@ def test_main_grads_accumulate_micro_batches(ranks):
             model.w13.detach(), model.w2.detach())
         separate13.append(g13)
         separate2.append(g2)
-        up = [t.detach().float().requires_grad_() for t in (model.w13, model.w2)]
-        ref = reference.moe(x[0].float(), idx[0], w[0], up[0], up[1])
-        r13, r2 = torch.autograd.grad(ref, up, d_out[0].float())
+        if precision == "fp8":
+            per = E // ranks
+            _, _, r13, r2 = reference.moe_ranks_fp8_backward(
+                [t.double() for t in xs], ids, [t.double() for t in ws], list(model.w13.detach().double().split(per)),
+                list(model.w2.detach().double().split(per)),
+                [t.double() for t in torch.tensor_split(d_out[0], ranks)])
+            r13, r2 = torch.cat(r13), torch.cat(r2)
+        else:
+            up = [t.detach().float().requires_grad_() for t in (model.w13, model.w2)]
+            ref = reference.moe(x[0].float(), idx[0], w[0], up[0], up[1])
+            r13, r2 = torch.autograd.grad(ref, up, d_out[0].float())
         want13, want2 = want13 + r13, want2 + r2
     megamoe.synchronize_and_check(model)
     assert torch.equal(model.w13.main_grad, separate13[0] + separate13[1])
