@@ -342,6 +342,27 @@ def _address(tensor: Tensor) -> int | None:
         return None
 
 
+def _check_tensor(label: str, tensor, shape: tuple, dtypes: tuple, device, dims: str, alignment: int | None) -> None:
+    """One input tensor: its type, dtype, device, shape (dims: the sizes the shape comes from, for the message),
+    contiguity and, if given, the alignment of its start (the kernels move it `alignment` bytes at a time)."""
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"megamoe: {label} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        raise TypeError(f"megamoe: {label} must be {' or '.join(str(d) for d in dtypes)}, got {tensor.dtype}")
+    if tensor.device != device:
+        raise ValueError(f"megamoe: {label} is on {tensor.device}, x on {device}; all must be on one device")
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"megamoe: {label} must have shape {list(shape)} ({dims}), got {list(tensor.shape)}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"megamoe: {label} must be contiguous (row-major), got strides {tensor.stride()}; "
+                         f"call .contiguous()")
+    address = _address(tensor)
+    if alignment is not None and address is not None and address % alignment:
+        raise ValueError(f"megamoe: {label} must start at a {alignment}-byte aligned address (it is moved "
+                         f"{alignment} bytes at a time), got data_ptr() % {alignment} = {address % alignment} (a "
+                         f"view at an odd offset); call .clone()")
+
+
 def _check_inputs(cfg: LayerConfig, x, topk_idx, topk_weights, w13, w2, d_out=None, *, local: bool = False) -> None:
     """local: the lists hold one process's rank of a process group (one tensor each, E/R experts)."""
     ranks = 1 if local else cfg.num_ranks
@@ -371,25 +392,8 @@ def _check_inputs(cfg: LayerConfig, x, topk_idx, topk_weights, w13, w2, d_out=No
         for name, (shape, dtypes) in expected.items():
             if name not in lists:
                 continue
-            tensor = lists[name][r]
-            label = name if ranks == 1 else f"{name}[{r}]"
-            if not isinstance(tensor, Tensor):
-                raise TypeError(f"megamoe: {label} must be a torch.Tensor, got {type(tensor).__name__}")
-            if tensor.dtype not in dtypes:
-                raise TypeError(f"megamoe: {label} must be {' or '.join(str(d) for d in dtypes)}, got {tensor.dtype}")
-            if tensor.device != device:
-                raise ValueError(f"megamoe: {label} is on {tensor.device}, x on {device}; all must be on one device")
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"megamoe: {label} must have shape {list(shape)} (H={h}, I={i}, K={k}, "
-                                 f"E_local={e_local}), got {list(tensor.shape)}")
-            if not tensor.is_contiguous():
-                raise ValueError(f"megamoe: {label} must be contiguous (row-major), got strides {tensor.stride()}; "
-                                 f"call .contiguous()")
-            address = _address(tensor)
-            if name in _ROWS16 and address is not None and address % 16:
-                raise ValueError(f"megamoe: {label} must start at a 16-byte aligned address (its rows are moved 16 "
-                                 f"bytes at a time), got data_ptr() % 16 = {address % 16} (a view at an odd offset); "
-                                 f"call .clone()")
+            _check_tensor(name if ranks == 1 else f"{name}[{r}]", lists[name][r], shape, dtypes, device,
+                          f"H={h}, I={i}, K={k}, E_local={e_local}", 16 if name in _ROWS16 else None)
         if t > cfg.max_tokens_per_rank:
             raise ValueError(f"megamoe: {'x' if ranks == 1 else f'x[{r}]'} has {t} tokens, more than "
                              f"max_tokens_per_rank={cfg.max_tokens_per_rank}")
@@ -412,21 +416,8 @@ def _check_fp8_weights(cfg: LayerConfig, device, w13_fp8, w13_scales, w2_fp8, w2
         if len(values) != cfg.num_ranks:
             raise ValueError(f"megamoe: {name} needs one tensor per rank ({cfg.num_ranks}), got {len(values)}")
         for r, tensor in enumerate(values):
-            label = name if cfg.num_ranks == 1 else f"{name}[{r}]"
-            if not isinstance(tensor, Tensor):
-                raise TypeError(f"megamoe: {label} must be a torch.Tensor, got {type(tensor).__name__}")
-            if tensor.dtype not in dtypes:
-                raise TypeError(f"megamoe: {label} must be {' or '.join(str(d) for d in dtypes)}, got {tensor.dtype}")
-            if tensor.device != device:
-                raise ValueError(f"megamoe: {label} is on {tensor.device}, x on {device}; all must be on one device")
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"megamoe: {label} must have shape {list(shape)} (H={h}, I={i}, "
-                                 f"E_local={e}), got {list(tensor.shape)}")
-            if not tensor.is_contiguous():
-                raise ValueError(f"megamoe: {label} must be contiguous (row-major); call .contiguous()")
-            address = _address(tensor)
-            if address is not None and address % alignment:
-                raise ValueError(f"megamoe: {label} must start at a {alignment}-byte aligned address; call .clone()")
+            _check_tensor(name if cfg.num_ranks == 1 else f"{name}[{r}]", tensor, shape, dtypes, device,
+                          f"H={h}, I={i}, E_local={e}", alignment)
 
 
 def _check_ids(cfg: LayerConfig, topk_idx) -> None:
