@@ -394,18 +394,38 @@ TEST(EpLayerFp8Test, LayerMatchesTheFp8ReferenceOnFourAndEightRanks) {
        Scenario{"Fp8_R8_MaskedT0", kFp8ScenarioShape, 8, {9, 0, 21, 4, 16, 7, 30, 2}, Routing::kMaskedAndRagged}});
 }
 
+// The one-rank FP8 layer of the weights-version tests, with room for a second w13 to switch to.
+struct VersionedFp8Layer {
+  LayerConfig shape = fp8_config(128, 4, 2);
+  Scenario sc{"Fp8_versions", shape, 1, {64}, Routing::kRandom, 4};
+  Problem p = make_problem(sc, std::random_device{}());
+  std::unique_ptr<VirtualRankGroup> group;
+  bool created = VirtualRankGroup::create(p.config, scenario_options(), &group).is_ok();
+  std::vector<RankTensors> t = upload(p);
+  int64_t w13_count = shape.num_experts * 2 * shape.intermediate * shape.hidden;
+  DeviceBuffer<__nv_bfloat16> other_w13{static_cast<size_t>(w13_count)};
+
+  // New values for a w13 of this layer's shape.
+  void refill(__nv_bfloat16* w13, uint64_t seed) const {
+    EXPECT_TRUE(kernels::fill_hashed_bf16(w13, w13_count, seed, 0, p.w13_scale));
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+};
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
 // ForwardArgs::weights_version: a repeated nonzero version reuses the quantized weights (so weights changed
 // behind it are not seen: the promise is the caller's), a new version or 0 quantizes them again.
 TEST(EpLayerFp8Test, WeightsVersionReusesTheQuantizedWeights) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  const LayerConfig shape = fp8_config(128, 4, 2);
-  const Scenario sc{"Fp8_versions", shape, 1, {64}, Routing::kRandom, 4};
-  const Problem p = make_problem(sc, std::random_device{}());
-  std::unique_ptr<VirtualRankGroup> group;
-  ASSERT_TRUE(VirtualRankGroup::create(p.config, scenario_options(), &group).is_ok());
-  std::vector<RankTensors> t = upload(p);
-  const int64_t w13_count = shape.num_experts * 2 * shape.intermediate * shape.hidden;
-  DeviceBuffer<__nv_bfloat16> other_w13(static_cast<size_t>(w13_count));
+  VersionedFp8Layer l;
+  ASSERT_TRUE(l.created);
+  const Scenario& sc = l.sc;
+  const Problem& p = l.p;
+  std::vector<RankTensors>& t = l.t;
+  VirtualRankGroup* group = l.group.get();
   const auto forward = [&](uint64_t version, const __nv_bfloat16* w13) {
     ForwardArgs f = forward_args_of(t[0], sc.tokens[0]);
     f.weights_version = version;
@@ -416,13 +436,8 @@ TEST(EpLayerFp8Test, WeightsVersionReusesTheQuantizedWeights) {
     EXPECT_TRUE(group->synchronize_and_check().is_ok());
     return to_float(t[0].out.download());
   };
-  const auto refill = [&](__nv_bfloat16* w13, uint64_t seed) {
-    ASSERT_TRUE(kernels::fill_hashed_bf16(w13, w13_count, seed, 0, p.w13_scale));
-    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-  };
-  const auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
-  };
+  const auto refill = [&](__nv_bfloat16* w13, uint64_t seed) { l.refill(w13, seed); };
+  const auto same = same_bits;
   __nv_bfloat16* w13 = t[0].w13.get();
   const std::vector<float> before = forward(5, w13);
   refill(w13, p.seed_of(9));  // new values, same pointer
@@ -433,8 +448,8 @@ TEST(EpLayerFp8Test, WeightsVersionReusesTheQuantizedWeights) {
   const std::vector<float> unknown = forward(0, w13);
   EXPECT_FALSE(same(bumped, unknown)) << "version 0 must quantize the current weights";
   EXPECT_TRUE(same(unknown, forward(7, w13))) << "the same weights quantized again must give the same bits";
-  refill(other_w13.get(), p.seed_of(11));
-  const std::vector<float> moved = forward(7, other_w13.get());
+  refill(l.other_w13.get(), p.seed_of(11));
+  const std::vector<float> moved = forward(7, l.other_w13.get());
   EXPECT_FALSE(same(unknown, moved)) << "the same version with other weight pointers must requantize";
 }
 
@@ -444,20 +459,16 @@ TEST(EpLayerFp8Test, WeightsVersionReusesTheQuantizedWeights) {
 // that of a layer quantizing (and transposing) afresh on every call.
 TEST(EpLayerFp8Test, WeightsVersionKeepsTheTransposedWeightsInStep) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  const LayerConfig shape = fp8_config(128, 4, 2);
-  const Scenario sc{"Fp8_transposes", shape, 1, {64}, Routing::kRandom, 4};
-  const Problem p = make_problem(sc, std::random_device{}());
-  std::unique_ptr<VirtualRankGroup> group;
-  ASSERT_TRUE(VirtualRankGroup::create(p.config, scenario_options(), &group).is_ok());
-  std::vector<RankTensors> t = upload(p);
-  const int64_t w13_count = shape.num_experts * 2 * shape.intermediate * shape.hidden;
-  DeviceBuffer<__nv_bfloat16> other_w13(static_cast<size_t>(w13_count));
-  ASSERT_TRUE(kernels::fill_hashed_bf16(other_w13.get(), w13_count, p.seed_of(12), 0, p.w13_scale));
-  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  VersionedFp8Layer l;
+  ASSERT_TRUE(l.created);
+  const Problem& p = l.p;
+  std::vector<RankTensors>& t = l.t;
+  l.refill(l.other_w13.get(), p.seed_of(12));
+  const DeviceBuffer<__nv_bfloat16>& other_w13 = l.other_w13;
   // d_x and d_w13 of one forward + backward with this version and these weights.
   const auto step = [&](uint64_t version, const __nv_bfloat16* w13) {
     Outputs o;
-    run_gpu(p, *group, t, &o, 1, [&](int, ForwardArgs& f) {
+    run_gpu(p, *l.group, t, &o, 1, [&](int, ForwardArgs& f) {
       f.weights_version = version;
       f.w13 = w13;
     });
@@ -465,9 +476,7 @@ TEST(EpLayerFp8Test, WeightsVersionKeepsTheTransposedWeightsInStep) {
     for (const auto& [e, g] : o.d_w13) all.insert(all.end(), g.begin(), g.end());
     return all;
   };
-  const auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
-  };
+  const auto same = same_bits;
   const std::vector<float> fresh = step(0, t[0].w13.get());
   if (::testing::Test::HasFatalFailure()) return;
   const std::vector<float> fresh_other = step(0, other_w13.get());

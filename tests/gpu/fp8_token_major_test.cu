@@ -163,13 +163,14 @@ TEST(Fp8TokenMajorGpuTest, GatheredE4m3RowsMatchTheCpuRuleBitExactly) {
 // Random GEMM1 outputs h [capacity, 2I], dgrads g [capacity, I] and routing weights over the experts of
 // kOffsets, on the host and uploaded (the seed is printed).
 struct SwigluRowsProblem {
+  int64_t I;
   int experts = static_cast<int>(kOffsets.size()) - 1;
   std::vector<float> h, g, w;
   DeviceBuffer<float> d_h, d_g, d_w;
   DeviceBuffer<int32_t> d_offsets;
 
   explicit SwigluRowsProblem(int64_t I)
-      : h(kCapacity * 2 * I), g(kCapacity * I), w(kCapacity), d_h(h.size()), d_g(g.size()), d_w(w.size()),
+      : I(I), h(kCapacity * 2 * I), g(kCapacity * I), w(kCapacity), d_h(h.size()), d_g(g.size()), d_w(w.size()),
         d_offsets(kOffsets.size()) {
     const uint32_t seed = std::random_device{}();
     std::printf("[fp8_token_major_test] seed %u\n", seed);
@@ -183,7 +184,30 @@ struct SwigluRowsProblem {
     d_w.upload(w);
     d_offsets.upload(kOffsets);
   }
+
+  // The fp32 activation a [capacity, I] the SwiGLU-backward quantizer writes (a_out) for these rows.
+  DeviceBuffer<float> activation() const {
+    DeviceBuffer<float> a_out(kCapacity * I);
+    DeviceBuffer<uint8_t> dh_q(kCapacity * 2 * I);
+    DeviceBuffer<float> dh_s(2 * I / 128 * kCapacity);
+    EXPECT_TRUE(kernels::swiglu_backward_quantize_rows_1x128(d_g.get(), d_h.get(), d_w.get(), kCapacity, I, nullptr,
+                                                             dh_q.get(), dh_s.get(), kCapacity, a_out.get(), nullptr, 0,
+                                                             nullptr)
+                    .is_ok());
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // before dh_q and dh_s go
+    return a_out;
+  }
 };
+
+// How many bytes of two equally sized host vectors differ.
+template <typename T>
+int64_t differing_bytes(const std::vector<T>& x, const std::vector<T>& y) {
+  const auto* bx = reinterpret_cast<const uint8_t*>(x.data());
+  const auto* by = reinterpret_cast<const uint8_t*>(y.data());
+  int64_t differ = 0;
+  for (size_t i = 0; i < x.size() * sizeof(T); ++i) differ += bx[i] != by[i];
+  return differ;
+}
 
 // The activation recomputed from h is bit for bit the fp32 a the SwiGLU-backward quantizer writes (a_out),
 // taken through the fp32-rows path.
@@ -192,13 +216,7 @@ TEST(Fp8TokenMajorGpuTest, SwigluRowsAreTheActivationBitExactly) {
   constexpr int64_t I = 256;
   const SwigluRowsProblem in(I);
   const int64_t columns = kernels::token_major_columns(kCapacity, in.experts);
-  DeviceBuffer<float> a_out(kCapacity * I);
-  DeviceBuffer<uint8_t> dh_q(kCapacity * 2 * I);
-  DeviceBuffer<float> dh_s(2 * I / 128 * kCapacity);
-  ASSERT_TRUE(kernels::swiglu_backward_quantize_rows_1x128(in.d_g.get(), in.d_h.get(), in.d_w.get(), kCapacity, I,
-                                                           nullptr, dh_q.get(), dh_s.get(), kCapacity, a_out.get(),
-                                                           nullptr, 0, nullptr)
-                  .is_ok());
+  const DeviceBuffer<float> a_out = in.activation();
   DeviceBuffer<uint8_t> via_rows(I * columns), via_h(I * columns);
   DeviceBuffer<float> s_rows(columns / 128 * I), s_h(columns / 128 * I);
   ASSERT_TRUE(kernels::token_major_quantize_fp32(a_out.get(), I, in.d_offsets.get(), in.experts, kCapacity,
@@ -208,12 +226,8 @@ TEST(Fp8TokenMajorGpuTest, SwigluRowsAreTheActivationBitExactly) {
                                                    via_h.get(), s_h.get(), nullptr)
                   .is_ok());
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-  const std::vector<uint8_t> q_rows = via_rows.download(), q_h = via_h.download();
-  const std::vector<float> sc_rows = s_rows.download(), sc_h = s_h.download();
-  int64_t differ = 0;
-  for (size_t i = 0; i < q_rows.size(); ++i) differ += q_rows[i] != q_h[i];
-  for (size_t i = 0; i < sc_rows.size(); ++i) differ += bits_of(sc_rows[i]) != bits_of(sc_h[i]);
-  EXPECT_EQ(differ, 0);
+  EXPECT_EQ(differing_bytes(via_rows.download(), via_h.download()) + differing_bytes(s_rows.download(), s_h.download()),
+            0);
 }
 
 // dh = SwiGLU'(w g) recomputed per routed row, against exact arithmetic in double: the GPU's fast sigmoid may
@@ -268,13 +282,7 @@ TEST(Fp8TokenMajorGpuTest, SwigluPairIsBothSwigluCopiesBitExactly) {
   constexpr int64_t I = 384;
   const SwigluRowsProblem in(I);
   const int64_t columns = kernels::token_major_columns(kCapacity, in.experts);
-  DeviceBuffer<float> a_out(kCapacity * I);
-  DeviceBuffer<uint8_t> dh_q(kCapacity * 2 * I);
-  DeviceBuffer<float> dh_s(2 * I / 128 * kCapacity);
-  ASSERT_TRUE(kernels::swiglu_backward_quantize_rows_1x128(in.d_g.get(), in.d_h.get(), in.d_w.get(), kCapacity, I,
-                                                           nullptr, dh_q.get(), dh_s.get(), kCapacity, a_out.get(),
-                                                           nullptr, 0, nullptr)
-                  .is_ok());
+  const DeviceBuffer<float> a_out = in.activation();
   DeviceBuffer<uint8_t> at_pair(I * columns), at_single(I * columns);
   DeviceBuffer<uint8_t> dht_pair(2 * I * columns), dht_single(2 * I * columns);
   DeviceBuffer<float> ats_pair(columns / 128 * I), ats_single(columns / 128 * I);
@@ -294,13 +302,6 @@ TEST(Fp8TokenMajorGpuTest, SwigluPairIsBothSwigluCopiesBitExactly) {
   const std::vector<float> a = a_out.download();
   expect_token_major(kOffsets, kCapacity, I, [&](int64_t r, int64_t c) { return a[r * I + c]; }, at_pair.download(),
                      ats_pair.download());
-  const auto differing_bytes = [](const auto& x, const auto& y) {
-    const auto* bx = reinterpret_cast<const uint8_t*>(x.data());
-    const auto* by = reinterpret_cast<const uint8_t*>(y.data());
-    int64_t differ = 0;
-    for (size_t i = 0; i < x.size() * sizeof(x[0]); ++i) differ += bx[i] != by[i];
-    return differ;
-  };
   EXPECT_EQ(differing_bytes(at_pair.download(), at_single.download()), 0);
   EXPECT_EQ(differing_bytes(ats_pair.download(), ats_single.download()), 0);
   EXPECT_EQ(differing_bytes(dht_pair.download(), dht_single.download()), 0);
