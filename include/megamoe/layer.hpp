@@ -92,8 +92,8 @@ struct ForwardArgs {
   // [E_local * H, I] matrix): e4m3 codes w13_fp8 [E_local, 2I, H] and w2_fp8 [E_local, H, I], fp32 scales
   // w13_scales [E_local * 2I / 128, H / 128] and w2_scales [E_local * H / 128, I / 128], row-major. All four
   // or none. With them the layer quantizes nothing, reads neither w13 nor w2 (either may be null) and ignores
-  // weights_version; they are copied into the workspace, so the caller may change them after the call (the
-  // backward differentiates with respect to the weights these codes and scales represent).
+  // weights_version. They are read where they are, as w13 and w2 are: they must hold their values until
+  // this forward's backward has run (which differentiates with respect to the weights they represent).
   const uint8_t* w13_fp8 = nullptr;
   const float* w13_scales = nullptr;
   const uint8_t* w2_fp8 = nullptr;

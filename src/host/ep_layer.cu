@@ -190,6 +190,15 @@ struct ExpertParallelLayer::Impl {
   // The version whose quantized weights the backward's transposed copies hold (0: none known), so that
   // micro-batches between two weight updates transpose once.
   uint64_t transposed_version = 0;
+  // The quantized weights the latest FP8 forward's GEMMs read and its backward transposes: the workspace's
+  // copies, or the caller's pre-quantized ones, read where they are (as bf16 weights are).
+  struct QuantizedWeights {
+    const uint8_t* w13 = nullptr;
+    const float* w13_scales = nullptr;
+    const uint8_t* w2 = nullptr;
+    const float* w2_scales = nullptr;
+  };
+  QuantizedWeights fp8_weights;
 
   template <typename T>
   T* buffer(int64_t offset) const {
@@ -230,9 +239,9 @@ struct ExpertParallelLayer::Impl {
 
   // GEMM1 with SwiGLU -> GEMM2, y rows delivered to the sources' combine slots.
   Status expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2) const;
-  // The same in blockwise FP8, on the e4m3 rows the FP8 dispatch delivered; refresh_weights: fill the
-  // workspace's quantized weights first (quantizing args.w13 / w2, or copying the caller's pre-quantized ones).
-  Status expert_mlp_forward_fp8(const ep::Params& p, const ForwardArgs& args, bool refresh_weights) const;
+  // The same in blockwise FP8, on the e4m3 rows the FP8 dispatch delivered and the weights fp8_weights names;
+  // quantize_weights: quantize args.w13 / w2 into the workspace's copies first.
+  Status expert_mlp_forward_fp8(const ep::Params& p, const ForwardArgs& args, bool quantize_weights) const;
   // h = x W13^T over the received rows, a = silu(g) * u in its epilogue; with keep_h h itself is stored too.
   Status gemm1_swiglu(const ep::Params& p, const __nv_bfloat16* w13, bool keep_h) const;
   // dgrad GEMMs with the SwiGLU backward and d_topk_weights, d_x rows home, weight-gradient GEMMs.
@@ -278,32 +287,23 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward(const ep::Params& p, const 
 // a = silu(g) u quantized in 1x128 groups along I; y = aq W2q^T, each row stored straight into its combine
 // slot on the source rank.
 Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, const ForwardArgs& args,
-                                                         bool refresh_weights) const {
+                                                         bool quantize_weights) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
   cudaStream_t stream = placement.stream;
-  auto* w13_q = buffer<uint8_t>(p.layout.w13_q);
-  auto* w13_s = buffer<float>(p.layout.w13_s);
-  auto* w2_q = buffer<uint8_t>(p.layout.w2_q);
-  auto* w2_s = buffer<float>(p.layout.w2_s);
   // Expert weights [E, N, K] with N a multiple of 128 quantize as one matrix of E * N rows.
-  if (refresh_weights && args.prequantized()) {
-    // Copied, not referenced: the backward reads the workspace's copy whatever the caller does meanwhile.
-    const size_t w13_codes = static_cast<size_t>(EL * 2 * I * H), w2_codes = static_cast<size_t>(EL * H * I);
-    const size_t w13_scales = static_cast<size_t>(EL * 2 * I / 128 * (H / 128)) * sizeof(float);
-    const size_t w2_scales = static_cast<size_t>(EL * H / 128 * (I / 128)) * sizeof(float);
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w13_q, args.w13_fp8, w13_codes, cudaMemcpyDeviceToDevice, stream));
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w13_s, args.w13_scales, w13_scales, cudaMemcpyDeviceToDevice, stream));
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w2_q, args.w2_fp8, w2_codes, cudaMemcpyDeviceToDevice, stream));
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(w2_s, args.w2_scales, w2_scales, cudaMemcpyDeviceToDevice, stream));
-  } else if (refresh_weights) {
-    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(args.w13, EL * 2 * I, H, w13_q, w13_s, stream));
-    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(args.w2, EL * H, I, w2_q, w2_s, stream));
+  if (quantize_weights) {
+    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(args.w13, EL * 2 * I, H,
+                                                                  buffer<uint8_t>(p.layout.w13_q),
+                                                                  buffer<float>(p.layout.w13_s), stream));
+    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(args.w2, EL * H, I, buffer<uint8_t>(p.layout.w2_q),
+                                                                  buffer<float>(p.layout.w2_s), stream));
   }
+  const QuantizedWeights& w = fp8_weights;
   const kernels::Fp8GemmTuning tuning{1, max_blocks};
   auto* h = buffer<float>(p.layout.h_f32);
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(
-      buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs), w13_q, w13_s, nullptr, expert_offsets(), EL,
+      buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs), w.w13, w.w13_scales, nullptr, expert_offsets(), EL,
       C, static_cast<int>(2 * I), static_cast<int>(H), stream, tuning, received_fp8_rows(h)));
   auto* a_q = buffer<uint8_t>(p.layout.a_q);
   auto* a_s = buffer<float>(p.layout.a_s);
@@ -312,7 +312,7 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
                                                               kernels::fp8_scale_pitch(C), stream));
   kernels::Fp8GemmRows home;
   home.d_rows = buffer<void*>(p.layout.row_dest);
-  return kernels::fp8_grouped_gemm_nt(a_q, a_s, w2_q, w2_s, nullptr, expert_offsets(), EL, C, static_cast<int>(H),
+  return kernels::fp8_grouped_gemm_nt(a_q, a_s, w.w2, w.w2_scales, nullptr, expert_offsets(), EL, C, static_cast<int>(H),
                                       static_cast<int>(I), stream, tuning, home);
 }
 
@@ -378,11 +378,11 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
   // [E, H, 2I] (the same codes, the block scales transposed); kept from an earlier backward of the same
   // weights version when transpose_weights is false.
   if (transpose_weights) {
-    MEGAMOE_RETURN_IF_ERROR(kernels::transpose_blocks_128x128_e4m3(buffer<uint8_t>(l.w2_q), buffer<float>(l.w2_s),
-                                                                   EL, H, I, buffer<uint8_t>(l.w2t_q),
-                                                                   buffer<float>(l.w2t_s), stream));
-    MEGAMOE_RETURN_IF_ERROR(kernels::transpose_blocks_128x128_e4m3(buffer<uint8_t>(l.w13_q), buffer<float>(l.w13_s),
-                                                                   EL, 2 * I, H, buffer<uint8_t>(l.w13t_q),
+    MEGAMOE_RETURN_IF_ERROR(kernels::transpose_blocks_128x128_e4m3(fp8_weights.w2, fp8_weights.w2_scales, EL, H, I,
+                                                                   buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s),
+                                                                   stream));
+    MEGAMOE_RETURN_IF_ERROR(kernels::transpose_blocks_128x128_e4m3(fp8_weights.w13, fp8_weights.w13_scales, EL,
+                                                                   2 * I, H, buffer<uint8_t>(l.w13t_q),
                                                                    buffer<float>(l.w13t_s), stream));
   }
   const kernels::Fp8GemmTuning tuning{1, max_blocks};
@@ -597,7 +597,11 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
       // other pointers).
       m.quantized_version = 0;
       if (!same_weights) m.transposed_version = 0;
-      MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward_fp8(p, args, !same_weights));
+      m.fp8_weights = args.prequantized()
+                          ? Impl::QuantizedWeights{args.w13_fp8, args.w13_scales, args.w2_fp8, args.w2_scales}
+                          : Impl::QuantizedWeights{m.buffer<uint8_t>(p.layout.w13_q), m.buffer<float>(p.layout.w13_s),
+                                                   m.buffer<uint8_t>(p.layout.w2_q), m.buffer<float>(p.layout.w2_s)};
+      MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward_fp8(p, args, !same_weights && !args.prequantized()));
       // Under stream capture the quantization is only recorded (it runs when the graph does): no promise; nor
       // for pre-quantized weights, which are no copy of w13 / w2.
       if (capture == cudaStreamCaptureStatusNone && !args.prequantized()) {
