@@ -7,7 +7,8 @@
 // e4m3 bytes viewed as bf16 pairs) and descriptors serve; the next k32 slice of e4m3 is 32 bytes on, like
 // the next k16 slice of bf16.
 //
-// Per K block: wgmma.m64nBNk32 x 4 into `partial` (the first overwrites it), commit, read the stage's A
+// Per K block: wgmma.m64nBNk32 x 4 into `partial` (the first overwrites it) in this warpgroup's turn
+// (issue_turns.cuh: the two warpgroups alternate, so that one promotes while the other's wgmma run), commit, read the stage's A
 // scales while the tensor cores run, wait for the group, release the stage, then promote
 // (fp8_promotion.cuh): acc += partial * sa * sb in fp32 registers. Two accumulators of BN / 2 registers each
 // per thread. The weight block's scale of the next K block is loaded from global memory (block_scales.cuh)
@@ -18,6 +19,7 @@
 
 #include "device/gemm/block_scales.cuh"
 #include "device/gemm/fp8_promotion.cuh"
+#include "device/gemm/issue_turns.cuh"
 #include "device/gemm/shape.cuh"
 #include "device/pipeline.cuh"
 #include "device/ptx/sync.cuh"
@@ -82,7 +84,8 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
                                                        const StagePipeline<Shape::kStages>& pipe,
                                                        PipeState<Shape::kStages>& st, uint8_t* stages,
                                                        const StageScales* scales, const float* b_scales,
-                                                       const TileCoord& tile, int cwg, int lt, uint32_t cta_rank) {
+                                                       const TileCoord& tile, int cwg, int lt, uint32_t cta_rank,
+                                                       IssueTurns& turns) {
   static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
@@ -95,7 +98,9 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
     if (kt + 1 < k_tiles) b_next = __ldg(b_scales + kt + 1);
     pipe.consumer_wait(st);
     if constexpr (kGathered) fence_proxy_async_smem();
+    turns.take();
     issue_fp8_block<Shape>(partial, stages, st, cwg);
+    turns.pass();
     const float* a_scales = tile_scales(scales[st.index], tile.row0);
     const float scale[2] = {promotion_scale(a_scales, b_scale, cwg, warp, lane, 0),
                             promotion_scale(a_scales, b_scale, cwg, warp, lane, 1)};
@@ -128,7 +133,7 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
                                                             const StagePipeline<Shape::kStages>& pipe,
                                                             PipeState<Shape::kStages>& st, uint8_t* stages,
                                                             const StageChannelScales* scales, int k_tiles, int cwg,
-                                                            int lt) {
+                                                            int lt, IssueTurns& turns) {
   static_assert(Shape::kBN == 128 && Shape::kBM == 128 && Shape::kCluster == 1, "128 x 128 tiles, single CTAs");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
@@ -136,7 +141,9 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
   zero_fp8_accumulators(acc, partial);
   for (int kt = 0; kt < k_tiles; ++kt) {
     pipe.consumer_wait(st);
+    turns.take();
     issue_fp8_block<Shape>(partial, stages, st, cwg);
+    turns.pass();
     const StageChannelScales& slot = scales[st.index];
     const float row_scale[2] = {slot.a[64 * cwg + Fragment::row(warp, lane, 0)],
                                 slot.a[64 * cwg + Fragment::row(warp, lane, 1)]};
