@@ -134,13 +134,15 @@ __device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const 
   }
 }
 
-template <class Cfg>
+template <class Cfg, int kCwg>
 __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const Fp8GemmParams& p,
                                                  typename Cfg::SharedStorage& smem, const typename Cfg::Tiles& tiles,
                                                  const device::StaticSchedule& sched, int rank, int tid) {
   using Shape = typename Cfg::Shape;
   constexpr int kBN = Shape::kBN;
-  const int cwg = tid / 128 - 1;  // rows 64 cwg .. 64 cwg + 63 of the tile
+  // rows 64 cwg .. 64 cwg + 63 of the tile: a constant of this instantiation, so that the main loop's turn
+  // barriers and operand offsets need no arithmetic on the thread index per K block.
+  constexpr int cwg = kCwg;
   const int lt = tid & 127;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   device::BoxStore<Cfg::kSlots, true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
@@ -205,7 +207,11 @@ __global__ void __launch_bounds__(kFp8GemmThreads, 1)
     fp8_run_producer<Cfg>(&tm_a, &tm_b, &tm_sa, p, smem, tiles, sched, rank, tid);
   } else {
     device::setmaxnreg_inc<Cfg::kConsumerRegs>();
-    fp8_run_consumer<Cfg>(&tm_d, p, smem, tiles, sched, rank, tid);
+    if (tid < 256) {
+      fp8_run_consumer<Cfg, 0>(&tm_d, p, smem, tiles, sched, rank, tid);
+    } else {
+      fp8_run_consumer<Cfg, 1>(&tm_d, p, smem, tiles, sched, rank, tid);
+    }
   }
   // No CTA may exit while its peer can still arrive on its barriers or multicast into its memory.
   if constexpr (Shape::kCluster > 1) device::cluster_sync();

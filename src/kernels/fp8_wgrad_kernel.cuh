@@ -102,12 +102,15 @@ __device__ __forceinline__ void fp8_wgrad_producer(const CUtensorMap* tm_a, cons
   }
 }
 
+// kCwg: the consumer warpgroup, rows 64 kCwg .. 64 kCwg + 63 of the tile (a constant of the instantiation,
+// as in fp8_gemm_kernel.cuh).
+template <int kCwg>
 __device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, Fp8WgradConfig::SharedStorage& smem,
                                                    const Fp8WgradConfig::Tiles& tiles,
                                                    const device::StaticSchedule& sched, int tid) {
   using Shape = Fp8WgradConfig::Shape;
   constexpr int kBN = Shape::kBN;
-  const int cwg = tid / 128 - 1;  // rows 64 cwg .. 64 cwg + 63 of the tile
+  constexpr int cwg = kCwg;
   const int lt = tid & 127;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   device::PipeState<Shape::kStages> st;
@@ -149,7 +152,11 @@ __global__ void __launch_bounds__(kFp8WgradThreads, 1)
     fp8_wgrad_producer(&tm_a, &tm_b, &tm_sa, &tm_sb, smem, tiles, sched, tid);
   } else {
     device::setmaxnreg_inc<Cfg::kConsumerRegs>();
-    fp8_wgrad_consumer(p, smem, tiles, sched, tid);
+    if (tid < 256) {
+      fp8_wgrad_consumer<0>(p, smem, tiles, sched, tid);
+    } else {
+      fp8_wgrad_consumer<1>(p, smem, tiles, sched, tid);
+    }
   }
 #endif
 }

@@ -8,10 +8,11 @@
 // the next k16 slice of bf16.
 //
 // Per K block: wgmma.m64nBNk32 x 4 into `partial` (the first overwrites it) in this warpgroup's turn
-// (issue_turns.cuh: the two warpgroups alternate, so that one promotes while the other's wgmma run), commit, read the stage's A
-// scales while the tensor cores run, wait for the group, release the stage, then promote
-// (fp8_promotion.cuh): acc += partial * sa * sb in fp32 registers. Two accumulators of BN / 2 registers each
-// per thread. The weight block's scale of the next K block is loaded from global memory (block_scales.cuh)
+// (issue_turns.cuh: the two warpgroups alternate, so that one promotes while the other's wgmma run), commit;
+// while the tensor cores run, read the stage's A scales and wait for the next block's stage (so that nothing
+// but the promotion stands between one block's wgmma and the next one's); wait for the group, release the
+// stage, then promote (fp8_promotion.cuh): acc += partial * sa * sb in fp32 registers. Two accumulators of
+// BN / 2 registers each per thread. The weight block's scale of the next K block is loaded from global memory (block_scales.cuh)
 // one block ahead, so its latency hides behind a whole block's wgmma.
 #pragma once
 
@@ -92,11 +93,10 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
   float partial[kN];  // overwritten by each block's first wgmma; zeroed so that it is never read undefined
   zero_fp8_accumulators(acc, partial);
   const int k_tiles = max(tile.k_tiles, 0);
-  float b_next = k_tiles > 0 ? __ldg(b_scales) : 0.0f;
+  if (k_tiles == 0) return;
+  float b_scale = __ldg(b_scales);
+  pipe.consumer_wait(st);
   for (int kt = 0; kt < k_tiles; ++kt) {
-    const float b_scale = b_next;
-    if (kt + 1 < k_tiles) b_next = __ldg(b_scales + kt + 1);
-    pipe.consumer_wait(st);
     if constexpr (kGathered) fence_proxy_async_smem();
     turns.take();
     issue_fp8_block<Shape>(partial, stages, st, cwg);
@@ -104,6 +104,14 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
     const float* a_scales = tile_scales(scales[st.index], tile.row0);
     const float scale[2] = {promotion_scale(a_scales, b_scale, cwg, warp, lane, 0),
                             promotion_scale(a_scales, b_scale, cwg, warp, lane, 1)};
+    // While the tensor cores run: the next block's stage and weight scale, so that after the promotion the
+    // next wgmma can be issued at once.
+    PipeState<Shape::kStages> next = st;
+    next.advance();
+    if (kt + 1 < k_tiles) {
+      pipe.consumer_wait(next);
+      b_scale = __ldg(b_scales + kt + 1);
+    }
     wgmma_wait<0>();
     fence_accumulators(partial);
     if constexpr (kGathered) {
@@ -116,7 +124,7 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
       if (lt == 0) mbarrier_arrive_cluster_peer(&pipe.empty[st.index], cta_rank ^ 1);
     }
     promote_block(acc, partial, scale);
-    st.advance();
+    st = next;
   }
 }
 
@@ -139,19 +147,24 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
   const int warp = lt >> 5, lane = lt & 31;
   float partial[kN];  // overwritten by each block's first wgmma; zeroed so that it is never read undefined
   zero_fp8_accumulators(acc, partial);
+  if (k_tiles <= 0) return;
+  pipe.consumer_wait(st);
   for (int kt = 0; kt < k_tiles; ++kt) {
-    pipe.consumer_wait(st);
     turns.take();
     issue_fp8_block<Shape>(partial, stages, st, cwg);
     turns.pass();
     const StageChannelScales& slot = scales[st.index];
     const float row_scale[2] = {slot.a[64 * cwg + Fragment::row(warp, lane, 0)],
                                 slot.a[64 * cwg + Fragment::row(warp, lane, 1)]};
+    // The next block's stage while the tensor cores run (as mma_tile_fp8_blockwise).
+    PipeState<Shape::kStages> next = st;
+    next.advance();
+    if (kt + 1 < k_tiles) pipe.consumer_wait(next);
     wgmma_wait<0>();
     fence_accumulators(partial);
     promote_block_channels(acc, partial, row_scale, slot.b, lane);
     pipe.consumer_release_warp(st, lane);
-    st.advance();
+    st = next;
   }
 }
 
