@@ -10,10 +10,10 @@
 //     copy the stage's A rows and each one row's scale with cp.async (TileLoader's gathered tile,
 //     gather_block_scale), thread 0 still issuing B through TMA;
 //   warpgroups 1 and 2, the consumers (setmaxnreg up): 64 rows each; per stage wgmma x 4 into a temporary
-//     accumulator, issued in turns (IssueTurns: one warpgroup promotes while the other's wgmma run), and the
-//     fp32 promotion with the scales (mma_tile_fp8_blockwise, which reads the weight block's scale from global
-//     memory one K block ahead), then the bf16 epilogue of the engine (epilogue_plain through BoxStore: TMA
-//     stores for whole 64-row slices, else the threads).
+//     accumulator and the fp32 promotion with the scales (mma_tile_fp8_blockwise, which waits for the next
+//     stage and reads the weight block's scale from global memory one K block ahead while the tensor cores
+//     run), then the bf16 epilogue of the engine (epilogue_plain through BoxStore: TMA stores for whole 64-row
+//     slices, else the threads).
 // Work items (expert, m-tile, n-tile) are numbered on the device (GroupedTiles) from the expert row offsets;
 // the dense GEMM is one group of M rows. Every role walks the same grid-stride schedule.
 #pragma once
@@ -140,15 +140,14 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
                                                  const device::StaticSchedule& sched, int rank, int tid) {
   using Shape = typename Cfg::Shape;
   constexpr int kBN = Shape::kBN;
-  // rows 64 cwg .. 64 cwg + 63 of the tile: a constant of this instantiation, so that the main loop's turn
-  // barriers and operand offsets need no arithmetic on the thread index per K block.
+  // rows 64 cwg .. 64 cwg + 63 of the tile: a constant of this instantiation, so that the main loop's operand
+  // offsets need no arithmetic on the thread index per K block.
   constexpr int cwg = kCwg;
   const int lt = tid & 127;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   device::BoxStore<Cfg::kSlots, true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
   device::PipeState<Shape::kStages> st;
   float acc[kBN / 2];
-  device::IssueTurns turns(cwg);
   for (int j = 0;; ++j) {
     const int t = sched.item(j);
     // Read from shared memory per item, not held across the epilogue (where every register counts).
@@ -156,7 +155,7 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     const device::TileCoord tile = tiles.decode(t, rank);
     device::mma_tile_fp8_blockwise<Shape, Cfg::kGatherA>(acc, pipe, st, smem.stages[0], smem.scales,
                                                          p.b_scales.of(tile), tile, cwg, lt,
-                                                         static_cast<uint32_t>(rank), turns);
+                                                         static_cast<uint32_t>(rank));
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
     if (p.d32 != nullptr) {
@@ -170,7 +169,6 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     store.begin_tile(p.tma_store != 0 && s.valid >= 64, p.epi.c, p.epi.aux, s.slice0, s.valid);
     device::epilogue_plain<kBN>(acc, p.epi, s, tm_d, store);
   }
-  turns.finish();
   store.finish();
 }
 

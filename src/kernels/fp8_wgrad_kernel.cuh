@@ -4,8 +4,7 @@
 // segment of the token-major copies (kernels/fp8_token_major.hpp), which starts at a multiple of 128 columns.
 //   warpgroup 0, the producer: thread 0 loads a stage's A box (the tile's 128 rows of qa) and B box (its 128
 //     rows of qb) with TMA; thread 32 the stage's 128 + 128 scales (load_channel_scales);
-//   warpgroups 1 and 2, the consumers: 64 rows each, mma_tile_fp8_channel_scaled (wgmma issued in turns,
-//     IssueTurns), then the fp32 epilogue
+//   warpgroups 1 and 2, the consumers: 64 rows each, mma_tile_fp8_channel_scaled, then the fp32 epilogue
 //     (stored, or added to what D holds).
 // An expert without rows still has its tiles: they store zeros (or add nothing).
 #pragma once
@@ -115,18 +114,16 @@ __device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, Fp8W
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   device::PipeState<Shape::kStages> st;
   float acc[kBN / 2];
-  device::IssueTurns turns(cwg);
   for (int j = 0;; ++j) {
     const int t = sched.item(j);
     if (t >= tiles.total_now()) break;
     const device::TileCoord tile = tiles.decode(t, 0);
     device::mma_tile_fp8_channel_scaled<Shape>(acc, pipe, st, smem.stages[0], smem.scales, max(tile.k_tiles, 0), cwg,
-                                               lt, turns);
+                                               lt);
     float* d = p.D + static_cast<int64_t>(tile.e) * p.M * p.N;
     device::epilogue_fp32<kBN>(acc, d, p.M, p.N, tile.m_idx * Shape::kBM + 64 * cwg, tile.n_idx * kBN,
                                p.accumulate != 0, smem.staging[cwg], 2 + cwg, lt);
   }
-  turns.finish();
 }
 
 __global__ void __launch_bounds__(kFp8WgradThreads, 1)

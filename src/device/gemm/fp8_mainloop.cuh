@@ -7,20 +7,17 @@
 // e4m3 bytes viewed as bf16 pairs) and descriptors serve; the next k32 slice of e4m3 is 32 bytes on, like
 // the next k16 slice of bf16.
 //
-// Per K block: wgmma.m64nBNk32 x 4 into `partial` (the first overwrites it) in this warpgroup's turn
-// (issue_turns.cuh: the two warpgroups alternate, so that one promotes while the other's wgmma run), commit;
-// while the tensor cores run, read the stage's A scales and wait for the next block's stage (so that nothing
-// but the promotion stands between one block's wgmma and the next one's); wait for the group, release the
-// stage, then promote (fp8_promotion.cuh): acc += partial * sa * sb in fp32 registers. Two accumulators of
-// BN / 2 registers each per thread. The weight block's scale of the next K block is loaded from global memory (block_scales.cuh)
-// one block ahead, so its latency hides behind a whole block's wgmma.
+// Per K block: wgmma.m64nBNk32 x 4 into `partial` (the first overwrites it), commit; while the tensor cores
+// run, read the stage's A scales, wait for the next block's stage and load its weight block's scale from
+// global memory (block_scales.cuh), so that nothing but the promotion stands between one block's wgmma and
+// the next one's; wait for the group, release the stage, then promote (fp8_promotion.cuh):
+// acc += partial * sa * sb in fp32 registers. Two accumulators of BN / 2 registers each per thread.
 #pragma once
 
 #include <cstdint>
 
 #include "device/gemm/block_scales.cuh"
 #include "device/gemm/fp8_promotion.cuh"
-#include "device/gemm/issue_turns.cuh"
 #include "device/gemm/shape.cuh"
 #include "device/pipeline.cuh"
 #include "device/ptx/sync.cuh"
@@ -85,8 +82,7 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
                                                        const StagePipeline<Shape::kStages>& pipe,
                                                        PipeState<Shape::kStages>& st, uint8_t* stages,
                                                        const StageScales* scales, const float* b_scales,
-                                                       const TileCoord& tile, int cwg, int lt, uint32_t cta_rank,
-                                                       IssueTurns& turns) {
+                                                       const TileCoord& tile, int cwg, int lt, uint32_t cta_rank) {
   static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
@@ -98,9 +94,7 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
   pipe.consumer_wait(st);
   for (int kt = 0; kt < k_tiles; ++kt) {
     if constexpr (kGathered) fence_proxy_async_smem();
-    turns.take();
     issue_fp8_block<Shape>(partial, stages, st, cwg);
-    turns.pass();
     const float* a_scales = tile_scales(scales[st.index], tile.row0);
     const float scale[2] = {promotion_scale(a_scales, b_scale, cwg, warp, lane, 0),
                             promotion_scale(a_scales, b_scale, cwg, warp, lane, 1)};
@@ -141,7 +135,7 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
                                                             const StagePipeline<Shape::kStages>& pipe,
                                                             PipeState<Shape::kStages>& st, uint8_t* stages,
                                                             const StageChannelScales* scales, int k_tiles, int cwg,
-                                                            int lt, IssueTurns& turns) {
+                                                            int lt) {
   static_assert(Shape::kBN == 128 && Shape::kBM == 128 && Shape::kCluster == 1, "128 x 128 tiles, single CTAs");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
@@ -150,9 +144,7 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
   if (k_tiles <= 0) return;
   pipe.consumer_wait(st);
   for (int kt = 0; kt < k_tiles; ++kt) {
-    turns.take();
     issue_fp8_block<Shape>(partial, stages, st, cwg);
-    turns.pass();
     const StageChannelScales& slot = scales[st.index];
     const float row_scale[2] = {slot.a[64 * cwg + Fragment::row(warp, lane, 0)],
                                 slot.a[64 * cwg + Fragment::row(warp, lane, 1)]};
