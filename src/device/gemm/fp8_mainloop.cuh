@@ -36,15 +36,14 @@ __device__ __forceinline__ void zero_fp8_accumulators(float (&acc)[kN], float (&
   }
 }
 
-// One K block of a warpgroup's FP8 tile: wgmma.m64nBNk32 x 4 on stage `st` into `partial` (the first
+// One K block of a warpgroup's FP8 tile: wgmma.m64nBNk32 x 4 on stage kIndex into `partial` (the first
 // overwrites it), committed as one group; the caller waits for it.
-template <class Shape>
-__device__ __forceinline__ void issue_fp8_block(float (&partial)[Shape::kBN / 2], uint8_t* stages,
-                                                const PipeState<Shape::kStages>& st, int cwg) {
+template <class Shape, int kIndex>
+__device__ __forceinline__ void issue_fp8_block_at(float (&partial)[Shape::kBN / 2], uint8_t* stages, int cwg) {
   static_assert(Shape::kForm == GemmForm::kNT, "FP8 operands are both K-major");
   static_assert(Shape::kBK * 2 == 128 && Shape::kAStep == 32 && Shape::kBStep == 32, "a stage row is one K block");
   using Mma = WgmmaE4m3<Shape::kBN>;
-  const uint32_t sa = smem_addr(stages + st.index * Shape::kStageBytes);
+  const uint32_t sa = smem_addr(stages) + kIndex * Shape::kStageBytes;
   const uint32_t sb = sa + Shape::kABytes;
   const uint32_t a_base = sa + cwg * kBoxBytes;  // rows 64 cwg .. of the tile (64 rows x 128 bytes)
   const uint64_t da0 = make_smem_desc(a_base, Shape::kALbo, 1024);
@@ -56,6 +55,22 @@ __device__ __forceinline__ void issue_fp8_block(float (&partial)[Shape::kBN / 2]
              kk > 0 ? 1 : 0);
   }
   wgmma_commit();
+}
+
+// The same on stage `st`, the stage's index made a constant of one of kStages branches: descriptors of a
+// constant offset from the ring's base are warp-uniform to ptxas, which then builds them in uniform registers
+// between the wgmma, where a stage index held in ordinary registers costs an ordinary-to-uniform move of
+// every descriptor word per k slice (docs/GEMM.md).
+template <class Shape, int kIndex = 0>
+__device__ __forceinline__ void issue_fp8_block(float (&partial)[Shape::kBN / 2], uint8_t* stages,
+                                                const PipeState<Shape::kStages>& st, int cwg) {
+  if constexpr (kIndex + 1 < Shape::kStages) {
+    if (st.index != kIndex) {
+      issue_fp8_block<Shape, kIndex + 1>(partial, stages, st, cwg);
+      return;
+    }
+  }
+  issue_fp8_block_at<Shape, kIndex>(partial, stages, cwg);
 }
 
 // acc = sum over the tile's K blocks of scale * (the block's wgmma sum). cwg: consumer warpgroup (rows
