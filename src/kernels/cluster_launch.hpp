@@ -27,6 +27,22 @@ struct ClusterLaunch {
   void set_grid(int grid_clusters, int cluster) { config.gridDim = dim3(grid_clusters * cluster, 1, 1); }
 };
 
+// The SM count of the current device, after checking that it is a Hopper GPU (kNotSupported otherwise;
+// `what` names the caller in the message).
+inline Status hopper_device_sms(const char* what, int* num_sms) {
+  int dev = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  int major = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (major != 9) {
+    return Status(StatusCode::kNotSupported, std::string(what) +
+                                                 " needs an sm_90 (Hopper) device, found compute capability " +
+                                                 std::to_string(major) + ".x");
+  }
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, dev));
+  return Status::ok();
+}
+
 // `what` names the kernel in the error when no cluster fits.
 template <int kCluster, class Kernel>
 Status prepare_cluster_launch(Kernel kernel, int threads, int smem_bytes, cudaStream_t stream, int num_sms,

@@ -25,19 +25,6 @@ constexpr int kKBlock = 128;
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-Status device_sms(int* num_sms) {
-  int dev = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
-  int major = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  if (major != 9) {
-    return Status(StatusCode::kNotSupported,
-                  "fp8 GEMM needs an sm_90 (Hopper) device, found compute capability " + std::to_string(major) + ".x");
-  }
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, dev));
-  return Status::ok();
-}
-
 Status check_shape(int64_t rows, const char* rows_name, int N, int K) {
   if (rows < 0 || rows >= (int64_t{1} << 31) - kBM) {
     return Status::invalid(std::string("fp8 GEMM: ") + rows_name + " must be in [0, 2^31 - 128), got " +
@@ -85,7 +72,7 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
               int max_ctas, cudaStream_t stream) {
   constexpr int kCluster = Cfg::Shape::kCluster;
   int num_sms = 0;
-  MEGAMOE_RETURN_IF_ERROR(device_sms(&num_sms));
+  MEGAMOE_RETURN_IF_ERROR(hopper_device_sms("fp8 GEMM", &num_sms));
   CUtensorMap tm_a{}, tm_b{}, tm_sa{}, tm_d{};
   const uint64_t rows = static_cast<uint64_t>(std::max<int64_t>(max_rows, 1));
   if constexpr (!Cfg::kGatherA) {

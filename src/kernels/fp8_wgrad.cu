@@ -53,13 +53,8 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8
                       cudaStream_t stream, int max_ctas) {
   MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));
   if (max_ctas < 0) return Status::invalid("fp8 wgrad GEMM: max_ctas must be >= 0, got " + std::to_string(max_ctas));
-  int dev = 0, major = 0, num_sms = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  if (major != 9)
-    return Status(StatusCode::kNotSupported, "fp8 wgrad GEMM needs an sm_90 (Hopper) device, found compute "
-                                             "capability " + std::to_string(major) + ".x");
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev));
+  int num_sms = 0;
+  MEGAMOE_RETURN_IF_ERROR(hopper_device_sms("fp8 wgrad GEMM", &num_sms));
   const int64_t columns = token_major_columns(capacity, experts);
   CUtensorMap tm_a{}, tm_b{}, tm_sa{}, tm_sb{};
   MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_a, qa, M, columns));

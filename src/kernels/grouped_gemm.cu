@@ -12,19 +12,6 @@
 
 namespace megamoe::kernels {
 
-Status gemm_device_sms(int* num_sms) {
-  int dev = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
-  int major = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  if (major != 9) {
-    return Status(StatusCode::kNotSupported, "grouped GEMM needs an sm_90 (Hopper) device, found compute capability " +
-                                                 std::to_string(major) + ".x");
-  }
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, dev));
-  return Status::ok();
-}
-
 namespace {
 
 constexpr int kBM = 128;

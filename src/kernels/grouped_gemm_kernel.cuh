@@ -220,7 +220,7 @@ template <class Cfg>
 Status launch_config(const GemmLaunch& l, cudaStream_t stream) {
   constexpr int kCluster = Cfg::Shape::kCluster;
   int num_sms = 0;
-  MEGAMOE_RETURN_IF_ERROR(gemm_device_sms(&num_sms));
+  MEGAMOE_RETURN_IF_ERROR(hopper_device_sms("grouped GEMM", &num_sms));
   ClusterLaunch launch;
   MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<kCluster>(grouped_gemm_kernel<Cfg>, kGemmThreads, Cfg::kSmemBytes,
                                                            stream, num_sms, l.tuning.max_ctas, "grouped GEMM",

@@ -48,7 +48,4 @@ Status preload_grouped_gemm_nt();
 Status preload_grouped_gemm_nn();
 Status preload_grouped_gemm_tn();
 
-// SM count of the current device after checking that it is a Hopper GPU.
-Status gemm_device_sms(int* num_sms);
-
 }  // namespace megamoe::kernels
