@@ -74,10 +74,7 @@ struct Fp8GemmConfig {
   // Consumers hold two fp32 accumulators of 64 registers each (acc, partial) plus addressing.
   static constexpr int kProducerRegs = 56;
   static constexpr int kConsumerRegs = 224;
-  // setmaxnreg.inc waits until the CTA's pool has the registers: the budgets must fit the launch allocation
-  // (168 per thread for 384 threads), or the consumers wait forever (grouped_gemm_kernel.cuh).
-  static constexpr int kRegsAtLaunch = 65536 / kFp8GemmThreads / 8 * 8;
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kRegsAtLaunch * kFp8GemmThreads, "register budget");
+  static_assert(device::kRegisterSplitFits<kFp8GemmThreads, kProducerRegs, kConsumerRegs>, "register budget");
 
   struct alignas(1024) SharedStorage {
     uint8_t stages[kStages][Shape::kStageBytes];  // each 1024-aligned: kStageBytes is a multiple of 1024

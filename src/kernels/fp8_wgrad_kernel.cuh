@@ -48,8 +48,7 @@ struct Fp8WgradConfig {
   static constexpr int kScaleThread = 32;
   static constexpr int kProducerRegs = 56;
   static constexpr int kConsumerRegs = 224;
-  static constexpr int kRegsAtLaunch = 65536 / kFp8WgradThreads / 8 * 8;
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kRegsAtLaunch * kFp8WgradThreads, "register budget");
+  static_assert(device::kRegisterSplitFits<kFp8WgradThreads, kProducerRegs, kConsumerRegs>, "register budget");
 
   struct alignas(1024) SharedStorage {
     uint8_t stages[kStages][Shape::kStageBytes];

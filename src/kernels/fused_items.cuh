@@ -109,8 +109,8 @@ struct FusedGemmConfig {
   static constexpr int kFullArrivals = GatherLoader::kFullArrivals;
   static constexpr int kProducerRegs = 72;
   static constexpr int kConsumerRegs = 216;
-  static constexpr int kRegsAtLaunch = 65536 / kFusedThreads / 8 * 8;
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kRegsAtLaunch * kFusedThreads, "register budget");
+  static constexpr int kRegsAtLaunch = device::kRegistersAtLaunch<kFusedThreads>;
+  static_assert(device::kRegisterSplitFits<kFusedThreads, kProducerRegs, kConsumerRegs>, "register budget");
   static constexpr int kProducerBarrier = 4;  // named barrier of the producer warpgroup (2, 3: the consumers')
 
   struct alignas(1024) SharedStorage {

@@ -54,11 +54,7 @@ struct EngineConfig {
   static constexpr bool kBusyProducer = Loader::kGathers || kAct == GemmActivation::kSwiGLUBackward;
   static constexpr int kProducerRegs = Loader::kGathers ? 72 : (kBusyProducer ? 48 : 40);
   static constexpr int kConsumerRegs = Loader::kGathers ? 216 : (kBusyProducer ? 224 : 232);
-  // setmaxnreg.inc waits until the CTA's pool has the registers: the pool is what the launch allocated
-  // (the register count at entry, 168 for 384 threads), so the budgets must fit in it or the consumers
-  // wait forever.
-  static constexpr int kRegsAtLaunch = 65536 / kGemmThreads / 8 * 8;
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kRegsAtLaunch * kGemmThreads, "register budget");
+  static_assert(device::kRegisterSplitFits<kGemmThreads, kProducerRegs, kConsumerRegs>, "register budget");
   // The SwiGLU backward's h stages: with a gathering producer warpgroup every reader arrives on the stage's
   // read barrier, which the producer threads wait on before they refill it (device/epilogue/epilogue_stages.cuh).
   static constexpr bool kEachReaderArrives = kAct == GemmActivation::kSwiGLUBackward && Loader::kGathers;
