@@ -248,24 +248,24 @@ class _LibraryBackend:
             state.groups[index] = group
         return group
 
-    def forward(self, state, x, topk_idx, topk_weights, w13, w2, out) -> None:
+    def _forward(self, state, x, topk_idx, topk_weights, out, weights) -> None:
+        """weights: per rank, the ForwardArgs fields that name its expert weights."""
         group = self.group(state, x[0].device)
         args = [_lib.ForwardArgs(num_tokens=xi.shape[0], x=xi.data_ptr(), topk_idx=ii.data_ptr(),
                                  topk_idx_is_int32=int(ii.dtype == torch.int32), reserved=0,
-                                 topk_weights=wi.data_ptr(), w13=a.data_ptr(), w2=b.data_ptr(), out=o.data_ptr())
-                for xi, ii, wi, a, b, o in zip(x, topk_idx, topk_weights, w13, w2, out)]
+                                 topk_weights=wi.data_ptr(), out=o.data_ptr(), **named)
+                for xi, ii, wi, o, named in zip(x, topk_idx, topk_weights, out, weights)]
         group.forward(args, torch.cuda.current_stream(x[0].device).cuda_stream)
+
+    def forward(self, state, x, topk_idx, topk_weights, w13, w2, out) -> None:
+        self._forward(state, x, topk_idx, topk_weights, out,
+                      [dict(w13=a.data_ptr(), w2=b.data_ptr()) for a, b in zip(w13, w2)])
 
     def forward_fp8_weights(self, state, x, topk_idx, topk_weights, fp8_weights, out) -> None:
         """fp8_weights: (w13_fp8, w13_scales, w2_fp8, w2_scales), one tensor per rank each."""
-        group = self.group(state, x[0].device)
-        args = [_lib.ForwardArgs(num_tokens=xi.shape[0], x=xi.data_ptr(), topk_idx=ii.data_ptr(),
-                                 topk_idx_is_int32=int(ii.dtype == torch.int32), reserved=0,
-                                 topk_weights=wi.data_ptr(), w13=None, w2=None, out=o.data_ptr(), weights_version=0,
-                                 w13_fp8=a.data_ptr(), w13_scales=a_s.data_ptr(), w2_fp8=b.data_ptr(),
-                                 w2_scales=b_s.data_ptr())
-                for xi, ii, wi, a, a_s, b, b_s, o in zip(x, topk_idx, topk_weights, *fp8_weights, out)]
-        group.forward(args, torch.cuda.current_stream(x[0].device).cuda_stream)
+        self._forward(state, x, topk_idx, topk_weights, out,
+                      [dict(w13_fp8=a.data_ptr(), w13_scales=a_s.data_ptr(), w2_fp8=b.data_ptr(),
+                            w2_scales=b_s.data_ptr()) for a, a_s, b, b_s in zip(*fp8_weights)])
 
     def backward(self, state, d_out, d_x, d_topk_weights, d_w13, d_w2, accumulate=False) -> None:
         group = self.group(state, d_out[0].device)
