@@ -154,12 +154,9 @@ def dequantize_128x128(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
 
 
 def fake_quantize_128x128(w: torch.Tensor) -> torch.Tensor:
-    """w [..., N, K] (N and K multiples of 128), one scale per 128 x 128 block of each matrix -> fp32 values."""
-    n, k = w.shape[-2:]
-    if n % 128 or k % 128:
-        raise ValueError(f"128 x 128 blocks need both matrix dimensions to be multiples of 128, got {n} x {k}")
-    blocks = w.reshape(*w.shape[:-2], n // 128, 128, k // 128, 128)
-    return _fake_quantize_groups(blocks, (-3, -1)).reshape(w.shape)
+    """w [..., N, K] (N and K multiples of 128), one scale per 128 x 128 block of each matrix -> fp32 values
+    (float64 for float64 w, exactly the same values)."""
+    return dequantize_128x128(*quantize_128x128(w)).to(torch.promote_types(w.dtype, torch.float32))
 
 
 def moe_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
