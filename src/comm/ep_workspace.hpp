@@ -141,8 +141,8 @@ struct WorkspaceLayout {
     l.combine = take(2 * T * K * H);
     l.slot_dots = take(4 * T * K * P);
     l.recv_counts = take(4 * R * (EL + 1));
-    // The bf16 rows, activations and gradients only the bf16 layer's backward reads (and its forward writes)
-    // take no room in an FP8 layer, which has a forward only so far (its own buffers are at the end).
+    // The bf16 rows, activations and gradients only the bf16 layer reads and writes take no room in an FP8
+    // layer, whose forward and backward use their e4m3 and fp32 counterparts (at the end).
     const int64_t b = s.fp8 ? 0 : 1;
     l.recv_x = take(b * 2 * R * T * H);
     l.recv_dout = take(b * 2 * R * T * H);
