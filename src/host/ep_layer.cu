@@ -236,6 +236,12 @@ struct ExpertParallelLayer::Impl {
     rows.d_fp32 = d_fp32;
     return rows;
   }
+  // FP8 GEMM output rows stored straight into their combine slots on the source ranks.
+  kernels::Fp8GemmRows combine_slot_rows() const {
+    kernels::Fp8GemmRows rows;
+    rows.d_rows = buffer<void*>(params.layout.row_dest);
+    return rows;
+  }
 
   // GEMM1 with SwiGLU -> GEMM2, y rows delivered to the sources' combine slots.
   Status expert_mlp_forward(const ep::Params& p, const __nv_bfloat16* w13, const __nv_bfloat16* w2) const;
@@ -310,10 +316,8 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
   // Only the rows the experts hold (expert_offsets[EL], counted on the device).
   MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_quantize_rows_1x128(h, C, I, expert_offsets() + EL, a_q, a_s,
                                                               kernels::fp8_scale_pitch(C), stream));
-  kernels::Fp8GemmRows home;
-  home.d_rows = buffer<void*>(p.layout.row_dest);
   return kernels::fp8_grouped_gemm_nt(a_q, a_s, w.w2, w.w2_scales, nullptr, expert_offsets(), EL, C, static_cast<int>(H),
-                                      static_cast<int>(I), stream, tuning, home);
+                                      static_cast<int>(I), stream, tuning, combine_slot_rows());
 }
 
 // da = d_out W2 (W2 read N-major, d_out rows gathered from the receive buffer); its epilogue: dh =
@@ -396,11 +400,9 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
   MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_backward_quantize_rows_1x128(
       g, buffer<float>(l.h_f32), buffer<float>(l.row_weight), C, I, expert_offsets() + EL, dh_q, dh_s,
       kernels::fp8_scale_pitch(C), nullptr, buffer<float*>(l.row_dot_dest), p.shape.dot_parts, stream));
-  kernels::Fp8GemmRows home;
-  home.d_rows = buffer<void*>(l.row_dest);
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(dh_q, dh_s, buffer<uint8_t>(l.w13t_q), buffer<float>(l.w13t_s),
                                                        nullptr, expert_offsets(), EL, C, static_cast<int>(H),
-                                                       static_cast<int>(2 * I), stream, tuning, home));
+                                                       static_cast<int>(2 * I), stream, tuning, combine_slot_rows()));
   return weight_gradients_fp8(p, args);
 }
 
