@@ -103,8 +103,8 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
   const int warp = lt >> 5, lane = lt & 31;
   float partial[kN];  // overwritten by each block's first wgmma; zeroed so that it is never read undefined
   zero_fp8_accumulators(acc, partial);
-  const int k_tiles = max(tile.k_tiles, 0);
-  if (k_tiles == 0) return;
+  const int k_tiles = tile.k_tiles;
+  if (k_tiles <= 0) return;
   float b_scale = __ldg(b_scales);
   pipe.consumer_wait(st);
   for (int kt = 0; kt < k_tiles; ++kt) {
