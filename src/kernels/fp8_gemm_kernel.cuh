@@ -12,8 +12,7 @@
 //   warpgroups 1 and 2, the consumers (setmaxnreg up): 64 rows each; per stage wgmma x 4 into a temporary
 //     accumulator and the fp32 promotion with the scales (mma_tile_fp8_blockwise, which waits for the next
 //     stage and reads the weight block's scale from global memory one K block ahead while the tensor cores
-//     run; the two hand the tensor cores to each other per K block, block_handoff.cuh), then the bf16
-//     epilogue of the engine (epilogue_plain through BoxStore: TMA stores for whole 64-row
+//     run), then the bf16 epilogue of the engine (epilogue_plain through BoxStore: TMA stores for whole 64-row
 //     slices, else the threads).
 // Work items (expert, m-tile, n-tile) are numbered on the device (GroupedTiles) from the expert row offsets;
 // the dense GEMM is one group of M rows. Every role walks the same grid-stride schedule.
@@ -146,7 +145,6 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
   device::BoxStore<Cfg::kSlots, true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
   device::PipeState<Shape::kStages> st;
   float acc[kBN / 2];
-  device::BlockHandoff handoff(cwg);
   for (int j = 0;; ++j) {
     const int t = sched.item(j);
     // Read from shared memory per item, not held across the epilogue (where every register counts).
@@ -154,7 +152,7 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     const device::TileCoord tile = tiles.decode(t, rank);
     device::mma_tile_fp8_blockwise<Shape, Cfg::kGatherA>(acc, pipe, st, smem.stages[0], smem.scales,
                                                          p.b_scales.of(tile), tile, cwg, lt,
-                                                         static_cast<uint32_t>(rank), handoff);
+                                                         static_cast<uint32_t>(rank));
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
     if (p.d32 != nullptr) {
@@ -169,7 +167,6 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     device::epilogue_plain<kBN>(acc, p.epi, s, tm_d, store);
   }
   store.finish();
-  handoff.finish();
 }
 
 template <class Cfg>

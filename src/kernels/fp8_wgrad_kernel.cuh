@@ -113,18 +113,16 @@ __device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, Fp8W
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   device::PipeState<Shape::kStages> st;
   float acc[kBN / 2];
-  device::BlockHandoff handoff(cwg);
   for (int j = 0;; ++j) {
     const int t = sched.item(j);
     if (t >= tiles.total_now()) break;
     const device::TileCoord tile = tiles.decode(t, 0);
     device::mma_tile_fp8_channel_scaled<Shape>(acc, pipe, st, smem.stages[0], smem.scales, max(tile.k_tiles, 0), cwg,
-                                               lt, handoff);
+                                               lt);
     float* d = p.D + static_cast<int64_t>(tile.e) * p.M * p.N;
     device::epilogue_fp32<kBN>(acc, d, p.M, p.N, tile.m_idx * Shape::kBM + 64 * cwg, tile.n_idx * kBN,
                                p.accumulate != 0, smem.staging[cwg], 2 + cwg, lt);
   }
-  handoff.finish();
 }
 
 __global__ void __launch_bounds__(kFp8WgradThreads, 1)

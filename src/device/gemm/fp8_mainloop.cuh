@@ -7,17 +7,15 @@
 // e4m3 bytes viewed as bf16 pairs) and descriptors serve; the next k32 slice of e4m3 is 32 bytes on, like
 // the next k16 slice of bf16.
 //
-// Per K block, in this warpgroup's turn (block_handoff.cuh): wgmma.m64nBNk32 x 4 into `partial` (the first
-// overwrites it), committed as two groups; while the tensor cores run, read the stage's A scales, wait for
-// the next block's stage and load its weight block's scale from global memory (block_scales.cuh); when the
-// first group has completed, hand the tensor cores to the other warpgroup; when the second has, release the
-// stage and promote (fp8_promotion.cuh): acc += partial * sa * sb in fp32 registers, while the other
-// warpgroup's wgmma run. Two accumulators of BN / 2 registers each per thread.
+// Per K block: wgmma.m64nBNk32 x 4 into `partial` (the first overwrites it), commit; while the tensor cores
+// run, read the stage's A scales, wait for the next block's stage and load its weight block's scale from
+// global memory (block_scales.cuh), so that nothing but the promotion stands between one block's wgmma and
+// the next one's; wait for the group, release the stage, then promote (fp8_promotion.cuh):
+// acc += partial * sa * sb in fp32 registers. Two accumulators of BN / 2 registers each per thread.
 #pragma once
 
 #include <cstdint>
 
-#include "device/gemm/block_handoff.cuh"
 #include "device/gemm/block_scales.cuh"
 #include "device/gemm/fp8_promotion.cuh"
 #include "device/gemm/shape.cuh"
@@ -39,8 +37,7 @@ __device__ __forceinline__ void zero_fp8_accumulators(float (&acc)[kN], float (&
 }
 
 // One K block of a warpgroup's FP8 tile: wgmma.m64nBNk32 x 4 on stage kIndex into `partial` (the first
-// overwrites it), committed as two groups (the first kHandoffSlices slices, then the rest: the caller hands
-// over when the first has completed, block_handoff.cuh), which the caller waits for.
+// overwrites it), committed as one group; the caller waits for it.
 template <class Shape, int kIndex>
 __device__ __forceinline__ void issue_fp8_block_at(float (&partial)[Shape::kBN / 2], uint8_t* stages, int cwg) {
   static_assert(Shape::kForm == GemmForm::kNT, "FP8 operands are both K-major");
@@ -56,7 +53,6 @@ __device__ __forceinline__ void issue_fp8_block_at(float (&partial)[Shape::kBN /
   for (int kk = 0; kk < 4; ++kk) {
     Mma::mma(partial, advance_smem_desc(da0, kk * Shape::kAStep), advance_smem_desc(db0, kk * Shape::kBStep),
              kk > 0 ? 1 : 0);
-    if (kk + 1 == kHandoffSlices) wgmma_commit();
   }
   wgmma_commit();
 }
@@ -101,8 +97,7 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
                                                        const StagePipeline<Shape::kStages>& pipe,
                                                        PipeState<Shape::kStages>& st, uint8_t* stages,
                                                        const StageScales* scales, const float* b_scales,
-                                                       const TileCoord& tile, int cwg, int lt, uint32_t cta_rank,
-                                                       BlockHandoff& handoff) {
+                                                       const TileCoord& tile, int cwg, int lt, uint32_t cta_rank) {
   static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
@@ -114,7 +109,6 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
   pipe.consumer_wait(st);
   for (int kt = 0; kt < k_tiles; ++kt) {
     if constexpr (kGathered) fence_proxy_async_smem();
-    handoff.before_issue();
     issue_fp8_block<Shape>(partial, stages, st, cwg);
     const float* a_scales = tile_scales(scales[st.index], tile.row0);
     const float scale[2] = {promotion_scale(a_scales, b_scale, cwg, warp, lane, 0),
@@ -127,8 +121,6 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
       pipe.consumer_wait(next);
       b_scale = __ldg(b_scales + kt + 1);
     }
-    wgmma_wait<1>();
-    handoff.first_group_done();
     wgmma_wait<0>();
     fence_accumulators(partial);
     if constexpr (kGathered) {
@@ -158,7 +150,7 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
                                                             const StagePipeline<Shape::kStages>& pipe,
                                                             PipeState<Shape::kStages>& st, uint8_t* stages,
                                                             const StageChannelScales* scales, int k_tiles, int cwg,
-                                                            int lt, BlockHandoff& handoff) {
+                                                            int lt) {
   static_assert(Shape::kBN == 128 && Shape::kBM == 128 && Shape::kCluster == 1, "128 x 128 tiles, single CTAs");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
@@ -167,7 +159,6 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
   if (k_tiles <= 0) return;
   pipe.consumer_wait(st);
   for (int kt = 0; kt < k_tiles; ++kt) {
-    handoff.before_issue();
     issue_fp8_block<Shape>(partial, stages, st, cwg);
     const StageChannelScales& slot = scales[st.index];
     const float row_scale[2] = {slot.a[64 * cwg + Fragment::row(warp, lane, 0)],
@@ -176,8 +167,6 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
     PipeState<Shape::kStages> next = st;
     next.advance();
     if (kt + 1 < k_tiles) pipe.consumer_wait(next);
-    wgmma_wait<1>();
-    handoff.first_group_done();
     wgmma_wait<0>();
     fence_accumulators(partial);
     promote_block_channels(acc, partial, row_scale, slot.b, lane);

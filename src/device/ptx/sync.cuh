@@ -12,12 +12,6 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Arrival on named barrier `id` without waiting: the barrier completes when `threads` threads have arrived
-// or synced on it (the signalling side of a hand-over between warps).
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // Shared-memory writes of this thread made so far (ordinary stores, stmatrix, landed cp.async copies it
 // waited for) become visible to the async proxy (TMA, wgmma) after this fence.
 __device__ __forceinline__ void fence_proxy_async_smem() { cuda::ptx::fence_proxy_async(cuda::ptx::space_shared); }
