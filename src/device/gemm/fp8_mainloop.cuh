@@ -11,7 +11,9 @@
 // run, read the stage's A scales, wait for the next block's stage and load its weight block's scale from
 // global memory (block_scales.cuh), so that nothing but the promotion stands between one block's wgmma and
 // the next one's; wait for the group, release the stage, then promote (fp8_promotion.cuh):
-// acc += partial * sa * sb in fp32 registers. Two accumulators of BN / 2 registers each per thread.
+// acc += partial * sa * sb in fp32 registers. Two accumulators of BN / 2 registers each per thread. The loop
+// walks the ring with each stage's index a constant (for_each_ring_stage, pipeline.cuh): the descriptors are
+// then constant offsets from the ring's base, which ptxas keeps in uniform registers.
 #pragma once
 
 #include <cstdint>
@@ -57,22 +59,6 @@ __device__ __forceinline__ void issue_fp8_block_at(float (&partial)[Shape::kBN /
   wgmma_commit();
 }
 
-// The same on stage `st`, the stage's index made a constant of one of kStages branches: descriptors of a
-// constant offset from the ring's base are warp-uniform to ptxas, which then builds them in uniform registers
-// between the wgmma, where a stage index held in ordinary registers costs an ordinary-to-uniform move of
-// every descriptor word per k slice (docs/GEMM.md).
-template <class Shape, int kIndex = 0>
-__device__ __forceinline__ void issue_fp8_block(float (&partial)[Shape::kBN / 2], uint8_t* stages,
-                                                const PipeState<Shape::kStages>& st, int cwg) {
-  if constexpr (kIndex + 1 < Shape::kStages) {
-    if (st.index != kIndex) {
-      issue_fp8_block<Shape, kIndex + 1>(partial, stages, st, cwg);
-      return;
-    }
-  }
-  issue_fp8_block_at<Shape, kIndex>(partial, stages, cwg);
-}
-
 // acc = sum over the tile's K blocks of scale * (the block's wgmma sum). cwg: consumer warpgroup (rows
 // 64 cwg .. 64 cwg + 63 of the tile); lt: thread in the warpgroup; scales: the ring's A-scale slots;
 // b_scales: the tile's weight-block scales, one per K block (WeightScales::of); cta_rank: the CTA in its
@@ -105,36 +91,38 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
   zero_fp8_accumulators(acc, partial);
   const int k_tiles = tile.k_tiles;
   if (k_tiles <= 0) return;
+  const float* next_b_scale = b_scales + 1;
   float b_scale = __ldg(b_scales);
   pipe.consumer_wait(st);
-  for (int kt = 0; kt < k_tiles; ++kt) {
+  for_each_ring_stage(st, k_tiles, [&](auto stage, uint32_t phase, bool last) {
+    constexpr int s = decltype(stage)::value;
+    const PipeState<Shape::kStages> here{s, phase};
     if constexpr (kGathered) fence_proxy_async_smem();
-    issue_fp8_block<Shape>(partial, stages, st, cwg);
-    const float* a_scales = tile_scales(scales[st.index], tile.row0);
+    issue_fp8_block_at<Shape, s>(partial, stages, cwg);
+    const float* a_scales = tile_scales(scales[s], tile.row0);
     const float scale[2] = {promotion_scale(a_scales, b_scale, cwg, warp, lane, 0),
                             promotion_scale(a_scales, b_scale, cwg, warp, lane, 1)};
     // While the tensor cores run: the next block's stage and weight scale, so that after the promotion the
     // next wgmma can be issued at once.
-    PipeState<Shape::kStages> next = st;
-    next.advance();
-    if (kt + 1 < k_tiles) {
+    if (!last) {
+      PipeState<Shape::kStages> next = here;
+      next.advance();
       pipe.consumer_wait(next);
-      b_scale = __ldg(b_scales + kt + 1);
+      b_scale = __ldg(next_b_scale++);
     }
     wgmma_wait<0>();
     fence_accumulators(partial);
     if constexpr (kGathered) {
-      pipe.consumer_release_own(st);
+      pipe.consumer_release_own(here);
     } else {
-      pipe.consumer_release_warp(st, lane);
+      pipe.consumer_release_warp(here, lane);
     }
     if constexpr (Shape::kCluster > 1) {
       static_assert(!kGathered, "gathered operands are not multicast");
-      if (lt == 0) mbarrier_arrive_cluster_peer(&pipe.empty[st.index], cta_rank ^ 1);
+      if (lt == 0) mbarrier_arrive_cluster_peer(&pipe.empty[s], cta_rank ^ 1);
     }
     promote_block(acc, partial, scale);
-    st = next;
-  }
+  });
 }
 
 // The same loop with both operands scaled per row and K block (the weight gradients; block_scales.cuh's
@@ -158,21 +146,24 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
   zero_fp8_accumulators(acc, partial);
   if (k_tiles <= 0) return;
   pipe.consumer_wait(st);
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    issue_fp8_block<Shape>(partial, stages, st, cwg);
-    const StageChannelScales& slot = scales[st.index];
+  for_each_ring_stage(st, k_tiles, [&](auto stage, uint32_t phase, bool last) {
+    constexpr int s = decltype(stage)::value;
+    const PipeState<Shape::kStages> here{s, phase};
+    issue_fp8_block_at<Shape, s>(partial, stages, cwg);
+    const StageChannelScales& slot = scales[s];
     const float row_scale[2] = {slot.a[64 * cwg + Fragment::row(warp, lane, 0)],
                                 slot.a[64 * cwg + Fragment::row(warp, lane, 1)]};
     // The next block's stage while the tensor cores run (as mma_tile_fp8_blockwise).
-    PipeState<Shape::kStages> next = st;
-    next.advance();
-    if (kt + 1 < k_tiles) pipe.consumer_wait(next);
+    if (!last) {
+      PipeState<Shape::kStages> next = here;
+      next.advance();
+      pipe.consumer_wait(next);
+    }
     wgmma_wait<0>();
     fence_accumulators(partial);
     promote_block_channels(acc, partial, row_scale, slot.b, lane);
-    pipe.consumer_release_warp(st, lane);
-    st = next;
-  }
+    pipe.consumer_release_warp(here, lane);
+  });
 }
 
 }  // namespace megamoe::device
