@@ -4,13 +4,13 @@
 //
 // Shapes: dense 8192^3, and the MoE shapes of bench_gemm: 16 experts x 8192 rows (balanced),
 // (N, K) in {(1536,2048), (2048,768), (3072,4096), (4096,1536)}.
-// Baseline: cuBLASLt e4m3 x e4m3 -> bf16 (CUBLAS_COMPUTE_32F, fast accumulation off), which supports only
-// per-tensor scales, not DeepSeek's blockwise ones: a speed baseline for the same operand bytes, not the
-// same arithmetic (dense: cublasLtMatmul; MoE: strided-batched, possible because the split is uniform).
-// All scales are 1 here, so both compute the same products and the outputs are compared
-// (rel err ||D - D_cublasLt|| / ||D_cublasLt||: only the accumulation order and precision differ).
-// Ours runs in single CTAs and in 2-CTA clusters (the weight panel multicast to a pair of tiles), and the
-// two outputs must agree bit for bit.
+// Baseline: cuBLASLt e4m3 x e4m3 -> bf16 (CUBLAS_COMPUTE_32F, fast accumulation off) with per-tensor scales:
+// a speed baseline for the same operand bytes, not the same arithmetic (dense: cublasLtMatmul; MoE:
+// strided-batched, possible because the split is uniform). Dense 8192^3 also against cuBLASLt's blockwise
+// kernel on our scales (DeepSeek's recipe, ours; the kernel torch._scaled_mm runs for it). All scales are 1
+// here, so all compute the same products and the outputs are compared (rel err ||D - D_cublasLt|| /
+// ||D_cublasLt||: only the accumulation order and precision differ). Ours runs in single CTAs and in 2-CTA
+// clusters (the weight panel multicast to a pair of tiles), and the two outputs must agree bit for bit.
 // Timing: CUDA events around each launch, 5 warm-ups, then 30 rounds in which every contender runs once in
 // turn (interleaved, so clock drift hits all alike); the median of each. TFLOP/s = 2 M N K / time.
 // Then the same with each contender's 5 warm-ups and 30 launches in a row, one contender after another (the
@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "bench_check.hpp"
@@ -143,7 +144,10 @@ struct LtGemm {
   size_t workspace_bytes = size_t{64} << 20;
   bool ok = false;
 
-  LtGemm(int64_t M, int N, int K, int batch, const float* one) {
+  // sa / sb non-null: DeepSeek's blockwise recipe in cuBLASLt (the kernel torch._scaled_mm runs for it), with
+  // our scale layouts: cuBLASLt's A is our B (the weights, 128 x 128 blocks: sb [N / 128, K / 128]), its B our
+  // A (1 x 128 blocks, K-block-major: sa [K / 128, M]). Otherwise per-tensor scales `one`.
+  LtGemm(int64_t M, int N, int K, int batch, const float* one, const float* sa = nullptr, const float* sb = nullptr) {
     LT_CHECK(cublasLtCreate(&lt));
     LT_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -151,8 +155,16 @@ struct LtGemm {
     LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
     const int8_t fast_accum = 0;
     LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof(fast_accum)));
-    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &one, sizeof(one)));
-    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &one, sizeof(one)));
+    const float* a_scale = sb != nullptr ? sb : one;
+    const float* b_scale = sa != nullptr ? sa : one;
+    if (sa != nullptr && sb != nullptr) {
+      const cublasLtMatmulMatrixScale_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+      const cublasLtMatmulMatrixScale_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+      LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof(a_mode)));
+      LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof(b_mode)));
+    }
+    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof(a_scale)));
+    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof(b_scale)));
     LT_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_8F_E4M3, K, N, K));
     LT_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_8F_E4M3, K, M, K));
     LT_CHECK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, N, M, N));
@@ -240,9 +252,28 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
   LtGemm lt(rows_per_group, N, K, groups == 0 ? 1 : E, one);
   std::vector<std::function<void()>> contenders = {[&] { ours(1, D); }, [&] { ours(2, D_pair); }};
   if (lt.ok) contenders.push_back([&] { lt.run(A, B, D_ref); });
+  // Dense: also cuBLASLt's blockwise kernel on our scales (sa's pitch is M here: M is a multiple of 4).
+  std::unique_ptr<LtGemm> lt_block;
+  bf16* D_block = nullptr;
+  if (groups == 0 && megamoe::kernels::fp8_scale_pitch(M) == M && K / 128 % 4 == 0) {
+    lt_block = std::make_unique<LtGemm>(rows_per_group, N, K, 1, one, sa, sb);
+    BENCH_CHECK_CUDA(cudaMalloc(&D_block, size_t(M) * N * sizeof(bf16)));
+    BENCH_CHECK_CUDA(cudaMemset(D_block, 0xFF, size_t(M) * N * sizeof(bf16)));
+    if (lt_block->ok) contenders.push_back([&] { lt_block->run(A, B, D_block); });
+  }
   const std::vector<double> t = interleaved_median_ms(contenders);
   BENCH_CHECK_CUDA(cudaDeviceSynchronize());
   const double t_ours = t[0], t_pair = t[1], t_lt = lt.ok ? t[2] : 0.0;
+  if (lt_block && lt_block->ok) {
+    const double t_block = t.back();
+    std::printf("%-30s cuBLASLt blockwise 1x128 / 128x128 (the recipe of ours; torch._scaled_mm's kernel) %8.3f ms "
+                "%7.1f TFLOP/s | ours / it x %.3f | rel err to per-tensor %.2e\n",
+                name, t_block, flop / t_block * 1e-9, t_block / t_ours,
+                lt.ok ? rel_err(D_block, D_ref, size_t(M) * N) : -1.0);
+  } else if (lt_block) {
+    std::printf("%-30s cuBLASLt blockwise: no algorithm here\n", name);
+  }
+  if (D_block != nullptr) BENCH_CHECK_CUDA(cudaFree(D_block));
   const double err = lt.ok ? rel_err(D, D_ref, size_t(M) * N) : -1.0;
   std::vector<uint16_t> h1(size_t(M) * N), h2(size_t(M) * N);
   BENCH_CHECK_CUDA(cudaMemcpy(h1.data(), D, h1.size() * 2, cudaMemcpyDeviceToHost));
