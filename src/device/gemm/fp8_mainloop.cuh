@@ -8,9 +8,9 @@
 // the next k16 slice of bf16.
 //
 // Per K block: wgmma.m64nBNk32 x 4 into `partial` (the first overwrites it), commit; while the tensor cores
-// run, read the stage's A scales and wait for the next block's stage (its weight block's scale is loaded
-// from global memory a block ahead, block_scales.cuh), so that nothing but the promotion stands between one
-// block's wgmma and the next one's; wait for the group, release the stage, then promote (fp8_promotion.cuh):
+// run, read the stage's A scales, wait for the next block's stage and load its weight block's scale from
+// global memory (block_scales.cuh), so that nothing but the promotion stands between one block's wgmma and
+// the next one's; wait for the group, release the stage, then promote (fp8_promotion.cuh):
 // acc += partial * sa * sb in fp32 registers. Two accumulators of BN / 2 registers each per thread. The loop
 // walks the ring with each stage's index a constant (for_each_ring_stage, pipeline.cuh): the descriptors are
 // then constant offsets from the ring's base, which ptxas keeps in uniform registers.
@@ -98,20 +98,17 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
     constexpr int s = decltype(stage)::value;
     const PipeState<Shape::kStages> here{s, phase};
     if constexpr (kGathered) fence_proxy_async_smem();
-    // The next block's weight scale, loaded a whole block ahead: issued right after the proxy fence, which
-    // waits for the thread's loads still in flight (MEMBAR), so that it has landed by the next block's fence.
-    float b_next = b_scale;
-    if (!last) b_next = __ldg(next_b_scale++);
     issue_fp8_block_at<Shape, s>(partial, stages, cwg);
     const float* a_scales = tile_scales(scales[s], tile.row0);
     const float scale[2] = {promotion_scale(a_scales, b_scale, cwg, warp, lane, 0),
                             promotion_scale(a_scales, b_scale, cwg, warp, lane, 1)};
-    // While the tensor cores run: the next block's stage, so that after the promotion the next wgmma can be
-    // issued at once.
+    // While the tensor cores run: the next block's stage and weight scale, so that after the promotion the
+    // next wgmma can be issued at once.
     if (!last) {
       PipeState<Shape::kStages> next = here;
       next.advance();
       pipe.consumer_wait(next);
+      b_scale = __ldg(next_b_scale++);
     }
     wgmma_wait<0>();
     fence_accumulators(partial);
@@ -125,7 +122,6 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
       if (lt == 0) mbarrier_arrive_cluster_peer(&pipe.empty[s], cta_rank ^ 1);
     }
     promote_block(acc, partial, scale);
-    b_scale = b_next;
   });
 }
 
