@@ -10,7 +10,10 @@
 // kernel on our scales (DeepSeek's recipe, ours; the kernel torch._scaled_mm runs for it). All scales are 1
 // here, so all compute the same products and the outputs are compared (rel err ||D - D_cublasLt|| /
 // ||D_cublasLt||: only the accumulation order and precision differ). Ours runs in single CTAs and in 2-CTA
-// clusters (the weight panel multicast to a pair of tiles), and the two outputs must agree bit for bit.
+// clusters (the weight panel multicast to a pair of tiles), and the two outputs must agree bit for bit. On
+// the grouped shapes also with A's rows gathered by index (the layer's GEMM1 form), interleaved with the
+// plain call and bitwise equal to it (one more line per shape; --gathered-only: that call alone, at
+// N=3072 K=4096).
 // Timing: CUDA events around each launch, 5 warm-ups, then 30 rounds in which every contender runs once in
 // turn (interleaved, so clock drift hits all alike); the median of each. TFLOP/s = 2 M N K / time.
 // Then the same with each contender's 5 warm-ups and 30 launches in a row, one contender after another (the
@@ -57,6 +60,16 @@ __global__ void fill_e4m3(uint8_t* p, size_t n, uint64_t seed) {
     x ^= x >> 29;
     const float u = float(x >> 40) * (1.0f / 16777216.0f);  // [0, 1)
     p[i] = __nv_cvt_float_to_fp8((2.0f * u - 1.0f) * 4.0f, __NV_SATFINITE, __NV_E4M3);
+  }
+}
+
+// dst row perm[r] = src row r (rows of `cols` bytes): A's rows scattered so that gathering them back through
+// perm gives A again.
+__global__ void scatter_rows(const uint8_t* src, uint8_t* dst, const int32_t* perm, int64_t rows, int cols) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const uint4* from = reinterpret_cast<const uint4*>(src + r * cols);
+    uint4* to = reinterpret_cast<uint4*>(dst + int64_t{perm[r]} * cols);
+    for (int c = threadIdx.x; c < cols / 16; c += blockDim.x) to[c] = from[c];
   }
 }
 
@@ -210,8 +223,87 @@ void fill(float* p, size_t n, float v) {
   BENCH_CHECK_CUDA(cudaGetLastError());
 }
 
+// The grouped GEMM with A's rows gathered by index (the layer's GEMM1 and d_a forms: the producer threads'
+// cp.async instead of TMA boxes, and a proxy fence per K block in the consumers): A's rows scattered by a
+// random permutation and gathered back through it, so the output must be bitwise that of the plain call.
+// Timed in interleaved rounds with the plain call; one line, "<name> gathered A rows ...".
+// alone: only the gathered call is timed (the plain one runs once afterwards, for the check), so that its
+// launches come first (scripts/profile-fp8-gemm.sh --gathered).
+void bench_gathered(const char* name, const uint8_t* A, const uint8_t* B, const float* sb, const int32_t* offsets,
+                    int E, int64_t M, int N, int K, bool alone) {
+  std::vector<int32_t> perm(static_cast<size_t>(M));
+  for (int64_t r = 0; r < M; ++r) perm[r] = static_cast<int32_t>(r);
+  uint64_t x = 0x243F6A8885A308D3ull;
+  for (int64_t r = M - 1; r > 0; --r) {  // Fisher-Yates with a fixed splitmix-style sequence
+    x += 0x9E3779B97F4A7C15ull;
+    uint64_t z = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    std::swap(perm[r], perm[static_cast<int64_t>((z ^ (z >> 31)) % static_cast<uint64_t>(r + 1))]);
+  }
+  int32_t* perm_d;
+  uint8_t* A_src;
+  float* sa_rows;  // [M, K / 128] row-major: the gathered form's scale layout (all 1, as the plain call's)
+  bf16 *D_plain, *D_gathered;
+  const size_t d_count = size_t(M) * N;
+  BENCH_CHECK_CUDA(cudaMalloc(&perm_d, perm.size() * sizeof(int32_t)));
+  BENCH_CHECK_CUDA(cudaMalloc(&A_src, size_t(M) * K));
+  BENCH_CHECK_CUDA(cudaMalloc(&sa_rows, size_t(M) * (K / 128) * sizeof(float)));
+  BENCH_CHECK_CUDA(cudaMalloc(&D_plain, d_count * sizeof(bf16)));
+  BENCH_CHECK_CUDA(cudaMalloc(&D_gathered, d_count * sizeof(bf16)));
+  BENCH_CHECK_CUDA(cudaMemcpy(perm_d, perm.data(), perm.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  scatter_rows<<<4096, 128>>>(A, A_src, perm_d, M, K);
+  BENCH_CHECK_CUDA(cudaGetLastError());
+  fill(sa_rows, size_t(M) * (K / 128), 1.0f);
+  float* sa_plain;  // the plain call's K-block-major scales, all 1
+  const size_t sa_count = size_t(megamoe::kernels::fp8_scale_pitch(M)) * (K / 128);
+  BENCH_CHECK_CUDA(cudaMalloc(&sa_plain, sa_count * sizeof(float)));
+  fill(sa_plain, sa_count, 1.0f);
+  BENCH_CHECK_CUDA(cudaMemset(D_gathered, 0xFF, d_count * sizeof(bf16)));
+  megamoe::kernels::Fp8GemmRows rows;
+  rows.a_rows = perm_d;
+  rows.a_source_rows = M;
+  const auto plain = [&] {
+    BENCH_CHECK_OK(
+        megamoe::kernels::fp8_grouped_gemm_nt(A, sa_plain, B, sb, D_plain, offsets, E, M, N, K, nullptr, {1, 0}));
+  };
+  const auto gathered = [&] {
+    BENCH_CHECK_OK(megamoe::kernels::fp8_grouped_gemm_nt(A_src, sa_rows, B, sb, D_gathered, offsets, E, M, N, K,
+                                                         nullptr, {1, 0}, rows));
+  };
+  std::vector<double> t;
+  if (alone) {
+    t = {0.0, interleaved_median_ms({gathered})[0]};
+    plain();
+  } else {
+    t = interleaved_median_ms({plain, gathered});
+  }
+  BENCH_CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<uint16_t> h1(d_count), h2(d_count);
+  BENCH_CHECK_CUDA(cudaMemcpy(h1.data(), D_plain, d_count * 2, cudaMemcpyDeviceToHost));
+  BENCH_CHECK_CUDA(cudaMemcpy(h2.data(), D_gathered, d_count * 2, cudaMemcpyDeviceToHost));
+  size_t differ = 0;
+  for (size_t i = 0; i < d_count; ++i) differ += h1[i] != h2[i];
+  const double flop = 2.0 * double(M) * N * K;
+  if (alone) {
+    std::printf("%s gathered A rows %8.3f ms %7.1f TFLOP/s | %zu outputs differ from the TMA call's\n", name, t[1],
+                flop / t[1] * 1e-9, differ);
+  } else {
+    std::printf("%s gathered A rows %8.3f ms %7.1f TFLOP/s | TMA rows in the same rounds %8.3f ms %7.1f TFLOP/s "
+                "(gathered x %.3f) | %zu outputs differ from the TMA call's\n",
+                name, t[1], flop / t[1] * 1e-9, t[0], flop / t[0] * 1e-9, t[0] / t[1], differ);
+  }
+  BENCH_CHECK_CUDA(cudaFree(sa_plain));
+  BENCH_CHECK_CUDA(cudaFree(D_gathered));
+  BENCH_CHECK_CUDA(cudaFree(D_plain));
+  BENCH_CHECK_CUDA(cudaFree(sa_rows));
+  BENCH_CHECK_CUDA(cudaFree(A_src));
+  BENCH_CHECK_CUDA(cudaFree(perm_d));
+}
+
 // One row of the table: `groups` experts of `rows_per_group` rows each (groups == 0: dense).
-void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, const float* one) {
+// gathered_only: only the gathered-rows call of a grouped shape (bench_gathered alone).
+void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, const float* one,
+           bool gathered_only = false) {
   const int E = std::max(groups, 1);
   const int64_t M = rows_per_group * E;
   const size_t a_bytes = size_t(M) * K, b_bytes = size_t(E) * N * K;
@@ -236,6 +328,21 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
   fill(sa, sa_count, 1.0f);
   fill(sb, sb_count, 1.0f);
   BENCH_CHECK_CUDA(cudaMemset(D, 0xFF, size_t(M) * N * sizeof(bf16)));
+
+  const auto release = [&] {
+    BENCH_CHECK_CUDA(cudaFree(A));
+    BENCH_CHECK_CUDA(cudaFree(B));
+    BENCH_CHECK_CUDA(cudaFree(sa));
+    BENCH_CHECK_CUDA(cudaFree(sb));
+    BENCH_CHECK_CUDA(cudaFree(D));
+    BENCH_CHECK_CUDA(cudaFree(D_ref));
+    BENCH_CHECK_CUDA(cudaFree(offsets));
+  };
+  if (gathered_only) {
+    if (groups > 0) bench_gathered(name, A, B, sb, offsets, E, M, N, K, true);
+    release();
+    return;
+  }
 
   bf16* D_pair;
   BENCH_CHECK_CUDA(cudaMalloc(&D_pair, size_t(M) * N * sizeof(bf16)));
@@ -274,6 +381,7 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
     std::printf("%-30s cuBLASLt blockwise: no algorithm here\n", name);
   }
   if (D_block != nullptr) BENCH_CHECK_CUDA(cudaFree(D_block));
+  if (groups > 0) bench_gathered(name, A, B, sb, offsets, E, M, N, K, false);
   const double err = lt.ok ? rel_err(D, D_ref, size_t(M) * N) : -1.0;
   std::vector<uint16_t> h1(size_t(M) * N), h2(size_t(M) * N);
   BENCH_CHECK_CUDA(cudaMemcpy(h1.data(), D, h1.size() * 2, cudaMemcpyDeviceToHost));
@@ -285,13 +393,7 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
               name, t_ours, flop / t_ours * 1e-9, t_pair, flop / t_pair * 1e-9, t_ours / t_pair, differ, t_lt,
               lt.ok ? flop / t_lt * 1e-9 : 0.0, lt.ok ? t_lt / t_ours : 0.0, lt.ok ? t_lt / t_pair : 0.0, err);
   BENCH_CHECK_CUDA(cudaFree(D_pair));
-  BENCH_CHECK_CUDA(cudaFree(A));
-  BENCH_CHECK_CUDA(cudaFree(B));
-  BENCH_CHECK_CUDA(cudaFree(sa));
-  BENCH_CHECK_CUDA(cudaFree(sb));
-  BENCH_CHECK_CUDA(cudaFree(D));
-  BENCH_CHECK_CUDA(cudaFree(D_ref));
-  BENCH_CHECK_CUDA(cudaFree(offsets));
+  release();
 }
 
 }  // namespace
@@ -299,10 +401,12 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
 int main(int argc, char** argv) {
   // Both orders by default (runs 38-40 saw 740-920 TFLOP/s dense interleaved where run 23 measured 1030 one
   // contender after another, with the same main loop): --interleaved or --sequential for one of them.
-  bool interleaved = true, sequential = true, dense_only = false;
+  bool interleaved = true, sequential = true, dense_only = false, gathered_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--dense-only")) {  // the 8192^3 GEMM alone (scripts/profile-fp8-gemm.sh)
       dense_only = true;
+    } else if (!std::strcmp(argv[i], "--gathered-only")) {  // the gathered-rows GEMM at N=3072 K=4096 alone
+      gathered_only = true;
     } else if (!std::strcmp(argv[i], "--sequential")) {
       interleaved = false;
     } else if (!std::strcmp(argv[i], "--interleaved")) {
@@ -311,13 +415,17 @@ int main(int argc, char** argv) {
       ++i;  // scripts/gpu-check.sh passes these to every benchmark; this one times its own baseline
     } else {
       std::fprintf(stderr,
-                   "usage: bench_fp8_gemm [--interleaved | --sequential] [--dense-only] [--out IGNORED] "
-                   "[--baseline IGNORED]\n");
+                   "usage: bench_fp8_gemm [--interleaved | --sequential] [--dense-only | --gathered-only] "
+                   "[--out IGNORED] [--baseline IGNORED]\n");
       return 2;
     }
   }
   if (!interleaved && !sequential) {
     std::fprintf(stderr, "bench_fp8_gemm: --interleaved and --sequential exclude each other\n");
+    return 2;
+  }
+  if (dense_only && gathered_only) {
+    std::fprintf(stderr, "bench_fp8_gemm: --dense-only and --gathered-only exclude each other\n");
     return 2;
   }
   float* one;
@@ -329,6 +437,10 @@ int main(int argc, char** argv) {
     std::printf("blockwise FP8 GEMM (scales 1), single CTAs and 2-CTA pairs, vs cuBLASLt FP8 (per-tensor scales 1);\n"
                 "x = single-CTA time / pair time, and cuBLASLt time / ours (single / pairs); contenders timed %s\n",
                 g_sequential ? "one after another" : "in interleaved rounds");
+    if (gathered_only) {  // the layer's GEMM1 at H = 4096, I = 1536 (scripts/profile-fp8-gemm.sh --gathered)
+      bench("grouped 16x8192 N=3072 K=4096", 16, 8192, 3072, 4096, one, true);
+      continue;
+    }
     bench("dense 8192^3", 0, 8192, 8192, 8192, one);
     if (dense_only) continue;
     const int shapes[4][2] = {{1536, 2048}, {2048, 768}, {3072, 4096}, {4096, 1536}};

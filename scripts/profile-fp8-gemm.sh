@@ -3,6 +3,8 @@
 # cuBLASLt's FP8 GEMM on the same shape (the bench's third contender, an `nvjet` kernel): duration, the tensor
 # pipe's active share, issue activity and the warps' stall reasons per issued instruction (raw metrics), then
 # the SASS lines of ours where the warps' stall samples fall, so that the gap between the two can be traced.
+# MEGAMOE_PROFILE_GATHERED=1: instead the grouped GEMM with A's rows gathered by index (the layer's GEMM1
+# form, N=3072 K=4096: bench_fp8_gemm --gathered-only), alone.
 #   scripts/profile-fp8-gemm.sh OUTDIR [BUILD_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -16,13 +18,19 @@ command -v ncu >/dev/null 2>&1 || { echo "ncu not found"; exit 1; }
 limit=${MEGAMOE_PROFILE_TIMEOUT:-300}
 
 # One interleaved round launches ours (single CTAs), ours (2-CTA pairs), cuBLASLt: the first round's three.
-timeout "$limit" ncu --kernel-name regex:'fp8_gemm_kernel|nvjet' --launch-count 3 --section WarpStateStats \
-  --section ComputeWorkloadAnalysis --section SpeedOfLight --page raw --csv "$bench" --interleaved --dense-only \
+which=(--dense-only)
+launches=3
+if [ "${MEGAMOE_PROFILE_GATHERED:-0}" = 1 ]; then
+  which=(--gathered-only)  # its first launches are the gathered call's
+  launches=1
+fi
+timeout "$limit" ncu --kernel-name regex:'fp8_gemm_kernel|nvjet' --launch-count "$launches" --section WarpStateStats \
+  --section ComputeWorkloadAnalysis --section SpeedOfLight --page raw --csv "$bench" --interleaved "${which[@]}" \
   >"$out/raw.csv" 2>"$out/raw.log"
 echo "ncu (raw metrics) rc $?"
 # Stall samples per SASS instruction of ours (single CTAs).
 timeout "$limit" ncu --kernel-name regex:fp8_gemm_kernel --launch-count 1 --section SourceCounters --page source \
-  --print-source sass --csv "$bench" --interleaved --dense-only >"$out/source.csv" 2>"$out/source.log"
+  --print-source sass --csv "$bench" --interleaved "${which[@]}" >"$out/source.csv" 2>"$out/source.log"
 echo "ncu (source) rc $?"
 
 python3 - "$out/raw.csv" "$out/source.csv" <<'PY'
