@@ -10,7 +10,9 @@
 // kernel on our scales (DeepSeek's recipe, ours; the kernel torch._scaled_mm runs for it). All scales are 1
 // here, so all compute the same products and the outputs are compared (rel err ||D - D_cublasLt|| /
 // ||D_cublasLt||: only the accumulation order and precision differ). Ours runs in single CTAs and in 2-CTA
-// clusters (the weight panel multicast to a pair of tiles), and the two outputs must agree bit for bit. On
+// clusters (the weight panel multicast to a pair of tiles), and the two outputs must agree bit for bit; and
+// with the promotion overlapped with the next block's wgmma (Fp8GemmTuning::overlap_promotion, one more line
+// per shape, bitwise the same output). On
 // the grouped shapes also with A's rows gathered by index (the layer's GEMM1 form), interleaved with the
 // plain call and bitwise equal to it (one more line per shape; --gathered-only: that call alone, at
 // N=3072 K=4096).
@@ -347,17 +349,22 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
   bf16* D_pair;
   BENCH_CHECK_CUDA(cudaMalloc(&D_pair, size_t(M) * N * sizeof(bf16)));
   BENCH_CHECK_CUDA(cudaMemset(D_pair, 0xFF, size_t(M) * N * sizeof(bf16)));
-  auto ours = [&](int cluster_size, bf16* out) {
+  auto ours = [&](int cluster_size, bf16* out, bool overlap = false) {
+    megamoe::kernels::Fp8GemmTuning tuning{cluster_size, 0};
+    tuning.overlap_promotion = overlap;
     if (groups == 0) {
-      BENCH_CHECK_OK(megamoe::kernels::fp8_gemm_nt(A, sa, B, sb, out, M, N, K, nullptr, {cluster_size, 0}));
+      BENCH_CHECK_OK(megamoe::kernels::fp8_gemm_nt(A, sa, B, sb, out, M, N, K, nullptr, tuning));
     } else {
-      BENCH_CHECK_OK(
-          megamoe::kernels::fp8_grouped_gemm_nt(A, sa, B, sb, out, offsets, E, M, N, K, nullptr, {cluster_size, 0}));
+      BENCH_CHECK_OK(megamoe::kernels::fp8_grouped_gemm_nt(A, sa, B, sb, out, offsets, E, M, N, K, nullptr, tuning));
     }
   };
+  bf16* D_overlap;
+  BENCH_CHECK_CUDA(cudaMalloc(&D_overlap, size_t(M) * N * sizeof(bf16)));
+  BENCH_CHECK_CUDA(cudaMemset(D_overlap, 0xFF, size_t(M) * N * sizeof(bf16)));
   const double flop = 2.0 * double(M) * N * K;
   LtGemm lt(rows_per_group, N, K, groups == 0 ? 1 : E, one);
-  std::vector<std::function<void()>> contenders = {[&] { ours(1, D); }, [&] { ours(2, D_pair); }};
+  std::vector<std::function<void()>> contenders = {[&] { ours(1, D); }, [&] { ours(2, D_pair); },
+                                                   [&] { ours(1, D_overlap, true); }};
   if (lt.ok) contenders.push_back([&] { lt.run(A, B, D_ref); });
   // Dense: also cuBLASLt's blockwise kernel on our scales (sa's pitch is M here: M is a multiple of 4).
   std::unique_ptr<LtGemm> lt_block;
@@ -370,7 +377,7 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
   }
   const std::vector<double> t = interleaved_median_ms(contenders);
   BENCH_CHECK_CUDA(cudaDeviceSynchronize());
-  const double t_ours = t[0], t_pair = t[1], t_lt = lt.ok ? t[2] : 0.0;
+  const double t_ours = t[0], t_pair = t[1], t_overlap = t[2], t_lt = lt.ok ? t[3] : 0.0;
   if (lt_block && lt_block->ok) {
     const double t_block = t.back();
     std::printf("%-30s cuBLASLt blockwise 1x128 / 128x128 (the recipe of ours; torch._scaled_mm's kernel) %8.3f ms "
@@ -388,6 +395,13 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
   BENCH_CHECK_CUDA(cudaMemcpy(h2.data(), D_pair, h2.size() * 2, cudaMemcpyDeviceToHost));
   size_t differ = 0;
   for (size_t i = 0; i < h1.size(); ++i) differ += h1[i] != h2[i];
+  BENCH_CHECK_CUDA(cudaMemcpy(h2.data(), D_overlap, h2.size() * 2, cudaMemcpyDeviceToHost));
+  size_t differ_overlap = 0;
+  for (size_t i = 0; i < h1.size(); ++i) differ_overlap += h1[i] != h2[i];
+  std::printf("%s overlapped promotion %8.3f ms %7.1f TFLOP/s | the plain loop in the same rounds %8.3f ms (overlapped "
+              "x %.3f) | %zu outputs differ\n",
+              name, t_overlap, flop / t_overlap * 1e-9, t_ours, t_ours / t_overlap, differ_overlap);
+  BENCH_CHECK_CUDA(cudaFree(D_overlap));
   std::printf("%-30s %8.3f ms %7.1f TFLOP/s | pairs %8.3f ms %7.1f TFLOP/s (x %.3f; %zu outputs differ) | cuBLASLt "
               "%8.3f ms %7.1f TFLOP/s | x %.3f / %.3f | rel err %.2e\n",
               name, t_ours, flop / t_ours * 1e-9, t_pair, flop / t_pair * 1e-9, t_ours / t_pair, differ, t_lt,

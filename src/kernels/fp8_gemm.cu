@@ -137,19 +137,30 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   return Status::ok();
 }
 
+template <bool kOverlap>
+Status launch_overlap(const Fp8GemmTuning& tuning, const uint8_t* A, const float* sa, const uint8_t* B,
+                      const float* sb, __nv_bfloat16* D, const int32_t* offsets, int num_groups, int64_t max_rows,
+                      int N, int K, const Fp8GemmRows& by_index, cudaStream_t stream) {
+  const int cap = tuning.max_ctas;
+  if (by_index.a_rows != nullptr) {
+    return launch<Fp8GemmConfig<1, true, kOverlap>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index,
+                                                    cap, stream);
+  }
+  if (tuning.cluster_size == 2) {
+    return launch<Fp8GemmConfig<2, false, kOverlap>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K,
+                                                     by_index, cap, stream);
+  }
+  return launch<Fp8GemmConfig<1, false, kOverlap>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index,
+                                                   cap, stream);
+}
+
 Status launch_for(const Fp8GemmTuning& tuning, const uint8_t* A, const float* sa, const uint8_t* B, const float* sb,
                   __nv_bfloat16* D, const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K,
                   const Fp8GemmRows& by_index, cudaStream_t stream) {
-  const int cap = tuning.max_ctas;
-  if (by_index.a_rows != nullptr) {
-    return launch<Fp8GemmConfig<1, true>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, cap,
-                                          stream);
+  if (tuning.overlap_promotion) {
+    return launch_overlap<true>(tuning, A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, stream);
   }
-  if (tuning.cluster_size == 2) {
-    return launch<Fp8GemmConfig<2, false>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, cap,
-                                           stream);
-  }
-  return launch<Cfg1>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, cap, stream);
+  return launch_overlap<false>(tuning, A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, stream);
 }
 
 }  // namespace
@@ -205,6 +216,10 @@ Status fp8_gemm_preload() {
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Cfg1>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<2, false>>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, false, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<2, false, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, true, true>>));
   return Status::ok();
 }
 

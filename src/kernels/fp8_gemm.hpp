@@ -52,6 +52,9 @@ inline constexpr int kFp8GemmMaxExperts = 1024;
 struct Fp8GemmTuning {
   int cluster_size = 1;
   int max_ctas = 0;
+  // Each consumer warpgroup promotes a K block while its next block's wgmma run (two partial accumulators,
+  // mma_tile_fp8_blockwise_overlapped); bitwise the same output. Off by default until measured.
+  bool overlap_promotion = false;
 };
 
 // Dense: A [M, K], sa [K / 128, fp8_scale_pitch(M)], B [N, K], sb [ceil(N / 128), K / 128], D [M, N] bf16

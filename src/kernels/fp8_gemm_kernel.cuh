@@ -51,10 +51,13 @@ struct Fp8GemmParams {
   int tma_store;                    // 1: the D tensor map is valid
 };
 
-template <int kCluster, bool kGatherA_>
+// kOverlap_: the consumers' loop is mma_tile_fp8_blockwise_overlapped (two partial accumulators: 232
+// registers for them, 40 for the producer) instead of mma_tile_fp8_blockwise.
+template <int kCluster, bool kGatherA_, bool kOverlap_ = false>
 struct Fp8GemmConfig {
   static_assert(!kGatherA_ || kCluster == 1, "gathered rows are not multicast");
   static constexpr bool kGatherA = kGatherA_;
+  static constexpr bool kOverlap = kOverlap_;
   static constexpr int kBN = 128;
   // 5 x 32 KB stages + 2 x 2 staging boxes (TMA stores keep a warpgroup's whole 64 x 128 slice in flight)
   // + the tile numbering's tables fit in 227 KB; a sixth stage does not.
@@ -71,9 +74,10 @@ struct Fp8GemmConfig {
   // per consumer warpgroup of the cluster peer (fp8_mainloop.cuh).
   static constexpr int kEmptyArrivals = device::kFp8EmptyArrivals<Shape, kGatherA>;
   static constexpr int kScaleThread = 32;  // producer thread that loads the A scales (another warp than thread 0)
-  // Consumers hold two fp32 accumulators of 64 registers each (acc, partial) plus addressing.
-  static constexpr int kProducerRegs = 56;
-  static constexpr int kConsumerRegs = 224;
+  // Consumers hold two fp32 accumulators of 64 registers each (acc, partial) plus addressing; overlapped,
+  // a second partial.
+  static constexpr int kProducerRegs = kOverlap ? 40 : 56;
+  static constexpr int kConsumerRegs = kOverlap ? 232 : 224;
   static_assert(device::kRegisterSplitFits<kFp8GemmThreads, kProducerRegs, kConsumerRegs>, "register budget");
 
   struct alignas(1024) SharedStorage {
@@ -150,9 +154,15 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     // Read from shared memory per item, not held across the epilogue (where every register counts).
     if (t >= tiles.total_now()) break;
     const device::TileCoord tile = tiles.decode(t, rank);
-    device::mma_tile_fp8_blockwise<Shape, Cfg::kGatherA>(acc, pipe, st, smem.stages[0], smem.scales,
-                                                         p.b_scales.of(tile), tile, cwg, lt,
-                                                         static_cast<uint32_t>(rank));
+    if constexpr (Cfg::kOverlap) {
+      device::mma_tile_fp8_blockwise_overlapped<Shape, Cfg::kGatherA>(acc, pipe, st, smem.stages[0], smem.scales,
+                                                                      p.b_scales.of(tile), tile, cwg, lt,
+                                                                      static_cast<uint32_t>(rank));
+    } else {
+      device::mma_tile_fp8_blockwise<Shape, Cfg::kGatherA>(acc, pipe, st, smem.stages[0], smem.scales,
+                                                           p.b_scales.of(tile), tile, cwg, lt,
+                                                           static_cast<uint32_t>(rank));
+    }
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
     if (p.d32 != nullptr) {
@@ -197,12 +207,15 @@ __global__ void __launch_bounds__(kFp8GemmThreads, 1)
   const int rank = Shape::kCluster == 1 ? 0 : static_cast<int>(device::cluster_cta_rank());
   const int cluster = Shape::kCluster == 1 ? static_cast<int>(blockIdx.x) : static_cast<int>(device::cluster_id_x());
   const device::StaticSchedule sched{cluster, static_cast<int>(gridDim.x) / Shape::kCluster};
-  if (tid < 128) {
+  // The role of the thread's warpgroup. Overlapped, ptxas must see the consumers' code as uniform (wgmma in
+  // flight across a divergent path are serialised, C7520): the index is shuffled from lane 0.
+  const int warpgroup = Cfg::kOverlap ? __shfl_sync(0xffffffffu, tid / 128, 0) : tid / 128;
+  if (warpgroup == 0) {
     device::setmaxnreg_dec<Cfg::kProducerRegs>();
     fp8_run_producer<Cfg>(&tm_a, &tm_b, &tm_sa, p, smem, tiles, sched, rank, tid);
   } else {
     device::setmaxnreg_inc<Cfg::kConsumerRegs>();
-    if (tid < 256) {
+    if (warpgroup == 1) {
       fp8_run_consumer<Cfg, 0>(&tm_d, p, smem, tiles, sched, rank, tid);
     } else {
       fp8_run_consumer<Cfg, 1>(&tm_d, p, smem, tiles, sched, rank, tid);

@@ -235,6 +235,19 @@ void run_dense(int64_t M, int N, int K, int spread) {
   ASSERT_TRUE(paired.is_ok()) << what << ", 2-CTA clusters: " << paired.to_string();
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0) << what << ": 2-CTA clusters differ from single CTAs";
+
+  // The promotion overlapped with the next block's wgmma (two partial sums), single CTAs and pairs: the same
+  // blocks promoted in the same order, so bitwise the same.
+  for (const int cluster : {1, 2}) {
+    dD.poison();
+    Fp8GemmTuning overlapped{cluster, 0};
+    overlapped.overlap_promotion = true;
+    const Status o = fp8_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), M, N, K, nullptr, overlapped);
+    ASSERT_TRUE(o.is_ok()) << what << ", overlapped promotion: " << o.to_string();
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0)
+        << what << ": overlapped promotion (cluster " << cluster << ") differs from the plain loop";
+  }
 }
 
 class Fp8GemmShapes : public ::testing::TestWithParam<std::tuple<int, int, int>> {};
@@ -321,6 +334,22 @@ TEST(Fp8Gemm, GroupedByExpert) {
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0) << "2-CTA clusters differ from single CTAs";
 
+  // The overlapped promotion (odd and even block counts per tile, empty experts): bitwise the same.
+  for (const int cluster : {1, 2}) {
+    dD.poison();
+    Fp8GemmTuning overlapped{cluster, 0};
+    overlapped.overlap_promotion = true;
+    const Status o = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), doff.get(), E, max_rows,
+                                         N, K, nullptr, overlapped);
+    ASSERT_TRUE(o.is_ok()) << o.to_string();
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<bf16> o_out = dD.download();
+    EXPECT_EQ(count_bitwise_differences(got, o_out), 0)
+        << "overlapped promotion (cluster " << cluster << ") differs from the plain loop";
+    EXPECT_EQ(count_not_nan(o_out, rows * N, max_rows * N), 0)
+        << "overlapped promotion wrote rows outside every expert";
+  }
+
   // Rows by index, as the layer runs it: A's rows (and their scales, row-major) gathered from a shuffled,
   // larger source, D's rows stored through a pointer each into a shuffled destination. Every expert row must
   // come out bitwise as above; destination rows no pointer names stay poisoned.
@@ -373,6 +402,18 @@ TEST(Fp8Gemm, GroupedByExpert) {
     if (!named[d]) unnamed_written += count_not_nan(out, d * N, (d + 1) * N);
   }
   EXPECT_EQ(unnamed_written, 0) << "rows no pointer names were written";
+
+  // The same gathered call with the overlapped promotion: bitwise the same rows.
+  dOut.poison();
+  Fp8GemmTuning overlapped;
+  overlapped.overlap_promotion = true;
+  const Status gathered_o = fp8_grouped_gemm_nt(dSq.get(), dSs.get(), dB.get(), dsb.get(), nullptr, doff.get(), E,
+                                                max_rows, N, K, nullptr, overlapped, by_index);
+  ASSERT_TRUE(gathered_o.is_ok()) << gathered_o.to_string();
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<bf16> out_o = dOut.download();
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(out_o.begin() + int64_t{dest[r]} * N, N, seen.begin() + r * N);
+  EXPECT_EQ(count_bitwise_differences(want, seen), 0) << "gathered rows with the overlapped promotion differ";
 
   // D in fp32 (gathered A as above): rounded to bf16 it gives the bf16 call's bits; rows outside every
   // expert stay untouched.

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "device/gemm/block_scales.cuh"
 #include "device/gemm/fp8_promotion.cuh"
@@ -123,6 +124,107 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
     }
     promote_block(acc, partial, scale);
   });
+}
+
+// The same sums with each block's promotion overlapped with the next block's wgmma (Fp8GemmTuning's
+// overlap_promotion): two partial accumulators, block k issued into partial[k % 2] before block k - 1 is
+// promoted (wgmma_wait<1>), so that the warpgroup's own wgmma keep the tensor cores busy while it promotes;
+// in mma_tile_fp8_blockwise both warpgroups promote while the tensor cores idle (docs/GEMM.md). The blocks are
+// promoted in the same order with the same scales, so the result is bitwise that of mma_tile_fp8_blockwise.
+// It holds 64 more registers per thread (the kernel's consumers get 232). The stage index is a run-time value
+// here: ptxas serialises wgmma that stay in flight across the branches of for_each_ring_stage's switch.
+// ptxas also has to see the loop as uniform (the trip count shuffled from lane 0, and the kernel's role
+// branch on a shuffled warpgroup index), and no plain instruction may touch a wgmma's registers while it
+// is in flight: the partial sums are zeroed and pinned before the tile's first wgmma, and every merge of
+// control flow is after a wgmma_wait<0>.
+template <class Shape, bool kGathered = false>
+__device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[Shape::kBN / 2],
+                                                                  const StagePipeline<Shape::kStages>& pipe,
+                                                                  PipeState<Shape::kStages>& st, uint8_t* stages,
+                                                                  const StageScales* scales, const float* b_scales,
+                                                                  const TileCoord& tile, int cwg, int lt,
+                                                                  uint32_t cta_rank) {
+  static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
+  static_assert(Shape::kAStep == 32 && Shape::kBStep == 32, "a stage row is one K block");
+  constexpr int kN = Shape::kBN / 2;
+  const int warp = lt >> 5, lane = lt & 31;
+  float partial[2][kN];
+  zero_fp8_accumulators(acc, partial[0]);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) partial[1][i] = 0.0f;
+  fence_accumulators(partial[0]);
+  fence_accumulators(partial[1]);
+  const int k_tiles = __shfl_sync(0xffffffffu, tile.k_tiles, 0);
+  if (k_tiles <= 0) return;
+  const float* next_b_scale = b_scales;
+  float scale[2][2];
+  // The block of stage st into partial[b], and its two promotion scales.
+  const auto issue = [&](auto buffer) {
+    constexpr int b = decltype(buffer)::value;
+    pipe.consumer_wait(st);
+    if constexpr (kGathered) fence_proxy_async_smem();
+    const uint32_t sa = smem_addr(stages) + st.index * Shape::kStageBytes;
+    const uint64_t da0 = make_smem_desc(sa + cwg * kBoxBytes, Shape::kALbo, 1024);
+    const uint64_t db0 = make_smem_desc(sa + Shape::kABytes, Shape::kBLbo, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      WgmmaE4m3<Shape::kBN>::mma(partial[b], advance_smem_desc(da0, kk * Shape::kAStep),
+                                 advance_smem_desc(db0, kk * Shape::kBStep), kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    const float b_scale = __ldg(next_b_scale++);
+    const float* a_scales = tile_scales(scales[st.index], tile.row0);
+    scale[b][0] = promotion_scale(a_scales, b_scale, cwg, warp, lane, 0);
+    scale[b][1] = promotion_scale(a_scales, b_scale, cwg, warp, lane, 1);
+  };
+  // The block in partial[b] once its group has completed: its stage released, then promoted.
+  const auto finish = [&](auto buffer, const PipeState<Shape::kStages>& done) {
+    constexpr int b = decltype(buffer)::value;
+    fence_accumulators(partial[b]);
+    if constexpr (kGathered) {
+      pipe.consumer_release_own(done);
+    } else {
+      pipe.consumer_release_warp(done, lane);
+    }
+    if constexpr (Shape::kCluster > 1) {
+      static_assert(!kGathered, "gathered operands are not multicast");
+      if (lt == 0) mbarrier_arrive_cluster_peer(&pipe.empty[done.index], cta_rank ^ 1);
+    }
+    promote_block(acc, partial[b], scale[b]);
+  };
+  using Zero = std::integral_constant<int, 0>;
+  using One = std::integral_constant<int, 1>;
+  PipeState<Shape::kStages> previous = st;
+  issue(Zero{});
+  st.advance();
+  int kt = 1;
+  for (; kt + 1 < k_tiles; kt += 2) {  // blocks kt (into partial[1]) and kt + 1 (into partial[0])
+    const PipeState<Shape::kStages> first = st;
+    issue(One{});
+    st.advance();
+    wgmma_wait<1>();
+    finish(Zero{}, previous);
+    previous = first;
+    const PipeState<Shape::kStages> second = st;
+    issue(Zero{});
+    st.advance();
+    wgmma_wait<1>();
+    finish(One{}, previous);
+    previous = second;
+  }
+  if (kt < k_tiles) {  // an even number of blocks: the last one into partial[1]
+    const PipeState<Shape::kStages> last = st;
+    issue(One{});
+    st.advance();
+    wgmma_wait<1>();
+    finish(Zero{}, previous);
+    wgmma_wait<0>();
+    finish(One{}, last);
+  } else {
+    wgmma_wait<0>();
+    finish(Zero{}, previous);
+  }
 }
 
 // The same loop with both operands scaled per row and K block (the weight gradients; block_scales.cuh's
