@@ -46,11 +46,24 @@ Status scale_map(CUtensorMap* map, const float* s, int64_t rows, int64_t columns
   return make_fp32_tensor_map_2d(map, s, dims, static_cast<uint64_t>(rows), box);
 }
 
+template <class Cfg>
+Status launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_sa, const CUtensorMap& tm_sb,
+              const Fp8WgradParams& p, int64_t tiles, int num_sms, int max_ctas, cudaStream_t stream) {
+  ClusterLaunch launch;
+  MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<1>(fp8_wgrad_kernel<Cfg>, kFp8WgradThreads, Cfg::kSmemBytes, stream,
+                                                    num_sms, max_ctas, "fp8 wgrad GEMM", &launch));
+  // No more CTAs than tiles.
+  launch.set_grid(static_cast<int>(tiles < launch.clusters ? tiles : launch.clusters), 1);
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&launch.config, fp8_wgrad_kernel<Cfg>, tm_a, tm_b, tm_sa, tm_sb, p));
+  MEGAMOE_CHECK_LAUNCH(stream, "fp8_wgrad_kernel");
+  return Status::ok();
+}
+
 }  // namespace
 
 Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, const float* sb, int64_t N,
                       const int32_t* offsets, int experts, int64_t capacity, float* D, bool accumulate,
-                      cudaStream_t stream, int max_ctas) {
+                      cudaStream_t stream, int max_ctas, bool overlap_promotion) {
   MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));
   if (max_ctas < 0) return Status::invalid("fp8 wgrad GEMM: max_ctas must be >= 0, got " + std::to_string(max_ctas));
   int num_sms = 0;
@@ -69,20 +82,15 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8
   p.N = static_cast<int>(N);
   p.D = D;
   p.accumulate = accumulate ? 1 : 0;
-  ClusterLaunch launch;
-  MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<1>(fp8_wgrad_kernel, kFp8WgradThreads, Fp8WgradConfig::kSmemBytes,
-                                                    stream, num_sms, max_ctas, "fp8 wgrad GEMM", &launch));
-  // No more CTAs than tiles.
   const int64_t tiles = static_cast<int64_t>(experts) * (M / 128) * (N / 128);
-  launch.set_grid(static_cast<int>(tiles < launch.clusters ? tiles : launch.clusters), 1);
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&launch.config, fp8_wgrad_kernel, tm_a, tm_b, tm_sa, tm_sb, p));
-  MEGAMOE_CHECK_LAUNCH(stream, "fp8_wgrad_kernel");
-  return Status::ok();
+  if (overlap_promotion) return launch<Fp8WgradConfig<true>>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
+  return launch<Fp8WgradConfig<false>>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
 }
 
 Status fp8_wgrad_preload() {
   cudaFuncAttributes attributes{};
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<true>>));
   return Status::ok();
 }
 

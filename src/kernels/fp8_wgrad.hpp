@@ -10,7 +10,8 @@
 // added to (one fp32 rounding). An expert without rows gets zeros (or nothing added).
 // Limits, checked: M and N positive multiples of 128, 1 <= experts <= 1024, capacity in [0, 2^31 - 128 experts);
 // qa, qb, sa, sb and D 16-byte aligned; max_ctas >= 0 caps the persistent grid (0: every SM; virtual ranks
-// sharing a GPU pass their share). offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90
+// sharing a GPU pass their share); overlap_promotion promotes each K block while the next one's wgmma run
+// (fp8_mainloop.cuh's overlapped loop; bitwise the same D; off until measured). offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90
 // only. Asynchronous on `stream`.
 #pragma once
 
@@ -24,7 +25,7 @@ namespace megamoe::kernels {
 
 Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, const float* sb, int64_t N,
                       const int32_t* offsets, int experts, int64_t capacity, float* D, bool accumulate,
-                      cudaStream_t stream, int max_ctas = 0);
+                      cudaStream_t stream, int max_ctas = 0, bool overlap_promotion = false);
 
 // Loads the kernel now (see fp8_quantize_preload).
 Status fp8_wgrad_preload();

@@ -35,7 +35,11 @@ struct Fp8WgradParams {
   int accumulate;          // 1: D += the gradient
 };
 
+// kOverlap_: the consumers' loop is mma_tile_fp8_channel_scaled_overlapped (232 registers for them, 40 for
+// the producer).
+template <bool kOverlap_ = false>
 struct Fp8WgradConfig {
+  static constexpr bool kOverlap = kOverlap_;
   static constexpr int kBN = 128;
   // 5 x 32 KB stages + their scale slots + two 8 KB fp32 staging boxes + the numbering's tables.
   static constexpr int kStages = 5;
@@ -46,8 +50,8 @@ struct Fp8WgradConfig {
   static constexpr int kFullArrivals = 2;  // the operand thread's transaction count, the scale thread's
   static constexpr int kEmptyArrivals = device::kFp8ChannelEmptyArrivals<Shape>;
   static constexpr int kScaleThread = 32;
-  static constexpr int kProducerRegs = 56;
-  static constexpr int kConsumerRegs = 224;
+  static constexpr int kProducerRegs = kOverlap ? 40 : 56;
+  static constexpr int kConsumerRegs = kOverlap ? 232 : 224;
   static_assert(device::kRegisterSplitFits<kFp8WgradThreads, kProducerRegs, kConsumerRegs>, "register budget");
 
   struct alignas(1024) SharedStorage {
@@ -67,13 +71,14 @@ __device__ __forceinline__ int wgrad_k_column(const device::TileCoord& tile, int
   return static_cast<int>(token_major_start(tile.row0, tile.e)) + 128 * kt;
 }
 
+template <class Cfg>
 __device__ __forceinline__ void fp8_wgrad_producer(const CUtensorMap* tm_a, const CUtensorMap* tm_b,
                                                    const CUtensorMap* tm_sa, const CUtensorMap* tm_sb,
-                                                   Fp8WgradConfig::SharedStorage& smem,
-                                                   const Fp8WgradConfig::Tiles& tiles,
+                                                   typename Cfg::SharedStorage& smem,
+                                                   const typename Cfg::Tiles& tiles,
                                                    const device::StaticSchedule& sched, int ptid) {
-  using Shape = Fp8WgradConfig::Shape;
-  if (ptid != 0 && ptid != Fp8WgradConfig::kScaleThread) return;
+  using Shape = typename Cfg::Shape;
+  if (ptid != 0 && ptid != Cfg::kScaleThread) return;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   device::PipeState<Shape::kStages> st;
   const int total = tiles.total();
@@ -102,11 +107,11 @@ __device__ __forceinline__ void fp8_wgrad_producer(const CUtensorMap* tm_a, cons
 
 // kCwg: the consumer warpgroup, rows 64 kCwg .. 64 kCwg + 63 of the tile (a constant of the instantiation,
 // as in fp8_gemm_kernel.cuh).
-template <int kCwg>
-__device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, Fp8WgradConfig::SharedStorage& smem,
-                                                   const Fp8WgradConfig::Tiles& tiles,
+template <class Cfg, int kCwg>
+__device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, typename Cfg::SharedStorage& smem,
+                                                   const typename Cfg::Tiles& tiles,
                                                    const device::StaticSchedule& sched, int tid) {
-  using Shape = Fp8WgradConfig::Shape;
+  using Shape = typename Cfg::Shape;
   constexpr int kBN = Shape::kBN;
   constexpr int cwg = kCwg;
   const int lt = tid & 127;
@@ -117,24 +122,29 @@ __device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, Fp8W
     const int t = sched.item(j);
     if (t >= tiles.total_now()) break;
     const device::TileCoord tile = tiles.decode(t, 0);
-    device::mma_tile_fp8_channel_scaled<Shape>(acc, pipe, st, smem.stages[0], smem.scales, max(tile.k_tiles, 0), cwg,
-                                               lt);
+    if constexpr (Cfg::kOverlap) {
+      device::mma_tile_fp8_channel_scaled_overlapped<Shape>(acc, pipe, st, smem.stages[0], smem.scales,
+                                                            max(tile.k_tiles, 0), cwg, lt);
+    } else {
+      device::mma_tile_fp8_channel_scaled<Shape>(acc, pipe, st, smem.stages[0], smem.scales, max(tile.k_tiles, 0),
+                                                 cwg, lt);
+    }
     float* d = p.D + static_cast<int64_t>(tile.e) * p.M * p.N;
     device::epilogue_fp32<kBN>(acc, d, p.M, p.N, tile.m_idx * Shape::kBM + 64 * cwg, tile.n_idx * kBN,
                                p.accumulate != 0, smem.staging[cwg], 2 + cwg, lt);
   }
 }
 
+template <class Cfg>
 __global__ void __launch_bounds__(kFp8WgradThreads, 1)
     fp8_wgrad_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                      const __grid_constant__ CUtensorMap tm_sa, const __grid_constant__ CUtensorMap tm_sb,
                      const Fp8WgradParams p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
-  using Cfg = Fp8WgradConfig;
-  using Shape = Cfg::Shape;
-  auto& smem = device::shared_storage<Cfg::SharedStorage>();
+  using Shape = typename Cfg::Shape;
+  auto& smem = device::shared_storage<typename Cfg::SharedStorage>();
   const int tid = threadIdx.x;
-  const Cfg::Tiles tiles{&smem.tiles, p.experts, p.N / Shape::kBN, p.M, 0};
+  const typename Cfg::Tiles tiles{&smem.tiles, p.experts, p.N / Shape::kBN, p.M, 0};
   if (tid == 0) {
     const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
     pipe.init(Cfg::kFullArrivals, Cfg::kEmptyArrivals);
@@ -143,15 +153,17 @@ __global__ void __launch_bounds__(kFp8WgradThreads, 1)
   __syncthreads();
   tiles.build(p.offsets, p.capacity, false, tid, kFp8WgradThreads);
   const device::StaticSchedule sched{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
-  if (tid < 128) {
+  // Overlapped, the role branch must be uniform to ptxas (fp8_gemm_kernel.cuh): a shuffled warpgroup index.
+  const int warpgroup = Cfg::kOverlap ? __shfl_sync(0xffffffffu, tid / 128, 0) : tid / 128;
+  if (warpgroup == 0) {
     device::setmaxnreg_dec<Cfg::kProducerRegs>();
-    fp8_wgrad_producer(&tm_a, &tm_b, &tm_sa, &tm_sb, smem, tiles, sched, tid);
+    fp8_wgrad_producer<Cfg>(&tm_a, &tm_b, &tm_sa, &tm_sb, smem, tiles, sched, tid);
   } else {
     device::setmaxnreg_inc<Cfg::kConsumerRegs>();
-    if (tid < 256) {
-      fp8_wgrad_consumer<0>(p, smem, tiles, sched, tid);
+    if (warpgroup == 1) {
+      fp8_wgrad_consumer<Cfg, 0>(p, smem, tiles, sched, tid);
     } else {
-      fp8_wgrad_consumer<1>(p, smem, tiles, sched, tid);
+      fp8_wgrad_consumer<Cfg, 1>(p, smem, tiles, sched, tid);
     }
   }
 #endif

@@ -125,6 +125,62 @@ TEST(Fp8WgradGemmGpuTest, MatchesTheContractOnTokenMajorOperands) {
   EXPECT_EQ(differ, 0) << "accumulate must be the stored result added to D";
 }
 
+// The overlapped promotion (each K block promoted while the next one's wgmma run) against the plain loop on
+// experts of 0 to 6 K blocks (odd and even counts, the loop's pairs and its tail): bitwise the same D, stored
+// and accumulated.
+TEST(Fp8WgradGemmGpuTest, OverlappedPromotionIsBitwiseThePlainLoop) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const std::vector<int32_t> offsets = {0, 300, 300, 1000, 1513, 1641, 1642};  // 3, 0, 6, 5, 1, 1 blocks
+  const int experts = 6;
+  const int64_t capacity = 1700, M = 256, N = 128;
+  const int64_t columns = kernels::token_major_columns(capacity, experts);
+  std::vector<float> a_rows(capacity * M), b_rows(capacity * N);
+  for (float& v : a_rows) v = normal(rng);
+  for (float& v : b_rows) v = normal(rng);
+  DeviceBuffer<float> d_a(a_rows.size()), d_b(b_rows.size());
+  DeviceBuffer<int32_t> d_offsets(offsets.size());
+  DeviceBuffer<uint8_t> qa(M * columns), qb(N * columns);
+  DeviceBuffer<float> sa(columns / 128 * M), sb(columns / 128 * N);
+  d_a.upload(a_rows);
+  d_b.upload(b_rows);
+  d_offsets.upload(offsets);
+  ASSERT_TRUE(kernels::token_major_quantize_fp32(d_a.get(), M, d_offsets.get(), experts, capacity, qa.get(), sa.get(),
+                                                 nullptr)
+                  .is_ok());
+  ASSERT_TRUE(kernels::token_major_quantize_fp32(d_b.get(), N, d_offsets.get(), experts, capacity, qb.get(), sb.get(),
+                                                 nullptr)
+                  .is_ok());
+  std::vector<float> start(experts * M * N);
+  for (size_t i = 0; i < start.size(); ++i) start[i] = 0.125f * static_cast<float>(i % 9) - 0.5f;
+  for (const bool accumulate : {false, true}) {
+    SCOPED_TRACE(accumulate ? "accumulating" : "storing");
+    DeviceBuffer<float> plain(start.size()), overlapped(start.size());  // poisoned unless accumulating
+    if (accumulate) {
+      plain.upload(start);
+      overlapped.upload(start);
+    }
+    ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
+                                        capacity, plain.get(), accumulate, nullptr)
+                    .is_ok());
+    ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
+                                        capacity, overlapped.get(), accumulate, nullptr, 0, true)
+                    .is_ok());
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<float> want = plain.download(), got = overlapped.download();
+    int64_t differ = 0, unwritten = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      differ += std::memcmp(&want[i], &got[i], sizeof(float)) != 0;
+      unwritten += std::isnan(got[i]);
+    }
+    EXPECT_EQ(unwritten, 0) << "unwritten outputs";
+    EXPECT_EQ(differ, 0) << "the overlapped promotion differs from the plain loop";
+  }
+}
+
 TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   DeviceBuffer<uint8_t> q(256 * 1024);

@@ -268,4 +268,85 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
   });
 }
 
+// mma_tile_fp8_channel_scaled with each block's promotion overlapped with the next block's wgmma, as
+// mma_tile_fp8_blockwise_overlapped (the same conditions for ptxas; the kernel's consumers get 232
+// registers). A block's stage is released after its promotion, which reads the column scales from the
+// stage's slot; its row scales are read when it is issued. Bitwise the result of mma_tile_fp8_channel_scaled.
+template <class Shape>
+__device__ __forceinline__ void mma_tile_fp8_channel_scaled_overlapped(float (&acc)[Shape::kBN / 2],
+                                                                       const StagePipeline<Shape::kStages>& pipe,
+                                                                       PipeState<Shape::kStages>& st,
+                                                                       uint8_t* stages,
+                                                                       const StageChannelScales* scales,
+                                                                       int k_tiles_in, int cwg, int lt) {
+  static_assert(Shape::kBN == 128 && Shape::kBM == 128 && Shape::kCluster == 1, "128 x 128 tiles, single CTAs");
+  static_assert(Shape::kAStep == 32 && Shape::kBStep == 32, "a stage row is one K block");
+  constexpr int kN = Shape::kBN / 2;
+  const int warp = lt >> 5, lane = lt & 31;
+  float partial[2][kN];
+  zero_fp8_accumulators(acc, partial[0]);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) partial[1][i] = 0.0f;
+  fence_accumulators(partial[0]);
+  fence_accumulators(partial[1]);
+  const int k_tiles = __shfl_sync(0xffffffffu, k_tiles_in, 0);
+  if (k_tiles <= 0) return;
+  float row_scale[2][2];
+  const auto issue = [&](auto buffer) {
+    constexpr int b = decltype(buffer)::value;
+    pipe.consumer_wait(st);
+    const uint32_t sa = smem_addr(stages) + st.index * Shape::kStageBytes;
+    const uint64_t da0 = make_smem_desc(sa + cwg * kBoxBytes, Shape::kALbo, 1024);
+    const uint64_t db0 = make_smem_desc(sa + Shape::kABytes, Shape::kBLbo, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      WgmmaE4m3<Shape::kBN>::mma(partial[b], advance_smem_desc(da0, kk * Shape::kAStep),
+                                 advance_smem_desc(db0, kk * Shape::kBStep), kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    const StageChannelScales& slot = scales[st.index];
+    row_scale[b][0] = slot.a[64 * cwg + Fragment::row(warp, lane, 0)];
+    row_scale[b][1] = slot.a[64 * cwg + Fragment::row(warp, lane, 1)];
+  };
+  const auto finish = [&](auto buffer, const PipeState<Shape::kStages>& done) {
+    constexpr int b = decltype(buffer)::value;
+    fence_accumulators(partial[b]);
+    promote_block_channels(acc, partial[b], row_scale[b], scales[done.index].b, lane);
+    pipe.consumer_release_warp(done, lane);
+  };
+  using Zero = std::integral_constant<int, 0>;
+  using One = std::integral_constant<int, 1>;
+  PipeState<Shape::kStages> previous = st;
+  issue(Zero{});
+  st.advance();
+  int kt = 1;
+  for (; kt + 1 < k_tiles; kt += 2) {  // blocks kt (into partial[1]) and kt + 1 (into partial[0])
+    const PipeState<Shape::kStages> first = st;
+    issue(One{});
+    st.advance();
+    wgmma_wait<1>();
+    finish(Zero{}, previous);
+    previous = first;
+    const PipeState<Shape::kStages> second = st;
+    issue(Zero{});
+    st.advance();
+    wgmma_wait<1>();
+    finish(One{}, previous);
+    previous = second;
+  }
+  if (kt < k_tiles) {  // an even number of blocks: the last one into partial[1]
+    const PipeState<Shape::kStages> last = st;
+    issue(One{});
+    st.advance();
+    wgmma_wait<1>();
+    finish(Zero{}, previous);
+    wgmma_wait<0>();
+    finish(One{}, last);
+  } else {
+    wgmma_wait<0>();
+    finish(Zero{}, previous);
+  }
+}
+
 }  // namespace megamoe::device
