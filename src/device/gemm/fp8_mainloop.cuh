@@ -126,95 +126,66 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
   });
 }
 
-// The same sums with each block's promotion overlapped with the next block's wgmma (Fp8GemmTuning's
-// overlap_promotion): two partial accumulators, block k issued into partial[k % 2] before block k - 1 is
-// promoted (wgmma_wait<1>), so that the warpgroup's own wgmma keep the tensor cores busy while it promotes;
-// in mma_tile_fp8_blockwise both warpgroups promote while the tensor cores idle (docs/GEMM.md). The blocks are
-// promoted in the same order with the same scales, so the result is bitwise that of mma_tile_fp8_blockwise.
-// It holds 64 more registers per thread (the kernel's consumers get 232). The stage index is a run-time value
-// here: ptxas serialises wgmma that stay in flight across the branches of for_each_ring_stage's switch.
-// ptxas also has to see the loop as uniform (the trip count shuffled from lane 0, and the kernel's role
-// branch on a shuffled warpgroup index), and no plain instruction may touch a wgmma's registers while it
-// is in flight: the partial sums are zeroed and pinned before the tile's first wgmma, and every merge of
-// control flow is after a wgmma_wait<0>.
-template <class Shape, bool kGathered = false>
-__device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[Shape::kBN / 2],
-                                                                  const StagePipeline<Shape::kStages>& pipe,
-                                                                  PipeState<Shape::kStages>& st, uint8_t* stages,
-                                                                  const StageScales* scales, const float* b_scales,
-                                                                  const TileCoord& tile, int cwg, int lt,
-                                                                  uint32_t cta_rank) {
-  static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
-  static_assert(Shape::kAStep == 32 && Shape::kBStep == 32, "a stage row is one K block");
-  constexpr int kN = Shape::kBN / 2;
-  const int warp = lt >> 5, lane = lt & 31;
-  float partial[2][kN];
+// The overlapped loops' parts. Both partial sums zeroed with acc and pinned before the tile's first wgmma
+// (a zeroing that ptxas schedules after it makes it wait for that wgmma).
+template <int kN>
+__device__ __forceinline__ void zero_overlapped_accumulators(float (&acc)[kN], float (&partial)[2][kN]) {
   zero_fp8_accumulators(acc, partial[0]);
 #pragma unroll
   for (int i = 0; i < kN; ++i) partial[1][i] = 0.0f;
   fence_accumulators(partial[0]);
   fence_accumulators(partial[1]);
-  const int k_tiles = __shfl_sync(0xffffffffu, tile.k_tiles, 0);
-  if (k_tiles <= 0) return;
-  const float* next_b_scale = b_scales;
-  float scale[2][2];
-  // The block of stage st into partial[b], and its two promotion scales.
-  const auto issue = [&](auto buffer) {
-    constexpr int b = decltype(buffer)::value;
-    pipe.consumer_wait(st);
-    if constexpr (kGathered) fence_proxy_async_smem();
-    const uint32_t sa = smem_addr(stages) + st.index * Shape::kStageBytes;
-    const uint64_t da0 = make_smem_desc(sa + cwg * kBoxBytes, Shape::kALbo, 1024);
-    const uint64_t db0 = make_smem_desc(sa + Shape::kABytes, Shape::kBLbo, 1024);
-    wgmma_fence();
+}
+
+// One K block's wgmma on a stage given at run time (wgmma in flight across the branches of
+// for_each_ring_stage's switch are serialised by ptxas), committed as one group.
+template <class Shape>
+__device__ __forceinline__ void issue_fp8_block_on(float (&partial)[Shape::kBN / 2], uint8_t* stages, int stage,
+                                                   int cwg) {
+  static_assert(Shape::kForm == GemmForm::kNT, "FP8 operands are both K-major");
+  static_assert(Shape::kBK * 2 == 128 && Shape::kAStep == 32 && Shape::kBStep == 32, "a stage row is one K block");
+  const uint32_t sa = smem_addr(stages) + stage * Shape::kStageBytes;
+  const uint64_t da0 = make_smem_desc(sa + cwg * kBoxBytes, Shape::kALbo, 1024);
+  const uint64_t db0 = make_smem_desc(sa + Shape::kABytes, Shape::kBLbo, 1024);
+  wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      WgmmaE4m3<Shape::kBN>::mma(partial[b], advance_smem_desc(da0, kk * Shape::kAStep),
-                                 advance_smem_desc(db0, kk * Shape::kBStep), kk > 0 ? 1 : 0);
-    }
-    wgmma_commit();
-    const float b_scale = __ldg(next_b_scale++);
-    const float* a_scales = tile_scales(scales[st.index], tile.row0);
-    scale[b][0] = promotion_scale(a_scales, b_scale, cwg, warp, lane, 0);
-    scale[b][1] = promotion_scale(a_scales, b_scale, cwg, warp, lane, 1);
-  };
-  // The block in partial[b] once its group has completed: its stage released, then promoted.
-  const auto finish = [&](auto buffer, const PipeState<Shape::kStages>& done) {
-    constexpr int b = decltype(buffer)::value;
-    fence_accumulators(partial[b]);
-    if constexpr (kGathered) {
-      pipe.consumer_release_own(done);
-    } else {
-      pipe.consumer_release_warp(done, lane);
-    }
-    if constexpr (Shape::kCluster > 1) {
-      static_assert(!kGathered, "gathered operands are not multicast");
-      if (lt == 0) mbarrier_arrive_cluster_peer(&pipe.empty[done.index], cta_rank ^ 1);
-    }
-    promote_block(acc, partial[b], scale[b]);
-  };
+  for (int kk = 0; kk < 4; ++kk) {
+    WgmmaE4m3<Shape::kBN>::mma(partial, advance_smem_desc(da0, kk * Shape::kAStep),
+                               advance_smem_desc(db0, kk * Shape::kBStep), kk > 0 ? 1 : 0);
+  }
+  wgmma_commit();
+}
+
+// The overlapped order over a tile's k_tiles (>= 1) blocks: issue(buffer) issues the block of stage st into
+// partial[buffer], finish(buffer, stage) promotes the completed block in partial[buffer] and releases its
+// stage. Block k is issued before block k - 1 is finished (wgmma_wait<1>). The blocks go in pairs (k into
+// buffer 1, k + 1 into buffer 0) so that each buffer is a constant, and the last one or two are finished
+// after the loop: no control flow merges while a wgmma is in flight (ptxas would serialise them).
+template <int kStages, class Issue, class Finish>
+__device__ __forceinline__ void run_overlapped_blocks(PipeState<kStages>& st, int k_tiles, Issue&& issue,
+                                                      Finish&& finish) {
   using Zero = std::integral_constant<int, 0>;
   using One = std::integral_constant<int, 1>;
-  PipeState<Shape::kStages> previous = st;
+  PipeState<kStages> previous = st;
   issue(Zero{});
   st.advance();
   int kt = 1;
-  for (; kt + 1 < k_tiles; kt += 2) {  // blocks kt (into partial[1]) and kt + 1 (into partial[0])
-    const PipeState<Shape::kStages> first = st;
+  for (; kt + 1 < k_tiles; kt += 2) {
+    const PipeState<kStages> first = st;
     issue(One{});
     st.advance();
     wgmma_wait<1>();
     finish(Zero{}, previous);
     previous = first;
-    const PipeState<Shape::kStages> second = st;
+    const PipeState<kStages> second = st;
     issue(Zero{});
     st.advance();
     wgmma_wait<1>();
     finish(One{}, previous);
     previous = second;
   }
-  if (kt < k_tiles) {  // an even number of blocks: the last one into partial[1]
-    const PipeState<Shape::kStages> last = st;
+  if (kt < k_tiles) {  // an even number of blocks: the last one into buffer 1
+    const PipeState<kStages> last = st;
     issue(One{});
     st.advance();
     wgmma_wait<1>();
@@ -225,6 +196,58 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[S
     wgmma_wait<0>();
     finish(Zero{}, previous);
   }
+}
+
+// The same sums with each block's promotion overlapped with the next block's wgmma (Fp8GemmTuning's
+// overlap_promotion): two partial accumulators, block k issued before block k - 1 is promoted
+// (run_overlapped_blocks), so that the warpgroup's own wgmma keep the tensor cores busy while it promotes;
+// in mma_tile_fp8_blockwise both warpgroups promote while the tensor cores idle (docs/GEMM.md). The blocks are
+// promoted in the same order with the same scales: bitwise the result of mma_tile_fp8_blockwise. It holds 64
+// more registers per thread (the kernel's consumers get 232). ptxas keeps the wgmma unserialised only when it
+// sees the loop as uniform: the trip count is shuffled from lane 0 here, and the kernel's role branch is on
+// a shuffled warpgroup index.
+template <class Shape, bool kGathered = false>
+__device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[Shape::kBN / 2],
+                                                                  const StagePipeline<Shape::kStages>& pipe,
+                                                                  PipeState<Shape::kStages>& st, uint8_t* stages,
+                                                                  const StageScales* scales, const float* b_scales,
+                                                                  const TileCoord& tile, int cwg, int lt,
+                                                                  uint32_t cta_rank) {
+  static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
+  constexpr int kN = Shape::kBN / 2;
+  const int warp = lt >> 5, lane = lt & 31;
+  float partial[2][kN];
+  zero_overlapped_accumulators(acc, partial);
+  const int k_tiles = __shfl_sync(0xffffffffu, tile.k_tiles, 0);
+  if (k_tiles <= 0) return;
+  const float* next_b_scale = b_scales;
+  float scale[2][2];
+  run_overlapped_blocks(
+      st, k_tiles,
+      [&](auto buffer) {
+        constexpr int b = decltype(buffer)::value;
+        pipe.consumer_wait(st);
+        if constexpr (kGathered) fence_proxy_async_smem();
+        issue_fp8_block_on<Shape>(partial[b], stages, st.index, cwg);
+        const float b_scale = __ldg(next_b_scale++);
+        const float* a_scales = tile_scales(scales[st.index], tile.row0);
+        scale[b][0] = promotion_scale(a_scales, b_scale, cwg, warp, lane, 0);
+        scale[b][1] = promotion_scale(a_scales, b_scale, cwg, warp, lane, 1);
+      },
+      [&](auto buffer, const PipeState<Shape::kStages>& done) {
+        constexpr int b = decltype(buffer)::value;
+        fence_accumulators(partial[b]);
+        if constexpr (kGathered) {
+          pipe.consumer_release_own(done);
+        } else {
+          pipe.consumer_release_warp(done, lane);
+        }
+        if constexpr (Shape::kCluster > 1) {
+          static_assert(!kGathered, "gathered operands are not multicast");
+          if (lt == 0) mbarrier_arrive_cluster_peer(&pipe.empty[done.index], cta_rank ^ 1);
+        }
+        promote_block(acc, partial[b], scale[b]);
+      });
 }
 
 // The same loop with both operands scaled per row and K block (the weight gradients; block_scales.cuh's
@@ -280,73 +303,29 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled_overlapped(float (&a
                                                                        const StageChannelScales* scales,
                                                                        int k_tiles_in, int cwg, int lt) {
   static_assert(Shape::kBN == 128 && Shape::kBM == 128 && Shape::kCluster == 1, "128 x 128 tiles, single CTAs");
-  static_assert(Shape::kAStep == 32 && Shape::kBStep == 32, "a stage row is one K block");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
   float partial[2][kN];
-  zero_fp8_accumulators(acc, partial[0]);
-#pragma unroll
-  for (int i = 0; i < kN; ++i) partial[1][i] = 0.0f;
-  fence_accumulators(partial[0]);
-  fence_accumulators(partial[1]);
+  zero_overlapped_accumulators(acc, partial);
   const int k_tiles = __shfl_sync(0xffffffffu, k_tiles_in, 0);
   if (k_tiles <= 0) return;
   float row_scale[2][2];
-  const auto issue = [&](auto buffer) {
-    constexpr int b = decltype(buffer)::value;
-    pipe.consumer_wait(st);
-    const uint32_t sa = smem_addr(stages) + st.index * Shape::kStageBytes;
-    const uint64_t da0 = make_smem_desc(sa + cwg * kBoxBytes, Shape::kALbo, 1024);
-    const uint64_t db0 = make_smem_desc(sa + Shape::kABytes, Shape::kBLbo, 1024);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      WgmmaE4m3<Shape::kBN>::mma(partial[b], advance_smem_desc(da0, kk * Shape::kAStep),
-                                 advance_smem_desc(db0, kk * Shape::kBStep), kk > 0 ? 1 : 0);
-    }
-    wgmma_commit();
-    const StageChannelScales& slot = scales[st.index];
-    row_scale[b][0] = slot.a[64 * cwg + Fragment::row(warp, lane, 0)];
-    row_scale[b][1] = slot.a[64 * cwg + Fragment::row(warp, lane, 1)];
-  };
-  const auto finish = [&](auto buffer, const PipeState<Shape::kStages>& done) {
-    constexpr int b = decltype(buffer)::value;
-    fence_accumulators(partial[b]);
-    promote_block_channels(acc, partial[b], row_scale[b], scales[done.index].b, lane);
-    pipe.consumer_release_warp(done, lane);
-  };
-  using Zero = std::integral_constant<int, 0>;
-  using One = std::integral_constant<int, 1>;
-  PipeState<Shape::kStages> previous = st;
-  issue(Zero{});
-  st.advance();
-  int kt = 1;
-  for (; kt + 1 < k_tiles; kt += 2) {  // blocks kt (into partial[1]) and kt + 1 (into partial[0])
-    const PipeState<Shape::kStages> first = st;
-    issue(One{});
-    st.advance();
-    wgmma_wait<1>();
-    finish(Zero{}, previous);
-    previous = first;
-    const PipeState<Shape::kStages> second = st;
-    issue(Zero{});
-    st.advance();
-    wgmma_wait<1>();
-    finish(One{}, previous);
-    previous = second;
-  }
-  if (kt < k_tiles) {  // an even number of blocks: the last one into partial[1]
-    const PipeState<Shape::kStages> last = st;
-    issue(One{});
-    st.advance();
-    wgmma_wait<1>();
-    finish(Zero{}, previous);
-    wgmma_wait<0>();
-    finish(One{}, last);
-  } else {
-    wgmma_wait<0>();
-    finish(Zero{}, previous);
-  }
+  run_overlapped_blocks(
+      st, k_tiles,
+      [&](auto buffer) {
+        constexpr int b = decltype(buffer)::value;
+        pipe.consumer_wait(st);
+        issue_fp8_block_on<Shape>(partial[b], stages, st.index, cwg);
+        const StageChannelScales& slot = scales[st.index];
+        row_scale[b][0] = slot.a[64 * cwg + Fragment::row(warp, lane, 0)];
+        row_scale[b][1] = slot.a[64 * cwg + Fragment::row(warp, lane, 1)];
+      },
+      [&](auto buffer, const PipeState<Shape::kStages>& done) {
+        constexpr int b = decltype(buffer)::value;
+        fence_accumulators(partial[b]);
+        promote_block_channels(acc, partial[b], row_scale[b], scales[done.index].b, lane);
+        pipe.consumer_release_warp(done, lane);
+      });
 }
 
 }  // namespace megamoe::device
