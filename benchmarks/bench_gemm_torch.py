@@ -14,19 +14,22 @@ T = E * ROWS
 SHAPES = [(1536, 2048), (2048, 768), (3072, 4096), (4096, 1536)]
 
 
+def event_ms(fn):
+    """One call of fn timed with CUDA events, in ms."""
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
 def median_ms(fn, warmup=5, iters=30):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    times = [event_ms(fn) for _ in range(iters)]
     times.sort()
     return times[len(times) // 2]
 

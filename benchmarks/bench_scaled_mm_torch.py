@@ -8,9 +8,13 @@ float64 product of the dequantized operands before it is timed. Timing: CUDA eve
 warm-ups, then 30 rounds in which each recipe runs once in turn (interleaved); the median of each.
 Prints one line per recipe: "torch._scaled_mm <recipe> M N K <ms> ms <TFLOP/s> TFLOP/s rel err <e>".
 """
+import os
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gemm_torch import event_ms  # noqa: E402  (the same CUDA-event timing as the GEMM baseline)
 
 
 def median_interleaved(fns, warmup=5, rounds=30):
@@ -21,13 +25,7 @@ def median_interleaved(fns, warmup=5, rounds=30):
     times = [[] for _ in fns]
     for _ in range(rounds):
         for i, fn in enumerate(fns):
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times[i].append(a.elapsed_time(b))
+            times[i].append(event_ms(fn))
     return [sorted(t)[len(t) // 2] for t in times]
 
 

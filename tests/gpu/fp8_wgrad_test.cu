@@ -24,6 +24,35 @@ using testing::DeviceBuffer;
 constexpr double kFrobeniusTol = 1e-2;
 constexpr double kMagTol = 1.0 / 512;  // of the sum of the terms' magnitudes, per element
 
+// The token-major E4M3 copies (and scales) of the routed rows a [capacity, M] and b [capacity, N], as the
+// layer's backward makes them: the weight-gradient GEMM's operands.
+struct TokenMajorOperands {
+  DeviceBuffer<uint8_t> qa, qb;
+  DeviceBuffer<float> sa, sb;
+  TokenMajorOperands(const std::vector<float>& a_rows, int64_t M, const std::vector<float>& b_rows, int64_t N,
+                     const DeviceBuffer<int32_t>& offsets, int experts, int64_t capacity)
+      : qa(M * kernels::token_major_columns(capacity, experts)),
+        qb(N * kernels::token_major_columns(capacity, experts)),
+        sa(kernels::token_major_columns(capacity, experts) / 128 * M),
+        sb(kernels::token_major_columns(capacity, experts) / 128 * N) {
+    const int64_t columns = kernels::token_major_columns(capacity, experts);
+    DeviceBuffer<float> d_a(a_rows.size()), d_b(b_rows.size());
+    d_a.upload(a_rows);
+    d_b.upload(b_rows);
+    // Columns outside the experts' segments are never read: zeroed so that a contract can sum every column
+    // of a segment without caring about the poison around it.
+    EXPECT_EQ(cudaMemset(qa.get(), 0, M * columns), cudaSuccess);
+    EXPECT_EQ(cudaMemset(qb.get(), 0, N * columns), cudaSuccess);
+    EXPECT_TRUE(kernels::token_major_quantize_fp32(d_a.get(), M, offsets.get(), experts, capacity, qa.get(),
+                                                   sa.get(), nullptr)
+                    .is_ok());
+    EXPECT_TRUE(kernels::token_major_quantize_fp32(d_b.get(), N, offsets.get(), experts, capacity, qb.get(),
+                                                   sb.get(), nullptr)
+                    .is_ok());
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+};
+
 TEST(Fp8WgradGemmGpuTest, MatchesTheContractOnTokenMajorOperands) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const uint32_t seed = std::random_device{}();
@@ -39,23 +68,11 @@ TEST(Fp8WgradGemmGpuTest, MatchesTheContractOnTokenMajorOperands) {
   for (float& v : a_rows) v = normal(rng) * std::exp2(log_magnitude(rng));
   for (float& v : b_rows) v = normal(rng) * std::exp2(log_magnitude(rng));
 
-  DeviceBuffer<float> d_a(a_rows.size()), d_b(b_rows.size());
   DeviceBuffer<int32_t> d_offsets(offsets.size());
-  DeviceBuffer<uint8_t> qa(M * columns), qb(N * columns);
-  DeviceBuffer<float> sa(columns / 128 * M), sb(columns / 128 * N);
-  d_a.upload(a_rows);
-  d_b.upload(b_rows);
   d_offsets.upload(offsets);
-  // Columns outside the experts' segments are never read: zero them so the contract below can sum every
-  // column of a segment without caring about the poison around it.
-  MEGAMOE_ASSERT_CUDA(cudaMemset(qa.get(), 0, M * columns));
-  MEGAMOE_ASSERT_CUDA(cudaMemset(qb.get(), 0, N * columns));
-  ASSERT_TRUE(kernels::token_major_quantize_fp32(d_a.get(), M, d_offsets.get(), experts, capacity, qa.get(), sa.get(),
-                                                 nullptr)
-                  .is_ok());
-  ASSERT_TRUE(kernels::token_major_quantize_fp32(d_b.get(), N, d_offsets.get(), experts, capacity, qb.get(), sb.get(),
-                                                 nullptr)
-                  .is_ok());
+  TokenMajorOperands ops(a_rows, M, b_rows, N, d_offsets, experts, capacity);
+  auto &qa = ops.qa, &qb = ops.qb;
+  auto &sa = ops.sa, &sb = ops.sb;
   DeviceBuffer<float> d(experts * M * N);  // poisoned (NaN): every element must be written
   ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts, capacity,
                                       d.get(), false, nullptr)
@@ -137,23 +154,14 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionIsBitwiseThePlainLoop) {
   const std::vector<int32_t> offsets = {0, 300, 300, 1000, 1513, 1641, 1642};  // 3, 0, 6, 5, 1, 1 blocks
   const int experts = 6;
   const int64_t capacity = 1700, M = 256, N = 128;
-  const int64_t columns = kernels::token_major_columns(capacity, experts);
   std::vector<float> a_rows(capacity * M), b_rows(capacity * N);
   for (float& v : a_rows) v = normal(rng);
   for (float& v : b_rows) v = normal(rng);
-  DeviceBuffer<float> d_a(a_rows.size()), d_b(b_rows.size());
   DeviceBuffer<int32_t> d_offsets(offsets.size());
-  DeviceBuffer<uint8_t> qa(M * columns), qb(N * columns);
-  DeviceBuffer<float> sa(columns / 128 * M), sb(columns / 128 * N);
-  d_a.upload(a_rows);
-  d_b.upload(b_rows);
   d_offsets.upload(offsets);
-  ASSERT_TRUE(kernels::token_major_quantize_fp32(d_a.get(), M, d_offsets.get(), experts, capacity, qa.get(), sa.get(),
-                                                 nullptr)
-                  .is_ok());
-  ASSERT_TRUE(kernels::token_major_quantize_fp32(d_b.get(), N, d_offsets.get(), experts, capacity, qb.get(), sb.get(),
-                                                 nullptr)
-                  .is_ok());
+  TokenMajorOperands ops(a_rows, M, b_rows, N, d_offsets, experts, capacity);
+  auto &qa = ops.qa, &qb = ops.qb;
+  auto &sa = ops.sa, &sb = ops.sb;
   std::vector<float> start(experts * M * N);
   for (size_t i = 0; i < start.size(); ++i) start[i] = 0.125f * static_cast<float>(i % 9) - 0.5f;
   for (const bool accumulate : {false, true}) {
