@@ -79,6 +79,23 @@ template <class Shape, bool kGathered>
 inline constexpr int kFp8EmptyArrivals =
     (kGathered ? 128 : 4) * Shape::kConsumerGroups + (Shape::kCluster > 1 ? Shape::kConsumerGroups : 0);
 
+// A consumer warpgroup's release of a stage it has read (the arrivals kFp8EmptyArrivals counts): each warp for
+// its lanes, or with gathered rows each thread for its own reads; in a 2-CTA cluster one thread also for the
+// peer's copy.
+template <class Shape, bool kGathered>
+__device__ __forceinline__ void release_fp8_stage(const StagePipeline<Shape::kStages>& pipe,
+                                                  const PipeState<Shape::kStages>& done, int lt, uint32_t cta_rank) {
+  if constexpr (kGathered) {
+    pipe.consumer_release_own(done);
+  } else {
+    pipe.consumer_release_warp(done, lt & 31);
+  }
+  if constexpr (Shape::kCluster > 1) {
+    static_assert(!kGathered, "gathered operands are not multicast");
+    if (lt == 0) mbarrier_arrive_cluster_peer(&pipe.empty[done.index], cta_rank ^ 1);
+  }
+}
+
 template <class Shape, bool kGathered = false>
 __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN / 2],
                                                        const StagePipeline<Shape::kStages>& pipe,
@@ -113,15 +130,7 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
     }
     wgmma_wait<0>();
     fence_accumulators(partial);
-    if constexpr (kGathered) {
-      pipe.consumer_release_own(here);
-    } else {
-      pipe.consumer_release_warp(here, lane);
-    }
-    if constexpr (Shape::kCluster > 1) {
-      static_assert(!kGathered, "gathered operands are not multicast");
-      if (lt == 0) mbarrier_arrive_cluster_peer(&pipe.empty[s], cta_rank ^ 1);
-    }
+    release_fp8_stage<Shape, kGathered>(pipe, here, lt, cta_rank);
     promote_block(acc, partial, scale);
   });
 }
@@ -237,15 +246,7 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[S
       [&](auto buffer, const PipeState<Shape::kStages>& done) {
         constexpr int b = decltype(buffer)::value;
         fence_accumulators(partial[b]);
-        if constexpr (kGathered) {
-          pipe.consumer_release_own(done);
-        } else {
-          pipe.consumer_release_warp(done, lane);
-        }
-        if constexpr (Shape::kCluster > 1) {
-          static_assert(!kGathered, "gathered operands are not multicast");
-          if (lt == 0) mbarrier_arrive_cluster_peer(&pipe.empty[done.index], cta_rank ^ 1);
-        }
+        release_fp8_stage<Shape, kGathered>(pipe, done, lt, cta_rank);
         promote_block(acc, partial[b], scale[b]);
       });
 }
