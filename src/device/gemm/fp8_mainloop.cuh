@@ -178,29 +178,24 @@ __device__ __forceinline__ void run_overlapped_blocks(PipeState<kStages>& st, in
   PipeState<kStages> previous = st;
   issue(Zero{});
   st.advance();
+  // The next block into buffer `into`, then the previous one (in `out`) finished once its group completed.
+  const auto step = [&](auto into, auto out) {
+    const PipeState<kStages> issued = st;
+    issue(into);
+    st.advance();
+    wgmma_wait<1>();
+    finish(out, previous);
+    previous = issued;
+  };
   int kt = 1;
   for (; kt + 1 < k_tiles; kt += 2) {
-    const PipeState<kStages> first = st;
-    issue(One{});
-    st.advance();
-    wgmma_wait<1>();
-    finish(Zero{}, previous);
-    previous = first;
-    const PipeState<kStages> second = st;
-    issue(Zero{});
-    st.advance();
-    wgmma_wait<1>();
-    finish(One{}, previous);
-    previous = second;
+    step(One{}, Zero{});
+    step(Zero{}, One{});
   }
   if (kt < k_tiles) {  // an even number of blocks: the last one into buffer 1
-    const PipeState<kStages> last = st;
-    issue(One{});
-    st.advance();
-    wgmma_wait<1>();
-    finish(Zero{}, previous);
+    step(One{}, Zero{});
     wgmma_wait<0>();
-    finish(One{}, last);
+    finish(One{}, previous);
   } else {
     wgmma_wait<0>();
     finish(Zero{}, previous);
