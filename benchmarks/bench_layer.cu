@@ -369,6 +369,23 @@ Result run(int64_t H, int64_t I, int iters) {
       BENCH_CHECK_OK(fp8_group->synchronize_and_check());
       r.fp8_total_ms = median(fp8_total);
       r.fp8_bf16_total_ms = median(bf16_total);
+      // The FP8 GEMMs' overlapped promotion (ExpertParallelLayer::set_fp8_overlap_promotion) against the plain
+      // loops, step for step.
+      std::vector<float> plain_total, overlapped_total;
+      const auto overlap = [&](bool on) {
+        for (int rank = 0; rank < fp8_group->num_ranks(); ++rank) fp8_group->layer(rank).set_fp8_overlap_promotion(on);
+      };
+      for (int it = 0; it < iters; ++it) {
+        const int s = it % kSets;
+        overlap(false);
+        plain_total.push_back(timed(*fp8_group, [&] { BENCH_CHECK_OK(fp8_step(s)); }));
+        overlap(true);
+        overlapped_total.push_back(timed(*fp8_group, [&] { BENCH_CHECK_OK(fp8_step(s)); }));
+      }
+      overlap(false);
+      BENCH_CHECK_OK(fp8_group->synchronize_and_check());
+      std::printf("  fp8 forward + backward, overlapped promotion: %.3f ms against %.3f with the plain loops (x %.3f)\n",
+                  median(overlapped_total), median(plain_total), median(plain_total) / median(overlapped_total));
 #if MEGAMOE_BENCH_CUPTI
       std::printf("  fp8 forward + backward:\n");
       Result fp8_breakdown = r;

@@ -166,6 +166,10 @@ class ExpertParallelLayer {
   // the expert's own first-GEMM items; a lag of at least the local expert count puts every first-GEMM item
   // first). Must be >= 0; takes effect at the next call.
   Status set_fused_wave_lag(int lag);
+  // Tuning of the fp8-blockwise GEMMs' main loop (measurements; the results are bitwise the same): each K
+  // block's promotion overlapped with the next block's tensor-core work (two partial sums per thread).
+  // Off by default; takes effect at the next call.
+  void set_fp8_overlap_promotion(bool on);
 
   const LayerConfig& config() const;
   int64_t expert_row_capacity() const;

@@ -183,6 +183,7 @@ struct ExpertParallelLayer::Impl {
   const __nv_bfloat16* forward_w2 = nullptr;
   uint64_t* fused_timeline = nullptr;
   int fused_wave_lag = 1;
+  bool fp8_overlap_promotion = false;  // set_fp8_overlap_promotion
   // fp8-blockwise: which weights the workspace's quantized copies hold (ForwardArgs::weights_version).
   const void* quantized_w13 = nullptr;
   const void* quantized_w2 = nullptr;
@@ -209,6 +210,12 @@ struct ExpertParallelLayer::Impl {
   kernels::GemmTuning gemm_tuning() const {
     kernels::GemmTuning tuning;
     tuning.max_ctas = max_blocks;
+    return tuning;
+  }
+  // The FP8 GEMMs' launch shape: the rank's share of SMs, and the main loop's form.
+  kernels::Fp8GemmTuning fp8_tuning() const {
+    kernels::Fp8GemmTuning tuning{1, max_blocks};
+    tuning.overlap_promotion = fp8_overlap_promotion;
     return tuning;
   }
   // Weight gradients: expert row counts are uneven in training, so their work items are handed out
@@ -306,7 +313,7 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
                                                                   buffer<float>(p.layout.w2_s), stream));
   }
   const QuantizedWeights& w = fp8_weights;
-  const kernels::Fp8GemmTuning tuning{1, max_blocks};
+  const kernels::Fp8GemmTuning tuning = fp8_tuning();
   auto* h = buffer<float>(p.layout.h_f32);
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(
       buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs), w.w13, w.w13_scales, nullptr, expert_offsets(), EL,
@@ -389,7 +396,7 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
                                                                    2 * I, H, buffer<uint8_t>(l.w13t_q),
                                                                    buffer<float>(l.w13t_s), stream));
   }
-  const kernels::Fp8GemmTuning tuning{1, max_blocks};
+  const kernels::Fp8GemmTuning tuning = fp8_tuning();
   auto* g = buffer<float>(l.g_f32);
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(
       buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts), buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s),
@@ -430,10 +437,11 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
                                                              buffer<uint8_t>(l.xt_q), buffer<float>(l.xt_s), stream));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), buffer<float>(l.dyt_s), H,
                                                   buffer<uint8_t>(l.at_q), buffer<float>(l.at_s), I, offsets, EL, C,
-                                                  args.d_w2, args.accumulate_weight_grads, stream, max_blocks));
+                                                  args.d_w2, args.accumulate_weight_grads, stream, max_blocks,
+                                                  fp8_overlap_promotion));
   return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dht_q), buffer<float>(l.dht_s), 2 * I, buffer<uint8_t>(l.xt_q),
                                  buffer<float>(l.xt_s), H, offsets, EL, C, args.d_w13, args.accumulate_weight_grads,
-                                 stream, max_blocks);
+                                 stream, max_blocks, fp8_overlap_promotion);
 }
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -452,6 +460,8 @@ Status ExpertParallelLayer::set_fused_wave_lag(int lag) {
   impl_->fused_wave_lag = lag;
   return Status::ok();
 }
+
+void ExpertParallelLayer::set_fp8_overlap_promotion(bool on) { impl_->fp8_overlap_promotion = on; }
 
 int ExpertParallelLayer::fused_forward_ctas() const { return std::max(1, impl_->max_blocks); }
 int64_t ExpertParallelLayer::expert_row_capacity() const { return impl_->params.shape.row_capacity; }

@@ -557,6 +557,35 @@ TEST(EpLayerFp8Test, PrequantizedWeightsGiveTheLayersOwnResults) {
   EXPECT_NE(not_fp8.message().find("fp8-blockwise"), std::string::npos) << not_fp8.message();
 }
 
+// set_fp8_overlap_promotion: every FP8 GEMM of the layer (the forward's two, the backward's two dgrads and two
+// weight gradients) with each K block promoted while the next one's wgmma run gives bitwise the same outputs
+// and gradients as the plain loops; and switching back gives them again. Two ranks, and all tokens to one
+// expert (whose weight gradients take three K blocks, the last partial).
+TEST(EpLayerFp8Test, OverlappedPromotionGivesTheSameBits) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  for (const Scenario& sc : {Scenario{"Fp8_overlap_R2", kFp8ScenarioShape, 2, {131, 77}, Routing::kRandom},
+                             Scenario{"Fp8_overlap_AllToOne", kFp8ScenarioShape, 2, {200, 150},
+                                      Routing::kAllToOneExpert}}) {
+    const uint64_t seed = std::random_device{}();
+    SCOPED_TRACE(sc.name + ", seed " + std::to_string(seed));
+    const Problem p = make_problem(sc, seed);
+    std::unique_ptr<VirtualRankGroup> group;
+    ASSERT_TRUE(VirtualRankGroup::create(p.config, scenario_options(), &group).is_ok());
+    std::vector<RankTensors> t = upload(p);
+    Outputs plain, overlapped, again;
+    run_gpu(p, *group, t, &plain);
+    if (::testing::Test::HasFatalFailure()) return;
+    for (int r = 0; r < sc.ranks; ++r) group->layer(r).set_fp8_overlap_promotion(true);
+    run_gpu(p, *group, t, &overlapped);
+    if (::testing::Test::HasFatalFailure()) return;
+    expect_same_bits(plain, overlapped, p, "the overlapped promotion");
+    for (int r = 0; r < sc.ranks; ++r) group->layer(r).set_fp8_overlap_promotion(false);
+    run_gpu(p, *group, t, &again);
+    if (::testing::Test::HasFatalFailure()) return;
+    expect_same_bits(plain, again, p, "the plain loops after the overlapped ones");
+  }
+}
+
 // FP8 options the layer does not run yet are refused at creation, with the reason.
 TEST(EpLayerFp8Test, UnsupportedCombinationsAreRefused) {
   MEGAMOE_SKIP_WITHOUT_GPU();
