@@ -260,6 +260,7 @@ void bench_gathered(const char* name, const uint8_t* A, const uint8_t* B, const 
   const size_t sa_count = size_t(megamoe::kernels::fp8_scale_pitch(M)) * (K / 128);
   BENCH_CHECK_CUDA(cudaMalloc(&sa_plain, sa_count * sizeof(float)));
   fill(sa_plain, sa_count, 1.0f);
+  BENCH_CHECK_CUDA(cudaMemset(D_plain, 0xFF, d_count * sizeof(bf16)));
   BENCH_CHECK_CUDA(cudaMemset(D_gathered, 0xFF, d_count * sizeof(bf16)));
   megamoe::kernels::Fp8GemmRows rows;
   rows.a_rows = perm_d;

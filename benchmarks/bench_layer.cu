@@ -384,7 +384,8 @@ Result run(int64_t H, int64_t I, int iters) {
       }
       overlap(false);
       BENCH_CHECK_OK(fp8_group->synchronize_and_check());
-      std::printf("  fp8 forward + backward, overlapped promotion: %.3f ms against %.3f with the plain loops (x %.3f)\n",
+      std::printf("  fp8 forward + backward, overlapped promotion: %.3f ms against %.3f with the plain loops "
+                  "(x %.3f)\n",
                   median(overlapped_total), median(plain_total), median(plain_total) / median(overlapped_total));
 #if MEGAMOE_BENCH_CUPTI
       std::printf("  fp8 forward + backward:\n");

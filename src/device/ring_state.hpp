@@ -47,7 +47,7 @@ MEGAMOE_HOST_DEVICE_INLINE bool ring_step(Body& body, uint32_t& phase, int& left
   }
 }
 
-// Runs body(std::integral_constant<int, s>{}, phase, last) for `count` (>= 1) consecutive stages of the ring
+// Runs body(std::integral_constant<int, s>{}, phase, last) for `count` consecutive stages of the ring
 // from st on, each stage's index a compile-time constant: a switch enters the ring, unrolled once, at
 // st.index, and the stages fall through round after round. Code that addresses a stage's memory then has
 // constant offsets from the ring's base (for wgmma descriptors: uniform registers, no per-stage arithmetic
@@ -55,6 +55,7 @@ MEGAMOE_HOST_DEVICE_INLINE bool ring_step(Body& body, uint32_t& phase, int& left
 template <int kStages, class Body>
 MEGAMOE_HOST_DEVICE_INLINE void for_each_ring_stage(PipeState<kStages>& st, int count, Body&& body) {
   static_assert(kStages >= 1 && kStages <= 6, "the switch below has six cases");
+  if (count <= 0) return;  // (the walk below would never end)
   int left = count;
   uint32_t phase = st.phase;
   int index = st.index;

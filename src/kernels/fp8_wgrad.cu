@@ -83,7 +83,9 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8
   p.D = D;
   p.accumulate = accumulate ? 1 : 0;
   const int64_t tiles = static_cast<int64_t>(experts) * (M / 128) * (N / 128);
-  if (overlap_promotion) return launch<Fp8WgradConfig<true>>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
+  if (overlap_promotion) {
+    return launch<Fp8WgradConfig<true>>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
+  }
   return launch<Fp8WgradConfig<false>>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
 }
 

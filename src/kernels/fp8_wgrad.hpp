@@ -11,8 +11,8 @@
 // Limits, checked: M and N positive multiples of 128, 1 <= experts <= 1024, capacity in [0, 2^31 - 128 experts);
 // qa, qb, sa, sb and D 16-byte aligned; max_ctas >= 0 caps the persistent grid (0: every SM; virtual ranks
 // sharing a GPU pass their share); overlap_promotion promotes each K block while the next one's wgmma run
-// (fp8_mainloop.cuh's overlapped loop; bitwise the same D; off until measured). offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90
-// only. Asynchronous on `stream`.
+// (fp8_mainloop.cuh's overlapped loop; bitwise the same D; off until measured). offsets: device int32
+// [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous on `stream`.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -25,6 +25,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "gpu/gpu_test_util.hpp"
@@ -334,10 +335,11 @@ TEST(Fp8Gemm, GroupedByExpert) {
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0) << "2-CTA clusters differ from single CTAs";
 
-  // The overlapped promotion (odd and even block counts per tile, empty experts): bitwise the same.
-  for (const int cluster : {1, 2}) {
+  // The overlapped promotion (empty experts; max_ctas 3: CTAs that take several tiles, each starting where
+  // the previous one left the ring): bitwise the same.
+  for (const auto& [cluster, max_ctas] : {std::pair{1, 0}, std::pair{2, 0}, std::pair{1, 3}, std::pair{2, 4}}) {
     dD.poison();
-    Fp8GemmTuning overlapped{cluster, 0};
+    Fp8GemmTuning overlapped{cluster, max_ctas};
     overlapped.overlap_promotion = true;
     const Status o = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), doff.get(), E, max_rows,
                                          N, K, nullptr, overlapped);
@@ -345,7 +347,8 @@ TEST(Fp8Gemm, GroupedByExpert) {
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<bf16> o_out = dD.download();
     EXPECT_EQ(count_bitwise_differences(got, o_out), 0)
-        << "overlapped promotion (cluster " << cluster << ") differs from the plain loop";
+        << "overlapped promotion (cluster " << cluster << ", max_ctas " << max_ctas
+        << ") differs from the plain loop";
     EXPECT_EQ(count_not_nan(o_out, rows * N, max_rows * N), 0)
         << "overlapped promotion wrote rows outside every expert";
   }
@@ -403,17 +406,21 @@ TEST(Fp8Gemm, GroupedByExpert) {
   }
   EXPECT_EQ(unnamed_written, 0) << "rows no pointer names were written";
 
-  // The same gathered call with the overlapped promotion: bitwise the same rows.
-  dOut.poison();
-  Fp8GemmTuning overlapped;
-  overlapped.overlap_promotion = true;
-  const Status gathered_o = fp8_grouped_gemm_nt(dSq.get(), dSs.get(), dB.get(), dsb.get(), nullptr, doff.get(), E,
-                                                max_rows, N, K, nullptr, overlapped, by_index);
-  ASSERT_TRUE(gathered_o.is_ok()) << gathered_o.to_string();
-  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-  const std::vector<bf16> out_o = dOut.download();
-  for (int64_t r = 0; r < rows; ++r) std::copy_n(out_o.begin() + int64_t{dest[r]} * N, N, seen.begin() + r * N);
-  EXPECT_EQ(count_bitwise_differences(want, seen), 0) << "gathered rows with the overlapped promotion differ";
+  // The same gathered call with the overlapped promotion (and with CTAs that take several tiles): bitwise the
+  // same rows.
+  for (const int max_ctas : {0, 3}) {
+    dOut.poison();
+    Fp8GemmTuning overlapped{1, max_ctas};
+    overlapped.overlap_promotion = true;
+    const Status gathered_o = fp8_grouped_gemm_nt(dSq.get(), dSs.get(), dB.get(), dsb.get(), nullptr, doff.get(), E,
+                                                  max_rows, N, K, nullptr, overlapped, by_index);
+    ASSERT_TRUE(gathered_o.is_ok()) << gathered_o.to_string();
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<bf16> out_o = dOut.download();
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(out_o.begin() + int64_t{dest[r]} * N, N, seen.begin() + r * N);
+    EXPECT_EQ(count_bitwise_differences(want, seen), 0)
+        << "gathered rows with the overlapped promotion differ (max_ctas " << max_ctas << ")";
+  }
 
   // D in fp32 (gathered A as above): rounded to bf16 it gives the bf16 call's bits; rows outside every
   // expert stay untouched.

@@ -71,6 +71,7 @@ TEST(Fp8WgradGemmGpuTest, MatchesTheContractOnTokenMajorOperands) {
   DeviceBuffer<int32_t> d_offsets(offsets.size());
   d_offsets.upload(offsets);
   TokenMajorOperands ops(a_rows, M, b_rows, N, d_offsets, experts, capacity);
+  ASSERT_FALSE(::testing::Test::HasFailure()) << "building the token-major operands failed";
   auto &qa = ops.qa, &qb = ops.qb;
   auto &sa = ops.sa, &sb = ops.sb;
   DeviceBuffer<float> d(experts * M * N);  // poisoned (NaN): every element must be written
@@ -160,12 +161,15 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionIsBitwiseThePlainLoop) {
   DeviceBuffer<int32_t> d_offsets(offsets.size());
   d_offsets.upload(offsets);
   TokenMajorOperands ops(a_rows, M, b_rows, N, d_offsets, experts, capacity);
+  ASSERT_FALSE(::testing::Test::HasFailure()) << "building the token-major operands failed";
   auto &qa = ops.qa, &qb = ops.qb;
   auto &sa = ops.sa, &sb = ops.sb;
   std::vector<float> start(experts * M * N);
   for (size_t i = 0; i < start.size(); ++i) start[i] = 0.125f * static_cast<float>(i % 9) - 0.5f;
+  // max_ctas 1 and 3: CTAs that take several tiles, each starting where the previous one left the ring.
+  for (const int max_ctas : {0, 1, 3})
   for (const bool accumulate : {false, true}) {
-    SCOPED_TRACE(accumulate ? "accumulating" : "storing");
+    SCOPED_TRACE(std::string(accumulate ? "accumulating" : "storing") + ", max_ctas " + std::to_string(max_ctas));
     DeviceBuffer<float> plain(start.size()), overlapped(start.size());  // poisoned unless accumulating
     if (accumulate) {
       plain.upload(start);
@@ -175,7 +179,7 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionIsBitwiseThePlainLoop) {
                                         capacity, plain.get(), accumulate, nullptr)
                     .is_ok());
     ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
-                                        capacity, overlapped.get(), accumulate, nullptr, 0, true)
+                                        capacity, overlapped.get(), accumulate, nullptr, max_ctas, true)
                     .is_ok());
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<float> want = plain.download(), got = overlapped.download();

@@ -12,7 +12,7 @@
 // global memory (block_scales.cuh), so that nothing but the promotion stands between one block's wgmma and
 // the next one's; wait for the group, release the stage, then promote (fp8_promotion.cuh):
 // acc += partial * sa * sb in fp32 registers. Two accumulators of BN / 2 registers each per thread. The loop
-// walks the ring with each stage's index a constant (for_each_ring_stage, pipeline.cuh): the descriptors are
+// walks the ring with each stage's index a constant (for_each_ring_stage, ring_state.hpp): the descriptors are
 // then constant offsets from the ring's base, which ptxas keeps in uniform registers.
 #pragma once
 
@@ -39,25 +39,31 @@ __device__ __forceinline__ void zero_fp8_accumulators(float (&acc)[kN], float (&
   }
 }
 
-// One K block of a warpgroup's FP8 tile: wgmma.m64nBNk32 x 4 on stage kIndex into `partial` (the first
-// overwrites it), committed as one group; the caller waits for it.
-template <class Shape, int kIndex>
-__device__ __forceinline__ void issue_fp8_block_at(float (&partial)[Shape::kBN / 2], uint8_t* stages, int cwg) {
+// One K block of a warpgroup's FP8 tile: wgmma.m64nBNk32 x 4 on stage `stage` into `partial` (the first
+// overwrites it), committed as one group; the caller waits for it. A run-time stage is for loops with wgmma in
+// flight across their branches (ptxas serialises those across for_each_ring_stage's switch).
+template <class Shape>
+__device__ __forceinline__ void issue_fp8_block_on(float (&partial)[Shape::kBN / 2], uint8_t* stages, int stage,
+                                                   int cwg) {
   static_assert(Shape::kForm == GemmForm::kNT, "FP8 operands are both K-major");
   static_assert(Shape::kBK * 2 == 128 && Shape::kAStep == 32 && Shape::kBStep == 32, "a stage row is one K block");
-  using Mma = WgmmaE4m3<Shape::kBN>;
-  const uint32_t sa = smem_addr(stages) + kIndex * Shape::kStageBytes;
-  const uint32_t sb = sa + Shape::kABytes;
-  const uint32_t a_base = sa + cwg * kBoxBytes;  // rows 64 cwg .. of the tile (64 rows x 128 bytes)
-  const uint64_t da0 = make_smem_desc(a_base, Shape::kALbo, 1024);
-  const uint64_t db0 = make_smem_desc(sb, Shape::kBLbo, 1024);
+  const uint32_t sa = smem_addr(stages) + stage * Shape::kStageBytes;
+  const uint64_t da0 = make_smem_desc(sa + cwg * kBoxBytes, Shape::kALbo, 1024);  // rows 64 cwg .. of the tile
+  const uint64_t db0 = make_smem_desc(sa + Shape::kABytes, Shape::kBLbo, 1024);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-    Mma::mma(partial, advance_smem_desc(da0, kk * Shape::kAStep), advance_smem_desc(db0, kk * Shape::kBStep),
-             kk > 0 ? 1 : 0);
+    WgmmaE4m3<Shape::kBN>::mma(partial, advance_smem_desc(da0, kk * Shape::kAStep),
+                               advance_smem_desc(db0, kk * Shape::kBStep), kk > 0 ? 1 : 0);
   }
   wgmma_commit();
+}
+
+// The same on a constant stage: its descriptors are constant offsets from the ring's base, which ptxas builds
+// in uniform registers.
+template <class Shape, int kIndex>
+__device__ __forceinline__ void issue_fp8_block_at(float (&partial)[Shape::kBN / 2], uint8_t* stages, int cwg) {
+  issue_fp8_block_on<Shape>(partial, stages, kIndex, cwg);
 }
 
 // acc = sum over the tile's K blocks of scale * (the block's wgmma sum). cwg: consumer warpgroup (rows
@@ -144,25 +150,6 @@ __device__ __forceinline__ void zero_overlapped_accumulators(float (&acc)[kN], f
   for (int i = 0; i < kN; ++i) partial[1][i] = 0.0f;
   fence_accumulators(partial[0]);
   fence_accumulators(partial[1]);
-}
-
-// One K block's wgmma on a stage given at run time (wgmma in flight across the branches of
-// for_each_ring_stage's switch are serialised by ptxas), committed as one group.
-template <class Shape>
-__device__ __forceinline__ void issue_fp8_block_on(float (&partial)[Shape::kBN / 2], uint8_t* stages, int stage,
-                                                   int cwg) {
-  static_assert(Shape::kForm == GemmForm::kNT, "FP8 operands are both K-major");
-  static_assert(Shape::kBK * 2 == 128 && Shape::kAStep == 32 && Shape::kBStep == 32, "a stage row is one K block");
-  const uint32_t sa = smem_addr(stages) + stage * Shape::kStageBytes;
-  const uint64_t da0 = make_smem_desc(sa + cwg * kBoxBytes, Shape::kALbo, 1024);
-  const uint64_t db0 = make_smem_desc(sa + Shape::kABytes, Shape::kBLbo, 1024);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    WgmmaE4m3<Shape::kBN>::mma(partial, advance_smem_desc(da0, kk * Shape::kAStep),
-                               advance_smem_desc(db0, kk * Shape::kBStep), kk > 0 ? 1 : 0);
-  }
-  wgmma_commit();
 }
 
 // The overlapped order over a tile's k_tiles (>= 1) blocks: issue(buffer) issues the block of stage st into
