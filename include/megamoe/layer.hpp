@@ -70,6 +70,16 @@ Status validate(const LayerOptions& options);
 
 enum class IndexType { kInt64, kInt32 };
 
+// Which fp8-blockwise GEMMs of the layer run the overlapped promotion (ExpertParallelLayer::
+// set_fp8_overlap_promotion). On H200 it speeds up the GEMMs whose A rows arrive by TMA (the forward's
+// GEMM2 and the backward's dx GEMM, 8-12%) and slows those that gather A's rows by index (GEMM1 and the
+// backward's first dgrad, about 19%) and the weight gradients (1-4%): docs/PERF.md, run 58.
+enum class Fp8PromotionOverlap : int32_t {
+  kNone = 0,         // every FP8 GEMM with the plain loop
+  kTmaOperands = 1,  // the GEMMs whose A rows are loaded by TMA (the default)
+  kAll = 2,          // every FP8 GEMM, the weight gradients included
+};
+
 struct ForwardArgs {
   int64_t num_tokens = 0;                    // T <= max_tokens_per_rank, may be 0
   const __nv_bfloat16* x = nullptr;          // [T, H]
@@ -167,9 +177,9 @@ class ExpertParallelLayer {
   // first). Must be >= 0; takes effect at the next call.
   Status set_fused_wave_lag(int lag);
   // Tuning of the fp8-blockwise GEMMs' main loop (measurements; the results are bitwise the same): each K
-  // block's promotion overlapped with the next block's tensor-core work (two partial sums per thread).
-  // Off by default; takes effect at the next call.
-  void set_fp8_overlap_promotion(bool on);
+  // block's promotion overlapped with the next block's tensor-core work (two partial sums per thread), on
+  // the GEMMs that Fp8PromotionOverlap names. Default kTmaOperands; takes effect at the next call.
+  void set_fp8_overlap_promotion(Fp8PromotionOverlap where);
 
   const LayerConfig& config() const;
   int64_t expert_row_capacity() const;

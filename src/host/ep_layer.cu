@@ -183,7 +183,7 @@ struct ExpertParallelLayer::Impl {
   const __nv_bfloat16* forward_w2 = nullptr;
   uint64_t* fused_timeline = nullptr;
   int fused_wave_lag = 1;
-  bool fp8_overlap_promotion = false;  // set_fp8_overlap_promotion
+  Fp8PromotionOverlap fp8_overlap = Fp8PromotionOverlap::kTmaOperands;  // set_fp8_overlap_promotion
   // fp8-blockwise: which weights the workspace's quantized copies hold (ForwardArgs::weights_version).
   const void* quantized_w13 = nullptr;
   const void* quantized_w2 = nullptr;
@@ -212,12 +212,15 @@ struct ExpertParallelLayer::Impl {
     tuning.max_ctas = max_blocks;
     return tuning;
   }
-  // The FP8 GEMMs' launch shape: the rank's share of SMs, and the main loop's form.
-  kernels::Fp8GemmTuning fp8_tuning() const {
+  // The FP8 GEMMs' launch shape: the rank's share of SMs, and the main loop's form (rows_gathered: A's rows
+  // are read by index, with cp.async).
+  kernels::Fp8GemmTuning fp8_tuning(bool rows_gathered) const {
     kernels::Fp8GemmTuning tuning{1, max_blocks};
-    tuning.overlap_promotion = fp8_overlap_promotion;
+    tuning.overlap_promotion = fp8_overlap == Fp8PromotionOverlap::kAll ||
+                               (fp8_overlap == Fp8PromotionOverlap::kTmaOperands && !rows_gathered);
     return tuning;
   }
+  bool fp8_wgrad_overlap() const { return fp8_overlap == Fp8PromotionOverlap::kAll; }
   // Weight gradients: expert row counts are uneven in training, so their work items are handed out
   // dynamically, longest first (each rank's own counter in its workspace; the two calls are stream-ordered).
   kernels::GemmTuning weight_grad_tuning() const {
@@ -313,18 +316,17 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
                                                                   buffer<float>(p.layout.w2_s), stream));
   }
   const QuantizedWeights& w = fp8_weights;
-  const kernels::Fp8GemmTuning tuning = fp8_tuning();
   auto* h = buffer<float>(p.layout.h_f32);
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(
       buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs), w.w13, w.w13_scales, nullptr, expert_offsets(), EL,
-      C, static_cast<int>(2 * I), static_cast<int>(H), stream, tuning, received_fp8_rows(h)));
+      C, static_cast<int>(2 * I), static_cast<int>(H), stream, fp8_tuning(true), received_fp8_rows(h)));
   auto* a_q = buffer<uint8_t>(p.layout.a_q);
   auto* a_s = buffer<float>(p.layout.a_s);
   // Only the rows the experts hold (expert_offsets[EL], counted on the device).
   MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_quantize_rows_1x128(h, C, I, expert_offsets() + EL, a_q, a_s,
                                                               kernels::fp8_scale_pitch(C), stream));
   return kernels::fp8_grouped_gemm_nt(a_q, a_s, w.w2, w.w2_scales, nullptr, expert_offsets(), EL, C, static_cast<int>(H),
-                                      static_cast<int>(I), stream, tuning, combine_slot_rows());
+                                      static_cast<int>(I), stream, fp8_tuning(false), combine_slot_rows());
 }
 
 // da = d_out W2 (W2 read N-major, d_out rows gathered from the receive buffer); its epilogue: dh =
@@ -396,11 +398,10 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
                                                                    2 * I, H, buffer<uint8_t>(l.w13t_q),
                                                                    buffer<float>(l.w13t_s), stream));
   }
-  const kernels::Fp8GemmTuning tuning = fp8_tuning();
   auto* g = buffer<float>(l.g_f32);
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(
       buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts), buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s),
-      nullptr, expert_offsets(), EL, C, static_cast<int>(I), static_cast<int>(H), stream, tuning,
+      nullptr, expert_offsets(), EL, C, static_cast<int>(I), static_cast<int>(H), stream, fp8_tuning(true),
       received_fp8_rows(g)));
   auto* dh_q = buffer<uint8_t>(l.dh_q);
   auto* dh_s = buffer<float>(l.dh_s);
@@ -409,7 +410,8 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
       kernels::fp8_scale_pitch(C), nullptr, buffer<float*>(l.row_dot_dest), p.shape.dot_parts, stream));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(dh_q, dh_s, buffer<uint8_t>(l.w13t_q), buffer<float>(l.w13t_s),
                                                        nullptr, expert_offsets(), EL, C, static_cast<int>(H),
-                                                       static_cast<int>(2 * I), stream, tuning, combine_slot_rows()));
+                                                       static_cast<int>(2 * I), stream, fp8_tuning(false),
+                                                       combine_slot_rows()));
   return weight_gradients_fp8(p, args);
 }
 
@@ -438,10 +440,10 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), buffer<float>(l.dyt_s), H,
                                                   buffer<uint8_t>(l.at_q), buffer<float>(l.at_s), I, offsets, EL, C,
                                                   args.d_w2, args.accumulate_weight_grads, stream, max_blocks,
-                                                  fp8_overlap_promotion));
+                                                  fp8_wgrad_overlap()));
   return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dht_q), buffer<float>(l.dht_s), 2 * I, buffer<uint8_t>(l.xt_q),
                                  buffer<float>(l.xt_s), H, offsets, EL, C, args.d_w13, args.accumulate_weight_grads,
-                                 stream, max_blocks, fp8_overlap_promotion);
+                                 stream, max_blocks, fp8_wgrad_overlap());
 }
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -461,7 +463,7 @@ Status ExpertParallelLayer::set_fused_wave_lag(int lag) {
   return Status::ok();
 }
 
-void ExpertParallelLayer::set_fp8_overlap_promotion(bool on) { impl_->fp8_overlap_promotion = on; }
+void ExpertParallelLayer::set_fp8_overlap_promotion(Fp8PromotionOverlap where) { impl_->fp8_overlap = where; }
 
 int ExpertParallelLayer::fused_forward_ctas() const { return std::max(1, impl_->max_blocks); }
 int64_t ExpertParallelLayer::expert_row_capacity() const { return impl_->params.shape.row_capacity; }

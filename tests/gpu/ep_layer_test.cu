@@ -557,10 +557,11 @@ TEST(EpLayerFp8Test, PrequantizedWeightsGiveTheLayersOwnResults) {
   EXPECT_NE(not_fp8.message().find("fp8-blockwise"), std::string::npos) << not_fp8.message();
 }
 
-// set_fp8_overlap_promotion: every FP8 GEMM of the layer (the forward's two, the backward's two dgrads and two
-// weight gradients) with each K block promoted while the next one's wgmma run gives bitwise the same outputs
-// and gradients as the plain loops; and switching back gives them again. Two ranks, and all tokens to one
-// expert (whose weight gradients take three K blocks, the last partial).
+// set_fp8_overlap_promotion: the FP8 GEMMs of the layer (the forward's two, the backward's two dgrads and two
+// weight gradients) with each K block promoted while the next one's wgmma run, on all of them and on the
+// default's share (the GEMMs with A by TMA), give bitwise the same outputs and gradients as the plain loops;
+// and switching back gives them again. Two ranks, and all tokens to one expert (whose weight gradients take
+// three K blocks, the last partial).
 TEST(EpLayerFp8Test, OverlappedPromotionGivesTheSameBits) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   for (const Scenario& sc : {Scenario{"Fp8_overlap_R2", kFp8ScenarioShape, 2, {131, 77}, Routing::kRandom},
@@ -572,15 +573,20 @@ TEST(EpLayerFp8Test, OverlappedPromotionGivesTheSameBits) {
     std::unique_ptr<VirtualRankGroup> group;
     ASSERT_TRUE(VirtualRankGroup::create(p.config, scenario_options(), &group).is_ok());
     std::vector<RankTensors> t = upload(p);
-    Outputs plain, overlapped, again;
-    run_gpu(p, *group, t, &plain);
+    const auto run_with = [&](Fp8PromotionOverlap where, Outputs* out) {
+      for (int r = 0; r < sc.ranks; ++r) group->layer(r).set_fp8_overlap_promotion(where);
+      run_gpu(p, *group, t, out);
+    };
+    Outputs plain, all, by_default, again;
+    run_with(Fp8PromotionOverlap::kNone, &plain);
     if (::testing::Test::HasFatalFailure()) return;
-    for (int r = 0; r < sc.ranks; ++r) group->layer(r).set_fp8_overlap_promotion(true);
-    run_gpu(p, *group, t, &overlapped);
+    run_with(Fp8PromotionOverlap::kAll, &all);
     if (::testing::Test::HasFatalFailure()) return;
-    expect_same_bits(plain, overlapped, p, "the overlapped promotion");
-    for (int r = 0; r < sc.ranks; ++r) group->layer(r).set_fp8_overlap_promotion(false);
-    run_gpu(p, *group, t, &again);
+    expect_same_bits(plain, all, p, "the overlapped promotion on every FP8 GEMM");
+    run_with(Fp8PromotionOverlap::kTmaOperands, &by_default);
+    if (::testing::Test::HasFatalFailure()) return;
+    expect_same_bits(plain, by_default, p, "the overlapped promotion on the TMA-operand GEMMs");
+    run_with(Fp8PromotionOverlap::kNone, &again);
     if (::testing::Test::HasFatalFailure()) return;
     expect_same_bits(plain, again, p, "the plain loops after the overlapped ones");
   }
