@@ -1,5 +1,5 @@
 // E4M3 on the device, bit for bit the CPU emulation of include/megamoe/fp8.hpp: the scale rule, the rounding of
-// a value by its scale, and the value of a code. Shared by every quantizing kernel.
+// a group's values by its scale, and the values of codes. Shared by every quantizing kernel.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -13,15 +13,71 @@ inline constexpr float kE4M3Max = 448.0f;
 // fp8::scale_from_amax: an all-zero (or all-NaN: the amax ignores NaN) group has scale 1.
 __device__ __forceinline__ float scale_from_amax(float amax) { return !(amax <= 0.0f) ? amax / kE4M3Max : 1.0f; }
 
-// fp8::float_to_e4m3 of v / scale (IEEE division, round to nearest even, saturating to +-448, NaN -> 0x7F).
-__device__ __forceinline__ uint32_t e4m3_of(float v, float scale) {
-  return __nv_cvt_float_to_fp8(v / scale, __NV_SATFINITE, __NV_E4M3);
+// The quotients v / scale of one group's values, bit for bit the IEEE division (round to nearest even) the
+// CPU emulation does. A division per value made the quantizers bound by instructions (the token-major one
+// issued about 40 a value), so the group's reciprocal is refined once, with the first two steps of the
+// division's own sequence (the estimate and one Newton step), and each quotient is a product corrected by one
+// FMA (v - q0 scale is exact in an FMA): the sequence the IEEE division itself runs whenever its range check
+// passes, which it does for every scale in [2^-64, 2^64] and every value at most 449 scales in magnitude.
+// Smaller values give quotients below 2^-11 (codes +-0 whatever their last bits). The correction turns
+// v = -0 into +0, so the value's sign is OR-ed back (idempotent for every other value; a NaN stays NaN).
+// Scales outside that range (a denormal or infinite group) divide each value.
+// tests/gpu/fp8_codes_test.cu checks the quotients against the division over every significand.
+inline constexpr float kReciprocalScaleMin = 0x1p-64f;
+inline constexpr float kReciprocalScaleMax = 0x1p64f;
+
+__device__ __forceinline__ float refined_reciprocal(float scale) {
+  float estimate;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(estimate) : "f"(scale));
+  return __fmaf_rn(estimate, __fmaf_rn(estimate, -scale, 1.0f), estimate);
 }
 
-// fp8::e4m3_to_float: every E4M3 code is exact in fp32.
-__device__ __forceinline__ float e4m3_value(uint32_t code) {
-  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code & 0xffu), __NV_E4M3);
-  return __half2float(__half(h));
+__device__ __forceinline__ float quotient_by_reciprocal(float v, float scale, float reciprocal) {
+  const float q0 = __fmul_rn(v, reciprocal);
+  const float q = __fmaf_rn(__fmaf_rn(-q0, scale, v), reciprocal, q0);
+  return __uint_as_float(__float_as_uint(q) | (__float_as_uint(v) & 0x80000000u));
+}
+
+template <int kCount>
+__device__ __forceinline__ void group_quotients(const float (&v)[kCount], float scale, float (&q)[kCount]) {
+  if (scale >= kReciprocalScaleMin && scale <= kReciprocalScaleMax) {
+    const float reciprocal = refined_reciprocal(scale);
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) q[i] = quotient_by_reciprocal(v[i], scale, reciprocal);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) q[i] = __fdiv_rn(v[i], scale);
+  }
+}
+
+// fp8::float_to_e4m3 of four values (saturating to +-448, NaN -> 0x7F), the first in the low byte: two paired
+// conversions.
+__device__ __forceinline__ uint32_t e4m3x4_of(float v0, float v1, float v2, float v3) {
+  const uint32_t low = __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(v2, v3), __NV_SATFINITE, __NV_E4M3);
+  return low | (high << 16);
+}
+
+// The codes of a group's values by its scale, four to a word (value 4 w + k in byte k of word w).
+template <int kCount>
+__device__ __forceinline__ void e4m3_words_of(const float (&v)[kCount], float scale, uint32_t (&words)[kCount / 4]) {
+  static_assert(kCount % 4 == 0, "whole words");
+  float q[kCount];
+  group_quotients(v, scale, q);
+#pragma unroll
+  for (int w = 0; w < kCount / 4; ++w) words[w] = e4m3x4_of(q[4 * w], q[4 * w + 1], q[4 * w + 2], q[4 * w + 3]);
+}
+
+// fp8::e4m3_to_float of the four codes of a word (byte k to value k), by two paired conversions to half:
+// every E4M3 code is exact in half and in fp32.
+__device__ __forceinline__ void e4m3x4_values(uint32_t word, float (&v)[4]) {
+  const __half2_raw low = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word & 0xffffu), __NV_E4M3);
+  const __half2_raw high = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word >> 16), __NV_E4M3);
+  const float2 a = __half22float2(__half2(low)), b = __half22float2(__half2(high));
+  v[0] = a.x;
+  v[1] = a.y;
+  v[2] = b.x;
+  v[3] = b.y;
 }
 
 }  // namespace megamoe::device

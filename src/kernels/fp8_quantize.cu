@@ -6,7 +6,7 @@
 namespace megamoe::kernels {
 namespace {
 
-using device::e4m3_of;
+using device::e4m3_words_of;
 using device::scale_from_amax;
 
 constexpr int kGroup = 128;
@@ -36,8 +36,9 @@ __device__ __forceinline__ WarpGroupQuantized quantize_warp_group(const float (&
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   WarpGroupQuantized out{0u, scale_from_amax(amax)};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) out.bytes |= e4m3_of(v[i], out.scale) << (8 * i);
+  uint32_t words[1];
+  e4m3_words_of(v, out.scale, words);
+  out.bytes = words[0];
   return out;
 }
 
@@ -187,13 +188,9 @@ __global__ void __launch_bounds__(kBlockThreads) quantize_blocks_128x128_kernel(
   for (int i = 0; i < 8; ++i) {
     const int64_t row = br * kGroup + t / 16 + 16 * i;
     if (row >= rows) continue;
-    uint2 bytes{0, 0};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      bytes.x |= e4m3_of(v[i][k], scale) << (8 * k);
-      bytes.y |= e4m3_of(v[i][4 + k], scale) << (8 * k);
-    }
-    *reinterpret_cast<uint2*>(q + row * cols + col) = bytes;
+    uint32_t words[2];
+    e4m3_words_of(v[i], scale, words);
+    *reinterpret_cast<uint2*>(q + row * cols + col) = make_uint2(words[0], words[1]);
   }
   if (t == 0) scales[blockIdx.x] = scale;
 }

@@ -64,7 +64,7 @@ struct Outputs {
 // resident blocks an SM (the register budget: the most that compile without spilling). row() once per block
 // and row, fetch() a row's raw loads of channels j + 32 m + (0..3), expand() their values. A row that reads as
 // zeros gets an all-zero Raw, which every expand() turns into +0 values (0 * anything finite here is +0:
-// e4m3_value(0) * 0 * 0; silu(0) * 0; swiglu_backward(0, 0, 0)).
+// the value of code 0 times 0 times 0; silu(0) * 0; swiglu_backward(0, 0, 0)).
 
 __device__ __forceinline__ float4 load_float4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
 
@@ -114,9 +114,14 @@ struct E4m3Rows {
   }
   __device__ __forceinline__ void expand(const Raw& raw, RowRef row, float (&v)[kOutputs][4 * kPieces]) const {
 #pragma unroll
-    for (int k = 0; k < 4 * kPieces; ++k) {
-      v[0][k] = device::e4m3_value(raw.codes[k / 4] >> (8 * (k % 4))) * raw.scale;
-      if (row_weight != nullptr) v[0][k] *= row.weight;
+    for (int m = 0; m < kPieces; ++m) {
+      float codes[4];
+      device::e4m3x4_values(raw.codes[m], codes);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[0][4 * m + k] = codes[k] * raw.scale;
+        if (row_weight != nullptr) v[0][4 * m + k] *= row.weight;
+      }
     }
   }
 };
@@ -322,9 +327,8 @@ __global__ void __launch_bounds__(kThreads, Rows::kMinBlocks)
 #pragma unroll
       for (int offset = 1; offset < 8; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
       const float scale = device::scale_from_amax(amax);
-      uint32_t word[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-      for (int i = 0; i < kLaneRows; ++i) word[i / 4] |= device::e4m3_of(v[i], scale) << (8 * (i % 4));
+      uint32_t word[kLaneRows / 4];
+      device::e4m3_words_of(v, scale, word);
       const Output& o = out.o[kPassColumns * pass / kWidth];  // a constant index: the pass's output
       const int64_t c = o.first + static_cast<int64_t>(slab) * kWidth + (kPassColumns * pass + pass_column) % kWidth;
       *reinterpret_cast<uint4*>(o.qt + c * columns + group.column + kLaneRows * part) =
