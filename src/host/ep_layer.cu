@@ -218,7 +218,6 @@ struct ExpertParallelLayer::Impl {
     kernels::Fp8GemmTuning tuning{1, max_blocks};
     tuning.overlap_promotion = fp8_overlap == Fp8PromotionOverlap::kAll ||
                                (fp8_overlap == Fp8PromotionOverlap::kTmaOperands && !rows_gathered);
-    tuning.gather_rows_by_tma = rows_gathered;
     return tuning;
   }
   bool fp8_wgrad_overlap() const { return fp8_overlap == Fp8PromotionOverlap::kAll; }

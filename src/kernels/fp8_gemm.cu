@@ -75,12 +75,6 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   MEGAMOE_RETURN_IF_ERROR(hopper_device_sms("fp8 GEMM", &num_sms));
   CUtensorMap tm_a{}, tm_b{}, tm_sa{}, tm_d{};
   const uint64_t rows = static_cast<uint64_t>(std::max<int64_t>(max_rows, 1));
-  if constexpr (Cfg::kRowTma) {
-    // The source rows, one row of one K block a box.
-    const uint64_t dims[2] = {static_cast<uint64_t>(K), static_cast<uint64_t>(by_index.a_source_rows)};
-    const uint32_t box[2] = {64, 1};
-    MEGAMOE_RETURN_IF_ERROR(map_e4m3(&tm_a, A, 2, dims, box));
-  }
   if constexpr (!Cfg::kGatherA) {
     {
       const uint64_t dims[2] = {rows, static_cast<uint64_t>(K / kKBlock)};
@@ -149,10 +143,6 @@ Status launch_overlap(const Fp8GemmTuning& tuning, const uint8_t* A, const float
                       int N, int K, const Fp8GemmRows& by_index, cudaStream_t stream) {
   const int cap = tuning.max_ctas;
   if (by_index.a_rows != nullptr) {
-    if (tuning.gather_rows_by_tma) {
-      return launch<Fp8GemmConfig<1, true, kOverlap, true>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K,
-                                                            by_index, cap, stream);
-    }
     return launch<Fp8GemmConfig<1, true, kOverlap>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index,
                                                     cap, stream);
   }
@@ -230,9 +220,6 @@ Status fp8_gemm_preload() {
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<2, false, true>>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, true, true>>));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, true, false, true>>));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, true, true, true>>));
   return Status::ok();
 }
 

@@ -55,9 +55,6 @@ struct Fp8GemmTuning {
   // Each consumer warpgroup promotes a K block while its next block's wgmma run (two partial accumulators,
   // mma_tile_fp8_blockwise_overlapped); bitwise the same output. Off by default until measured.
   bool overlap_promotion = false;
-  // Gathered A rows (Fp8GemmRows::a_rows) by one TMA box per row, issued by one producer warp, rather than by
-  // the producer warpgroup's cp.async; bitwise the same output.
-  bool gather_rows_by_tma = false;
 };
 
 // Dense: A [M, K], sa [K / 128, fp8_scale_pitch(M)], B [N, K], sb [ceil(N / 128), K / 128], D [M, N] bf16

@@ -8,8 +8,7 @@
 //     thread 32 loads the stage's A scales with TMA (load_block_scales: sa of the tile's 128 rows);
 //     or, with A's rows gathered by index (the layer's receive buffer read in expert order), all 128 threads
 //     copy the stage's A rows and each one row's scale with cp.async (TileLoader's gathered tile,
-//     gather_block_scale), thread 0 still issuing B through TMA; with kRowTma the first warp issues the A
-//     rows as one TMA box each instead, and the 128 threads copy only the scales;
+//     gather_block_scale), thread 0 still issuing B through TMA;
 //   warpgroups 1 and 2, the consumers (setmaxnreg up): 64 rows each; per stage wgmma x 4 into a temporary
 //     accumulator and the fp32 promotion with the scales (mma_tile_fp8_blockwise, which waits for the next
 //     stage and reads the weight block's scale from global memory one K block ahead while the tensor cores
@@ -53,15 +52,12 @@ struct Fp8GemmParams {
 };
 
 // kOverlap_: the consumers' loop is mma_tile_fp8_blockwise_overlapped (two partial accumulators: 232
-// registers for them, 40 for the producer) instead of mma_tile_fp8_blockwise. kRowTma_: gathered A rows by
-// one TMA box per row (tm_a is then the source rows' map) rather than by cp.async.
-template <int kCluster, bool kGatherA_, bool kOverlap_ = false, bool kRowTma_ = false>
+// registers for them, 40 for the producer) instead of mma_tile_fp8_blockwise.
+template <int kCluster, bool kGatherA_, bool kOverlap_ = false>
 struct Fp8GemmConfig {
   static_assert(!kGatherA_ || kCluster == 1, "gathered rows are not multicast");
-  static_assert(!kRowTma_ || kGatherA_, "row boxes are a way of gathering A");
   static constexpr bool kGatherA = kGatherA_;
   static constexpr bool kOverlap = kOverlap_;
-  static constexpr bool kRowTma = kRowTma_;
   static constexpr int kBN = 128;
   // 5 x 32 KB stages + 2 x 2 staging boxes (TMA stores keep a warpgroup's whole 64 x 128 slice in flight)
   // + the tile numbering's tables fit in 227 KB; a sixth stage does not.
@@ -69,7 +65,7 @@ struct Fp8GemmConfig {
   static constexpr int kSlots = kBN / 64;
   // The bf16-pair view: kBK = 64 "bf16" = 128 e4m3 = one K block (fp8_mainloop.cuh).
   using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, kCluster>;
-  using Loader = device::TileLoader<Shape, kGatherA, false, kRowTma>;
+  using Loader = device::TileLoader<Shape, kGatherA, false>;
   using Tiles = device::GroupedTiles<Shape::kBM, kBN, Shape::kBK, kCluster, false>;
   // Full barrier of a stage: the operand TMA thread's expect-tx arrival plus the scale thread's; gathered,
   // the TMA thread's plus every gathering thread's (its copies include its row's scale).

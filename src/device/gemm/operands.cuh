@@ -66,29 +66,6 @@ struct GatheredKMajorTile {
   }
 };
 
-// The same K-major tile with one TMA box per row (a 128-byte box of one row at the row's offset in the stage,
-// which the hardware swizzles by that shared-memory address as it does a whole tile's box): issued by the
-// producer's first warp, lane l taking rows l + 32 i, so that the copies run in the TMA unit and count toward
-// the stage's transaction bytes instead of occupying 128 threads' cp.async. `map` is the source [source_rows,
-// cols] in boxes of 64 columns x 1 row. Rows past the tile's valid rows load from row source_rows, past the
-// tensor's end: zeros, as the cp.async path's zero-fill, with the box's bytes still counted.
-struct GatheredTmaRows {
-  static constexpr int kRowsPerLane = 128 / 32;
-  int src[kRowsPerLane];
-
-  __device__ __forceinline__ void prepare(const GatherOperand& g, int row0, int valid, int lane) {
-#pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) {
-      const int r = lane + 32 * i;
-      src[i] = r < valid ? gather_row(g, row0 + r) : g.source_rows;
-    }
-  }
-  __device__ __forceinline__ void load(uint8_t* dst, const CUtensorMap* map, int k0, uint64_t* bar, int lane) const {
-#pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) tma_load_2d(dst + (lane + 32 * i) * 128, map, k0, src[i], bar);
-  }
-};
-
 // MN-major stages gathered by index: a stage holds 64 reduction rows x kWidth columns (kWidth / 64 boxes of
 // 64 x 64). Thread t copies piece t % 8 of rows t / 8 + 16 i, i = 0..3, in every box. The source rows of a
 // stage are looked up two stages ahead, so that the index loads' latency is not paid stage after stage.
@@ -145,32 +122,24 @@ struct OperandSources {
 
 // Fills stages for one work item. `thread` 0 of the producer warpgroup posts the TMA transaction count and
 // issues the TMA boxes; with gathered operands every producer thread copies its pieces and arrives when
-// they have landed (the full barrier counts 1 + 128 arrivals then). kRowTmaA (gathered A, M-grouped forms):
-// A's rows come by one TMA box each (GatheredTmaRows, map_a being the source's map) and count toward the
-// transaction bytes; the producer threads still arrive once each (on whatever else they copy, or on nothing).
-template <class Shape, bool kGatherA, bool kGatherB, bool kRowTmaA = false>
+// they have landed (the full barrier counts 1 + 128 arrivals then).
+template <class Shape, bool kGatherA, bool kGatherB>
 struct TileLoader {
   static_assert(!kGatherB || Shape::kKGrouped, "B is gathered in the K-grouped form only");
   static_assert(!(kGatherA || kGatherB) || Shape::kCluster == 1, "gathered operands are not multicast");
-  static_assert(!kRowTmaA || (kGatherA && !Shape::kKGrouped), "row boxes gather the K-major A of M-grouped forms");
   static constexpr bool kGathers = kGatherA || kGatherB;
   static constexpr int kFullArrivals = 1 + (kGathers ? kProducerThreads : 0);
-  static constexpr uint32_t kTmaBytes = (kGatherA && !kRowTmaA ? 0u : static_cast<uint32_t>(Shape::kABytes)) +
-                                        (kGatherB ? 0u : static_cast<uint32_t>(Shape::kBBytes));
+  static constexpr uint32_t kTmaBytes =
+      (kGatherA ? 0u : static_cast<uint32_t>(Shape::kABytes)) + (kGatherB ? 0u : static_cast<uint32_t>(Shape::kBBytes));
 
   const CUtensorMap* map_a;
   const CUtensorMap* map_b;
   OperandSources src;
-  GatheredKMajorTile rows_a;  // kGatherA, M-grouped forms, by cp.async
-  GatheredTmaRows row_boxes_a;  // kRowTmaA
+  GatheredKMajorTile rows_a;  // kGatherA, M-grouped forms
   GatheredMnRows mn_a, mn_b;  // K-grouped form
 
   __device__ __forceinline__ void begin_tile(const TileCoord& tile, int ptid) {
-    if constexpr (kRowTmaA) {
-      if (ptid < 32) row_boxes_a.prepare(src.a, tile.row0, tile.rows, ptid);
-    } else if constexpr (kGatherA && !Shape::kKGrouped) {
-      rows_a.prepare(src.a, tile.row0, tile.rows, ptid);
-    }
+    if constexpr (kGatherA && !Shape::kKGrouped) rows_a.prepare(src.a, tile.row0, tile.rows, ptid);
     if constexpr (kGatherA && Shape::kKGrouped) mn_a.begin(src.a, tile.row0, tile.rows, ptid);
     if constexpr (kGatherB) mn_b.begin(src.b, tile.row0, tile.rows, ptid);
   }
@@ -233,8 +202,6 @@ struct TileLoader {
         if constexpr (kGatherA)
           mn_a.template load<Shape::kBM>(smem_addr(sa), src.a, tile.row0, tile.rows, kt, tile.m_idx * Shape::kBM, ptid);
         if constexpr (kGatherB) mn_b.template load<Shape::kBN>(smem_addr(sb), src.b, tile.row0, tile.rows, kt, n0, ptid);
-      } else if constexpr (kRowTmaA) {
-        if (ptid < 32) row_boxes_a.load(sa, map_a, k0, bar, ptid);
       } else {
         rows_a.load(smem_addr(sa), src.a, k0, ptid);
       }
