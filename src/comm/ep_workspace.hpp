@@ -90,6 +90,8 @@ struct WorkspaceLayout {
   int64_t x_s = 0;             // f32 [T, H / 128]
   int64_t recv_xq = 0;         // e4m3 [R, T, H]: the received token rows
   int64_t recv_xs = 0;         // f32 [R, T, H / 128]: their scales, a row's together
+  int64_t rows_q = 0;          // e4m3 [C, H]: received rows in expert order, GEMM1's x then the dgrad's d_out
+  int64_t rows_s = 0;          // f32 [H / 128, kernels::fp8_scale_pitch(C)]: their scales, K-block-major
   int64_t h_f32 = 0;           // f32 [C, 2I]: GEMM1's output, unrounded (a is quantized from it)
   int64_t a_q = 0;             // e4m3 [C, I]: GEMM2's operand
   int64_t a_s = 0;             // f32 [I / 128, kernels::fp8_scale_pitch(C)]: K-block-major
@@ -173,6 +175,8 @@ struct WorkspaceLayout {
     l.x_s = take(q * 4 * T * (H / 128));
     l.recv_xq = take(q * R * T * H);
     l.recv_xs = take(q * 4 * R * T * (H / 128));
+    l.rows_q = take(q * C * H);
+    l.rows_s = take(q * 4 * (H / 128) * kernels::fp8_scale_pitch(C));
     l.h_f32 = take(q * 4 * C * 2 * I);
     l.a_q = take(q * C * I);
     l.a_s = take(q * 4 * (I / 128) * kernels::fp8_scale_pitch(C));

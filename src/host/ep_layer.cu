@@ -11,6 +11,7 @@
 #include "kernels/cuda_check.hpp"
 #include "kernels/ep_kernels.hpp"
 #include "kernels/fp8_gemm.hpp"
+#include "kernels/fp8_gather_rows.hpp"
 #include "kernels/fp8_quantize.hpp"
 #include "kernels/fp8_token_major.hpp"
 #include "kernels/fp8_wgrad.hpp"
@@ -212,12 +213,11 @@ struct ExpertParallelLayer::Impl {
     tuning.max_ctas = max_blocks;
     return tuning;
   }
-  // The FP8 GEMMs' launch shape: the rank's share of SMs, and the main loop's form (rows_gathered: A's rows
-  // are read by index, with cp.async).
-  kernels::Fp8GemmTuning fp8_tuning(bool rows_gathered) const {
+  // The FP8 data GEMMs' launch shape: the rank's share of SMs, and the main loop's form. Their A operands all
+  // come by TMA (the received rows are copied into expert order first), so kTmaOperands names all four.
+  kernels::Fp8GemmTuning fp8_tuning() const {
     kernels::Fp8GemmTuning tuning{1, max_blocks};
-    tuning.overlap_promotion = fp8_overlap == Fp8PromotionOverlap::kAll ||
-                               (fp8_overlap == Fp8PromotionOverlap::kTmaOperands && !rows_gathered);
+    tuning.overlap_promotion = fp8_overlap != Fp8PromotionOverlap::kNone;
     return tuning;
   }
   bool fp8_wgrad_overlap() const { return fp8_overlap == Fp8PromotionOverlap::kAll; }
@@ -239,10 +239,18 @@ struct ExpertParallelLayer::Impl {
     return g;
   }
   // The same for the FP8 GEMM, its D kept in fp32.
-  kernels::Fp8GemmRows received_fp8_rows(float* d_fp32) const {
+  // The received e4m3 rows q (scales row-major, as they travel) copied into expert order in the workspace's
+  // rows_q / rows_s: the A operand of GEMM1 (x) and of the dgrad (d_out) through TMA (fp8_gather_rows.hpp).
+  Status fp8_rows_in_expert_order(const uint8_t* q, const float* scales) const {
+    const ep::WorkspaceLayout& l = params.layout;
+    const int64_t C = params.shape.row_capacity;
+    return kernels::gather_rows_e4m3(q, scales, received_source_rows(), buffer<int32_t>(l.row_src), config.hidden,
+                                     expert_offsets() + config.experts_per_rank(), C, buffer<uint8_t>(l.rows_q),
+                                     buffer<float>(l.rows_s), kernels::fp8_scale_pitch(C), placement.stream);
+  }
+  // An FP8 GEMM's output stored unrounded (fp32, contiguous): GEMM1's h, the dgrad's g.
+  static kernels::Fp8GemmRows fp32_rows(float* d_fp32) {
     kernels::Fp8GemmRows rows;
-    rows.a_rows = buffer<int32_t>(params.layout.row_src);
-    rows.a_source_rows = received_source_rows();
     rows.d_fp32 = d_fp32;
     return rows;
   }
@@ -317,16 +325,18 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
   }
   const QuantizedWeights& w = fp8_weights;
   auto* h = buffer<float>(p.layout.h_f32);
-  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(
-      buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs), w.w13, w.w13_scales, nullptr, expert_offsets(), EL,
-      C, static_cast<int>(2 * I), static_cast<int>(H), stream, fp8_tuning(true), received_fp8_rows(h)));
+  MEGAMOE_RETURN_IF_ERROR(fp8_rows_in_expert_order(buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs)));
+  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(p.layout.rows_q), buffer<float>(p.layout.rows_s),
+                                                       w.w13, w.w13_scales, nullptr, expert_offsets(), EL, C,
+                                                       static_cast<int>(2 * I), static_cast<int>(H), stream,
+                                                       fp8_tuning(), fp32_rows(h)));
   auto* a_q = buffer<uint8_t>(p.layout.a_q);
   auto* a_s = buffer<float>(p.layout.a_s);
   // Only the rows the experts hold (expert_offsets[EL], counted on the device).
   MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_quantize_rows_1x128(h, C, I, expert_offsets() + EL, a_q, a_s,
                                                               kernels::fp8_scale_pitch(C), stream));
   return kernels::fp8_grouped_gemm_nt(a_q, a_s, w.w2, w.w2_scales, nullptr, expert_offsets(), EL, C, static_cast<int>(H),
-                                      static_cast<int>(I), stream, fp8_tuning(false), combine_slot_rows());
+                                      static_cast<int>(I), stream, fp8_tuning(), combine_slot_rows());
 }
 
 // da = d_out W2 (W2 read N-major, d_out rows gathered from the receive buffer); its epilogue: dh =
@@ -399,10 +409,11 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
                                                                    buffer<float>(l.w13t_s), stream));
   }
   auto* g = buffer<float>(l.g_f32);
-  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(
-      buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts), buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s),
-      nullptr, expert_offsets(), EL, C, static_cast<int>(I), static_cast<int>(H), stream, fp8_tuning(true),
-      received_fp8_rows(g)));
+  MEGAMOE_RETURN_IF_ERROR(fp8_rows_in_expert_order(buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts)));
+  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(l.rows_q), buffer<float>(l.rows_s),
+                                                       buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s), nullptr,
+                                                       expert_offsets(), EL, C, static_cast<int>(I),
+                                                       static_cast<int>(H), stream, fp8_tuning(), fp32_rows(g)));
   auto* dh_q = buffer<uint8_t>(l.dh_q);
   auto* dh_s = buffer<float>(l.dh_s);
   MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_backward_quantize_rows_1x128(
@@ -410,7 +421,7 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
       kernels::fp8_scale_pitch(C), nullptr, buffer<float*>(l.row_dot_dest), p.shape.dot_parts, stream));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(dh_q, dh_s, buffer<uint8_t>(l.w13t_q), buffer<float>(l.w13t_s),
                                                        nullptr, expert_offsets(), EL, C, static_cast<int>(H),
-                                                       static_cast<int>(2 * I), stream, fp8_tuning(false),
+                                                       static_cast<int>(2 * I), stream, fp8_tuning(),
                                                        combine_slot_rows()));
   return weight_gradients_fp8(p, args);
 }
@@ -495,6 +506,7 @@ Status preload_kernels() {
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_gemm_preload());
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_quantize_preload());
   MEGAMOE_RETURN_IF_ERROR(kernels::token_major_preload());
+  MEGAMOE_RETURN_IF_ERROR(kernels::gather_rows_preload());
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_preload());
   return kernels::grouped_gemm_preload();
 }

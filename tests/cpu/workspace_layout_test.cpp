@@ -45,6 +45,8 @@ std::vector<Buffer> fp8_buffers(const WorkspaceLayout& l, const Shape& s) {
           {"x_s", l.x_s, 4 * T * (H / 128)},
           {"recv_xq", l.recv_xq, R * T * H},
           {"recv_xs", l.recv_xs, 4 * R * T * (H / 128)},
+          {"rows_q", l.rows_q, C * H},
+          {"rows_s", l.rows_s, 4 * (H / 128) * kernels::fp8_scale_pitch(C)},
           {"h_f32", l.h_f32, 4 * C * 2 * I},
           {"a_q", l.a_q, C * I},
           {"a_s", l.a_s, 4 * (I / 128) * kernels::fp8_scale_pitch(C)},

@@ -1,0 +1,76 @@
+// One warp per row: 16-byte loads and stores across the row (a lane takes every 32nd piece), the row's scales
+// by the first cols / 128 lanes. The source rows come from a receive buffer that the rows revisit (top-K
+// copies of a token), mostly from L2; the copy is bound by its stores.
+#include <string>
+
+#include "kernels/cuda_check.hpp"
+#include "kernels/fp8_gather_rows.hpp"
+
+namespace megamoe::kernels {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+
+__global__ void gather_rows_e4m3_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scales,
+                                        int64_t source_rows, const int32_t* __restrict__ row_src, int64_t cols,
+                                        const int32_t* __restrict__ rows_used, int64_t capacity,
+                                        uint8_t* __restrict__ out_q, float* __restrict__ out_s, int64_t pitch) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int64_t rows = min(max(static_cast<int64_t>(__ldg(rows_used)), int64_t{0}), capacity);
+  const int64_t pieces = cols / 16, groups = cols / 128;
+  for (int64_t r = warp; r < rows; r += warp_stride) {
+    const int64_t src = min(max(static_cast<int64_t>(__ldg(row_src + r)), int64_t{0}), source_rows - 1);
+    const uint4* from = reinterpret_cast<const uint4*>(q + src * cols);
+    uint4* to = reinterpret_cast<uint4*>(out_q + r * cols);
+    // Four pieces in flight per lane before any store.
+    for (int64_t i = lane; i < pieces; i += 4 * 32) {
+      uint4 v[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (i + 32 * k < pieces) v[k] = __ldg(from + i + 32 * k);
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (i + 32 * k < pieces) to[i + 32 * k] = v[k];
+    }
+    for (int64_t kb = lane; kb < groups; kb += 32) out_s[kb * pitch + r] = __ldg(scales + src * groups + kb);
+  }
+}
+
+}  // namespace
+
+Status gather_rows_e4m3(const uint8_t* q, const float* scales, int64_t source_rows, const int32_t* row_src,
+                        int64_t cols, const int32_t* rows_used, int64_t capacity, uint8_t* out_q, float* out_s,
+                        int64_t scales_pitch, cudaStream_t stream) {
+  if (cols <= 0 || cols % 128 != 0 || capacity < 0)
+    return Status::invalid("gather_rows_e4m3: cols must be a positive multiple of 128 and capacity >= 0, got cols=" +
+                           std::to_string(cols) + " capacity=" + std::to_string(capacity));
+  if (capacity == 0) return Status::ok();
+  if (source_rows < 1) return Status::invalid("gather_rows_e4m3: source_rows must be >= 1");
+  if (scales_pitch < capacity)
+    return Status::invalid("gather_rows_e4m3: scales_pitch must be at least capacity=" + std::to_string(capacity) +
+                           ", got " + std::to_string(scales_pitch));
+  if (q == nullptr || scales == nullptr || row_src == nullptr || rows_used == nullptr || out_q == nullptr ||
+      out_s == nullptr)
+    return Status::invalid("gather_rows_e4m3: null pointer");
+  if ((reinterpret_cast<uintptr_t>(q) & 15u) != 0 || (reinterpret_cast<uintptr_t>(out_q) & 15u) != 0)
+    return Status::invalid("gather_rows_e4m3: q and out_q must be 16-byte aligned");
+  int device = 0, num_sms = 0;
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t needed = (capacity + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int blocks = static_cast<int>(needed < num_sms * 16 ? needed : num_sms * 16);
+  gather_rows_e4m3_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(q, scales, source_rows, row_src, cols, rows_used,
+                                                                     capacity, out_q, out_s, scales_pitch);
+  MEGAMOE_CHECK_LAUNCH(stream, "gather_rows_e4m3_kernel");
+  return Status::ok();
+}
+
+Status gather_rows_preload() {
+  cudaFuncAttributes attributes{};
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, gather_rows_e4m3_kernel));
+  return Status::ok();
+}
+
+}  // namespace megamoe::kernels
