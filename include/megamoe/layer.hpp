@@ -71,12 +71,13 @@ Status validate(const LayerOptions& options);
 enum class IndexType { kInt64, kInt32 };
 
 // Which fp8-blockwise GEMMs of the layer run the overlapped promotion (ExpertParallelLayer::
-// set_fp8_overlap_promotion). On H200 it speeds up the GEMMs whose A rows arrive by TMA (the forward's
-// GEMM2 and the backward's dx GEMM, 8-12%) and slows those that gather A's rows by index (GEMM1 and the
-// backward's first dgrad, about 19%) and the weight gradients (1-4%): docs/PERF.md, run 58.
+// set_fp8_overlap_promotion). On H200 it speeds up the GEMMs whose A rows arrive by TMA (8-12% each, run 58)
+// and slows the weight gradients (1-4%). The layer's four data GEMMs (GEMM1, GEMM2 and the backward's two
+// dgrads) all load A by TMA since their received rows are copied into expert order first; the whole step
+// then runs 3-4% faster than with the plain loops (docs/PERF.md, run 62).
 enum class Fp8PromotionOverlap : int32_t {
   kNone = 0,         // every FP8 GEMM with the plain loop
-  kTmaOperands = 1,  // the GEMMs whose A rows are loaded by TMA (the default)
+  kTmaOperands = 1,  // the GEMMs whose A rows are loaded by TMA: the four data GEMMs (the default)
   kAll = 2,          // every FP8 GEMM, the weight gradients included
 };
 
