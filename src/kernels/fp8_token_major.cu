@@ -3,7 +3,7 @@
 // expert offsets across its lanes, so that nothing waits on one thread walking the experts; the group's rows
 // (where each starts in the input, its routing weight) go to shared memory once.
 //
-// Per slab, each thread loads 4 channels (E4M3: twice 4) of four rows: 16-byte fp32 loads, 4-byte E4M3 loads.
+// Per slab, each thread loads 4 channels (E4M3: 8) of four rows: 16-byte fp32 loads, 8-byte E4M3 loads.
 // The next slab's loads are issued before this slab is quantized, so that they are in flight meanwhile. The
 // thread turns them into the slab's values (one to three per input channel: the copy's own; dh's gate and up
 // halves from one read of g and h; or a and both halves of dh) and stores them as float4 into a shared fp32
@@ -59,10 +59,11 @@ struct Outputs {
   Output o[kCount];
 };
 
-// A Rows type is the value source of one kernel: kPieces pieces of 4 input channels per row and lane, 32
-// channels apart (a slab is kWidth = 32 kPieces input channels), kOutputs values per input channel, kMinBlocks
-// resident blocks an SM (the register budget: the most that compile without spilling). row() once per block
-// and row, fetch() a row's raw loads of channels j + 32 m + (0..3), expand() their values. A row that reads as
+// A Rows type is the value source of one kernel: kPieces pieces of 4 input channels per row and lane, adjacent
+// (a lane's 4 kPieces channels are contiguous; a slab is kWidth = 32 kPieces input channels), kOutputs values
+// per input channel, kMinBlocks resident blocks an SM (the register budget: the most that compile without
+// spilling). row() once per block and row, fetch() a row's raw loads of channels j + 4 m + (0..3) for pieces
+// m = 0 .. kPieces - 1, expand() their values. A row that reads as
 // zeros gets an all-zero Raw, which every expand() turns into +0 values (0 * anything finite here is +0:
 // the value of code 0 times 0 times 0; silu(0) * 0; swiglu_backward(0, 0, 0)).
 
@@ -85,7 +86,9 @@ struct Fp32Rows {
   }
 };
 
-// Two pieces a lane: one 32-bit load of codes gives only 4 values, so a row's address and scale serve 8.
+// Two pieces a lane, one 8-byte load of 8 codes: the loads are gathered rows, and the L1 path (a wavefront
+// per row a load touches) bound the kernel with a 4-byte load per piece (docs/PERF.md run 64: 82% of L1
+// throughput). Four pieces (16-byte loads) spill at the 80 registers of three blocks an SM.
 struct E4m3Rows {
   static constexpr int kPieces = 2, kOutputs = 1, kMinBlocks = 4;
   const uint8_t* q;
@@ -104,12 +107,12 @@ struct E4m3Rows {
     return {src * channels, row_weight != nullptr ? __ldg(row_weight + r) : 1.0f};
   }
   // The row's scale for channel j is scales[src * (channels / 128) + j / 128] = scales[(base + j) / 128],
-  // written as a shift (both are >= 0) to spare the signed division's fix-ups; a slab's 64 channels share it.
+  // written as a shift (both are >= 0) to spare the signed division's fix-ups; a slab's channels share it.
   __device__ __forceinline__ void fetch(RowRef row, int64_t j, Raw& raw) const {
-    static_assert(kGroup == 1 << 7 && kGroup % (32 * kPieces) == 0, "a slab has one scale a row");
-    const uint8_t* p = q + row.base + j;
-#pragma unroll
-    for (int m = 0; m < kPieces; ++m) raw.codes[m] = __ldg(reinterpret_cast<const uint32_t*>(p + 32 * m));
+    static_assert(kGroup == 1 << 7 && kGroup % (32 * kPieces) == 0 && kPieces == 2, "a slab has one scale a row");
+    const uint2 codes = __ldg(reinterpret_cast<const uint2*>(q + row.base + j));
+    raw.codes[0] = codes.x;
+    raw.codes[1] = codes.y;
     raw.scale = __ldg(scales + ((row.base + j) >> 7));
   }
   __device__ __forceinline__ void expand(const Raw& raw, RowRef row, float (&v)[kOutputs][4 * kPieces]) const {
@@ -268,14 +271,15 @@ __global__ void __launch_bounds__(kThreads, Rows::kMinBlocks)
 
   // The loading steps: step i takes 32 rows, 8 lanes a row. A thread's four rows all lie in one group of 16
   // (rows 16 row_group + 4 i + row_slot / 8), so its tile swizzle is fixed: it stores tile quad `quad` (and
-  // quad + 8 m for piece m) of its rows, which holds channels 4 (quad ^ row_group) (+ 32 m) of the slab, and
-  // every address moves by a constant from step to step (so the compiler has nothing to hoist out of the slab
-  // loop into registers).
+  // quad + 8 m for piece m) of its rows, which holds channels 4 kPieces (quad ^ row_group) (+ 4 m) of the
+  // slab (the eight lanes of a row load one contiguous run of the row), and every address moves by a constant
+  // from step to step (so the compiler has nothing to hoist out of the slab loop into registers). Tile column
+  // 32 m + 4 q + k of a row of group g so holds slab channel 4 kPieces (q ^ g) + 4 m + k.
   constexpr int kSteps = 4, kRowStride = 4;
   static_assert(kSteps * (kThreads / 8) == kGroup && kRowStride * kSteps == 16, "8 lanes a row, 4 rows a group");
   const int quad = static_cast<int>(t % 8), row_slot = static_cast<int>(t / 8);
   const int row_group = row_slot % 8, first_row = 16 * row_group + row_slot / 8;
-  const int channel = 4 * (quad ^ row_group);
+  const int channel = 4 * kPieces * (quad ^ row_group);
   float* const tile_rows = tile + first_row * kColumns + 4 * quad;
 
   const int slab_begin = static_cast<int>(blockIdx.y) * kSlabsPerBlock;
@@ -299,6 +303,12 @@ __global__ void __launch_bounds__(kThreads, Rows::kMinBlocks)
   const int warp = static_cast<int>(t / 32), lane = static_cast<int>(t % 32), part = lane % 8;
   const int pass_column = 4 * warp + lane / 8;
   const float* const lane_tile = tile + kLaneRows * part * kColumns + (pass_column ^ (part << 2));
+  // The lane reads tile column 32 m + 4 (q ^ part) + k of its rows (group `part`), m the pass's piece and
+  // pass_column = 4 q + k: slab channel 4 kPieces q + 4 m + k, the same for the column's eight lanes.
+  const int lane_channel = 4 * kPieces * (pass_column / 4) + pass_column % 4;
+  // The group's K block of the copy (its scales' row): unsigned 32 bits, widened by a zero (the 64-bit column
+  // kept live through the slab loop cost E4m3Rows a spill at 64 registers).
+  const uint32_t k_block = static_cast<uint32_t>(group.column / kGroup);
 
   for (int slab = slab_begin; slab < slab_end; ++slab) {
 #pragma unroll
@@ -330,10 +340,11 @@ __global__ void __launch_bounds__(kThreads, Rows::kMinBlocks)
       uint32_t word[kLaneRows / 4];
       device::e4m3_words_of(v, scale, word);
       const Output& o = out.o[kPassColumns * pass / kWidth];  // a constant index: the pass's output
-      const int64_t c = o.first + static_cast<int64_t>(slab) * kWidth + (kPassColumns * pass + pass_column) % kWidth;
+      const int piece = (kPassColumns * pass % kWidth) / 32;
+      const int64_t c = o.first + static_cast<int64_t>(slab) * kWidth + lane_channel + 4 * piece;
       *reinterpret_cast<uint4*>(o.qt + c * columns + group.column + kLaneRows * part) =
           make_uint4(word[0], word[1], word[2], word[3]);
-      if (part == 0) o.st[(group.column / kGroup) * o.channels + c] = scale;
+      if (part == 0) o.st[k_block * static_cast<uint64_t>(o.channels) + static_cast<uint64_t>(c)] = scale;
     }
     __syncthreads();
   }
@@ -399,8 +410,8 @@ Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t 
   if (capacity == 0) return Status::ok();
   if (q == nullptr || scales == nullptr || row_src == nullptr)
     return Status::invalid("token_major_quantize_e4m3: null pointer");
-  if ((reinterpret_cast<uintptr_t>(q) & 3u) != 0)
-    return Status::invalid("token_major_quantize_e4m3: q must be 4-byte aligned");
+  if ((reinterpret_cast<uintptr_t>(q) & 7u) != 0)
+    return Status::invalid("token_major_quantize_e4m3: q must be 8-byte aligned");
   return launch("token_major_quantize_kernel<E4m3Rows>",
                 E4m3Rows{q, scales, source_rows, row_src, row_weight, channels}, Outputs<1>{{{qt, st, channels, 0}}},
                 channels, offsets, experts, capacity, stream);

@@ -31,7 +31,7 @@ Status token_major_quantize_fp32(const float* rows, int64_t channels, const int3
 // Rows that are dispatched E4M3 copies (x, d_out): routed row r is source row row_src[r] of q [source_rows,
 // channels] with its 1x128 scales [source_rows, channels / 128] row-major (the receive buffers' layout),
 // dequantized (code value * scale, one fp32 multiply) and, with row_weight, multiplied by row_weight[r] (dy =
-// w dOut). A row_src outside [0, source_rows) reads as zeros.
+// w dOut). A row_src outside [0, source_rows) reads as zeros. q 8-byte aligned.
 Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t source_rows, const int32_t* row_src,
                                  const float* row_weight, int64_t channels, const int32_t* offsets, int experts,
                                  int64_t capacity, uint8_t* qt, float* st, cudaStream_t stream);
