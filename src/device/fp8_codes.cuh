@@ -18,8 +18,9 @@ __device__ __forceinline__ float scale_from_amax(float amax) { return !(amax <= 
 // issued about 40 a value), so the group's reciprocal is refined once, with the first two steps of the
 // division's own sequence (the estimate and one Newton step), and each quotient is a product corrected by one
 // FMA (v - q0 scale is exact in an FMA): the sequence the IEEE division itself runs whenever its range check
-// passes, which it does for every scale in [2^-64, 2^64] and every value at most 449 scales in magnitude.
-// Smaller values give quotients below 2^-11 (codes +-0 whatever their last bits). The correction turns
+// passes, which it does for every scale in [2^-64, 2^64] and every value from 2^-11 to 449 scales in
+// magnitude (a group's values are at most its amax, 448 scales); values below 2^-11 scales, where the range
+// check may fail, have quotients whose codes are +-0 either way (their last bits may differ). The correction turns
 // v = -0 into +0, so the value's sign is OR-ed back (idempotent for every other value; a NaN stays NaN).
 // Scales outside that range (a denormal or infinite group) divide each value.
 // tests/gpu/fp8_codes_test.cu checks the quotients against the division over every significand.

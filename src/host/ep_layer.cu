@@ -241,9 +241,9 @@ struct ExpertParallelLayer::Impl {
   // The same for the FP8 GEMM, its D kept in fp32.
   // The received e4m3 rows q (scales row-major, as they travel) copied into expert order in the workspace's
   // rows_q / rows_s: the A operand of GEMM1 (x) and of the dgrad (d_out) through TMA (fp8_gather_rows.hpp).
-  Status fp8_rows_in_expert_order(const uint8_t* q, const float* scales) const {
-    const ep::WorkspaceLayout& l = params.layout;
-    const int64_t C = params.shape.row_capacity;
+  Status fp8_rows_in_expert_order(const ep::Params& p, const uint8_t* q, const float* scales) const {
+    const ep::WorkspaceLayout& l = p.layout;
+    const int64_t C = p.shape.row_capacity;
     return kernels::gather_rows_e4m3(q, scales, received_source_rows(), buffer<int32_t>(l.row_src), config.hidden,
                                      expert_offsets() + config.experts_per_rank(), C, buffer<uint8_t>(l.rows_q),
                                      buffer<float>(l.rows_s), kernels::fp8_scale_pitch(C), placement.stream);
@@ -305,8 +305,8 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward(const ep::Params& p, const 
 }
 
 // Blockwise FP8 (docs/FP8.md): the weights quantized in 128x128 blocks when they changed (the caller's
-// weights_version says so); h = xq W13q^T over the received e4m3 rows and their scales (gathered by index),
-// kept in fp32 (by arithmetic, not measured: from a bf16 h about one element of a in 60 would round to the
+// weights_version says so); h = xq W13q^T over the received e4m3 rows and their scales (copied into expert
+// order first, so that the GEMM reads them through TMA), kept in fp32 (by arithmetic, not measured: from a bf16 h about one element of a in 60 would round to the
 // other e4m3 neighbour than the reference's, about 1% of error in out);
 // a = silu(g) u quantized in 1x128 groups along I; y = aq W2q^T, each row stored straight into its combine
 // slot on the source rank.
@@ -325,7 +325,8 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
   }
   const QuantizedWeights& w = fp8_weights;
   auto* h = buffer<float>(p.layout.h_f32);
-  MEGAMOE_RETURN_IF_ERROR(fp8_rows_in_expert_order(buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs)));
+  MEGAMOE_RETURN_IF_ERROR(
+      fp8_rows_in_expert_order(p, buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs)));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(p.layout.rows_q), buffer<float>(p.layout.rows_s),
                                                        w.w13, w.w13_scales, nullptr, expert_offsets(), EL, C,
                                                        static_cast<int>(2 * I), static_cast<int>(H), stream,
@@ -388,7 +389,7 @@ Status ExpertParallelLayer::Impl::weight_gradients(const ep::Params& p, const Ba
                                   weight_grad_tuning(), received_rows(), /*transpose_c=*/true);
 }
 
-// g = q(dOut) W2q (fp32, d_out rows gathered from the receive buffer, W2q read K-major: its transposed copy);
+// g = q(dOut) W2q (fp32, d_out's received rows copied into expert order, W2q read K-major: its transposed copy);
 // then per routed row dh = SwiGLU'(w g) quantized 1 x 128 along 2I, with <g, a> sent to the source's slot;
 // dx rows = dh_q W13q straight into the combine slots (W13q's transposed copy); then the weight gradients.
 Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, const BackwardArgs& args,
@@ -409,7 +410,7 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
                                                                    buffer<float>(l.w13t_s), stream));
   }
   auto* g = buffer<float>(l.g_f32);
-  MEGAMOE_RETURN_IF_ERROR(fp8_rows_in_expert_order(buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts)));
+  MEGAMOE_RETURN_IF_ERROR(fp8_rows_in_expert_order(p, buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts)));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(l.rows_q), buffer<float>(l.rows_s),
                                                        buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s), nullptr,
                                                        expert_offsets(), EL, C, static_cast<int>(I),

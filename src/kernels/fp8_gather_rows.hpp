@@ -7,7 +7,9 @@
 // [0, source_rows), as the GEMM's gathered form clamps it), its 1x128 scales from scales [source_rows, cols / 128]
 // (row-major: the receive buffers' layout) written K-block-major into out_s [cols / 128, scales_pitch] (the
 // FP8 GEMM's A-scale layout, fp8_layout.hpp). Rows from *rows_used (clamped into [0, capacity]) to capacity
-// are not written. Bit copies: the GEMM on the copy gives the bits of the gathered GEMM.
+// are not written (a GEMM's last partial tile reads them, for rows whose outputs it never stores). The row count
+// is *rows_used alone: the layer's expert offsets end there, from 0 and non-decreasing as route_rows writes
+// them. Bit copies: the GEMM on the copy gives the bits of the gathered GEMM.
 //
 // Requirements (kInvalidArgument otherwise): cols a positive multiple of 128; capacity >= 0; source_rows >= 1
 // when capacity > 0; scales_pitch >= capacity; q and out_q 16-byte aligned, no pointer null. Asynchronous on

@@ -195,33 +195,57 @@ __global__ void __launch_bounds__(kBlockThreads) quantize_blocks_128x128_kernel(
   if (t == 0) scales[blockIdx.x] = scale;
 }
 
-// One block of 256 threads per 64 x 64 byte tile of one group's [N, K] matrix: each thread loads 16 bytes of
-// a row into shared memory and stores 16 bytes of a column. The first tile of every 128 x 128 block also
-// moves that block's scale.
-constexpr int kTransposeTile = 64;
+// One block of 256 threads per 128 x 128 block of one group's [N, K] matrix, which carries its scale along.
+// The block's bytes pass through shared memory as 32-bit words, row r's word w at position
+// w ^ transpose_swizzle(r) of its 128-byte row, so that both the loads' four consecutive rows (eight lanes a
+// row) and the reads' 32 rows four apart (a lane each) hit 32 distinct banks. Each thread then takes four
+// rows x four columns a word at a time, transposes the 4 x 4 bytes in registers (byte permutes) and stores
+// four 4-byte pieces of columns: a warp's 32 lanes write one column's 128 rows, one 128-byte line. (The
+// earlier 64 x 64 tiles, read back a byte at a time with 4-way bank conflicts, moved 2 TB/s: docs/PERF.md.)
+constexpr int kTransposeBlock = 128;
+__device__ __forceinline__ int transpose_swizzle(int r) { return ((r >> 2) & 31) ^ (r & 3); }
+
 __global__ void __launch_bounds__(256) transpose_blocks_128x128_kernel(const uint8_t* __restrict__ q,
                                                                      const float* __restrict__ scales, int64_t N,
                                                                      int64_t K, uint8_t* __restrict__ qt,
                                                                      float* __restrict__ scales_t) {
-  __shared__ uint8_t tile[kTransposeTile][kTransposeTile + 16];
-  const int64_t tiles_k = K / kTransposeTile;
-  const int64_t e = blockIdx.z;
-  const int64_t n0 = (blockIdx.x / tiles_k) * kTransposeTile, k0 = (blockIdx.x % tiles_k) * kTransposeTile;
-  const int t = threadIdx.x;
-  const int row = t / 4, chunk = (t % 4) * 16;
-  const uint8_t* src = q + e * N * K;
-  *reinterpret_cast<uint4*>(&tile[row][chunk]) =
-      *reinterpret_cast<const uint4*>(src + (n0 + row) * K + k0 + chunk);
-  __syncthreads();
-  // Output row k0 + row holds the tile's column `row`: bytes of rows chunk .. chunk + 15.
-  alignas(16) uint8_t out[16];
+  __shared__ uint32_t tile[kTransposeBlock * kTransposeBlock / 4];
+  const int64_t k_blocks = K / kTransposeBlock, n_blocks = N / kTransposeBlock;
+  const int64_t e = blockIdx.z, nb = blockIdx.x / k_blocks, kb = blockIdx.x % k_blocks;
+  const int64_t n0 = nb * kTransposeBlock, k0 = kb * kTransposeBlock;
+  const int t = static_cast<int>(threadIdx.x), lane = t % 32, warp = t / 32;
+  const uint8_t* src = q + (e * N + n0) * K + k0;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) out[i] = tile[chunk + i][row];
-  *reinterpret_cast<uint4*>(qt + e * N * K + (k0 + row) * N + n0 + chunk) = *reinterpret_cast<const uint4*>(out);
-  if (t == 0 && n0 % 128 == 0 && k0 % 128 == 0) {
-    const int64_t nb = n0 / 128, kb = k0 / 128, n_blocks = N / 128, k_blocks = K / 128;
-    scales_t[(e * k_blocks + kb) * n_blocks + nb] = scales[(e * n_blocks + nb) * k_blocks + kb];
+  for (int i = 0; i < 4; ++i) {
+    const int r = t / 8 + 32 * i, w0 = 4 * (t % 8);
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + r * K) + t % 8);
+    uint32_t* row = tile + r * 32;
+    const int swizzle = transpose_swizzle(r);
+    row[(w0 + 0) ^ swizzle] = v.x;
+    row[(w0 + 1) ^ swizzle] = v.y;
+    row[(w0 + 2) ^ swizzle] = v.z;
+    row[(w0 + 3) ^ swizzle] = v.w;
   }
+  __syncthreads();
+  uint8_t* dst = qt + (e * K + k0) * N + n0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int w = warp + 8 * k;  // bytes 4 w .. 4 w + 3 of rows 4 lane .. 4 lane + 3
+    uint32_t a[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 4 * lane + i;
+      a[i] = tile[r * 32 + (w ^ transpose_swizzle(r))];
+    }
+    // a[i] byte j is (row 4 lane + i, column 4 w + j); column[j] byte i is the same byte.
+    const uint32_t low01 = __byte_perm(a[0], a[1], 0x5140), high01 = __byte_perm(a[0], a[1], 0x7362);
+    const uint32_t low23 = __byte_perm(a[2], a[3], 0x5140), high23 = __byte_perm(a[2], a[3], 0x7362);
+    const uint32_t column[4] = {__byte_perm(low01, low23, 0x5410), __byte_perm(low01, low23, 0x7632),
+                                __byte_perm(high01, high23, 0x5410), __byte_perm(high01, high23, 0x7632)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(dst + (4 * w + j) * N + 4 * lane) = column[j];
+  }
+  if (t == 0) scales_t[(e * k_blocks + kb) * n_blocks + nb] = scales[(e * n_blocks + nb) * k_blocks + kb];
 }
 
 }  // namespace
@@ -236,7 +260,7 @@ Status transpose_blocks_128x128_e4m3(const uint8_t* q, const float* scales, int6
     return Status::invalid("transpose_blocks_128x128: null pointer");
   if ((reinterpret_cast<uintptr_t>(q) & 15u) != 0 || (reinterpret_cast<uintptr_t>(qt) & 15u) != 0)
     return Status::invalid("transpose_blocks_128x128: q and qt must be 16-byte aligned");
-  const int64_t tiles = (N / kTransposeTile) * (K / kTransposeTile);
+  const int64_t tiles = (N / kTransposeBlock) * (K / kTransposeBlock);
   if (tiles >= (int64_t{1} << 31) || groups > 65535)
     return Status::invalid("transpose_blocks_128x128: too many tiles or groups");
   const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(groups));

@@ -109,7 +109,8 @@ struct E4m3Rows {
   // The row's scale for channel j is scales[src * (channels / 128) + j / 128] = scales[(base + j) / 128],
   // written as a shift (both are >= 0) to spare the signed division's fix-ups; a slab's channels share it.
   __device__ __forceinline__ void fetch(RowRef row, int64_t j, Raw& raw) const {
-    static_assert(kGroup == 1 << 7 && kGroup % (32 * kPieces) == 0 && kPieces == 2, "a slab has one scale a row");
+    static_assert(kGroup == 1 << 7 && kGroup % (32 * kPieces) == 0, "a slab has one scale a row");
+    static_assert(kPieces == 2, "one 8-byte load is two pieces");
     const uint2 codes = __ldg(reinterpret_cast<const uint2*>(q + row.base + j));
     raw.codes[0] = codes.x;
     raw.codes[1] = codes.y;

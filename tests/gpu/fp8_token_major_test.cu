@@ -107,9 +107,9 @@ TEST(Fp8TokenMajorGpuTest, Fp32RowsMatchTheCpuRuleBitExactly) {
 }
 
 // Dispatched E4M3 rows gathered by index (one index out of range: zeros), dequantized, and with the routing
-// weight (dy = w dOut) or without (x).
-TEST(Fp8TokenMajorGpuTest, GatheredE4m3RowsMatchTheCpuRuleBitExactly) {
-  MEGAMOE_SKIP_WITHOUT_GPU();
+// weight (dy = w dOut) or without (x); 256 channels (one run of slabs a block) and 768 (two, the second partial).
+void check_gathered_e4m3_rows(int64_t kChannels) {
+  SCOPED_TRACE("channels " + std::to_string(kChannels));
   const uint32_t seed = std::random_device{}();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937 rng(seed);
@@ -158,6 +158,12 @@ TEST(Fp8TokenMajorGpuTest, GatheredE4m3RowsMatchTheCpuRuleBitExactly) {
     };
     expect_token_major(kOffsets, kCapacity, kChannels, value, qt.download(), st.download());
   }
+}
+
+TEST(Fp8TokenMajorGpuTest, GatheredE4m3RowsMatchTheCpuRuleBitExactly) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  check_gathered_e4m3_rows(kChannels);
+  check_gathered_e4m3_rows(768);
 }
 
 // Random GEMM1 outputs h [capacity, 2I], dgrads g [capacity, I] and routing weights over the experts of
@@ -330,6 +336,15 @@ TEST(Fp8TokenMajorGpuTest, BadArgumentsAreRefused) {
                                                kCapacity, qt.get(), st.get(), nullptr)
                 .code(),
             StatusCode::kInvalidArgument);
+  {  // the codes read 8 bytes at a time: q 8-byte aligned
+    DeviceBuffer<uint8_t> q(10 * kChannels + 8);
+    DeviceBuffer<float> scales(10 * kChannels / 128);
+    DeviceBuffer<int32_t> row_src(kCapacity);
+    EXPECT_EQ(kernels::token_major_quantize_e4m3(q.get() + 4, scales.get(), 10, row_src.get(), nullptr, kChannels,
+                                                 offsets.get(), 4, kCapacity, qt.get(), st.get(), nullptr)
+                  .code(),
+              StatusCode::kInvalidArgument);
+  }
   EXPECT_EQ(kernels::token_major_quantize_swiglu_pair(rows.get(), rows.get(), rows.get(), 128, offsets.get(), 4,
                                                       kCapacity, qt.get(), st.get(), qt.get() + 1, st.get(), nullptr)
                 .code(),
