@@ -16,12 +16,7 @@ namespace megamoe {
 namespace {
 
 using testing::DeviceBuffer;
-
-uint32_t bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
+using testing::bits_of;
 
 void check_gather(int64_t source_rows, int64_t cols, int64_t capacity, int32_t rows_used) {
   SCOPED_TRACE("source_rows " + std::to_string(source_rows) + " cols " + std::to_string(cols) + " capacity " +
@@ -61,13 +56,13 @@ void check_gather(int64_t source_rows, int64_t cols, int64_t capacity, int32_t r
       else touched += v != 0xFF;
     }
     for (int64_t kb = 0; kb < groups; ++kb) {
-      const uint32_t v = bits(got_s[kb * pitch + r]);
-      if (r < rows) bad_s += v != bits(scales[src * groups + kb]);
+      const uint32_t v = bits_of(got_s[kb * pitch + r]);
+      if (r < rows) bad_s += v != bits_of(scales[src * groups + kb]);
       else touched += v != 0xFFFFFFFFu;
     }
   }
   for (int64_t kb = 0; kb < groups; ++kb)
-    for (int64_t r = capacity; r < pitch; ++r) touched += bits(got_s[kb * pitch + r]) != 0xFFFFFFFFu;
+    for (int64_t r = capacity; r < pitch; ++r) touched += bits_of(got_s[kb * pitch + r]) != 0xFFFFFFFFu;
   EXPECT_EQ(bad_q, 0) << "bytes differ from the source rows";
   EXPECT_EQ(bad_s, 0) << "scales differ from the source rows'";
   EXPECT_EQ(touched, 0) << "rows past rows_used or the scales' padding were written";

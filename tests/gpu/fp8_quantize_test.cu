@@ -17,6 +17,7 @@ namespace megamoe {
 namespace {
 
 using testing::DeviceBuffer;
+using testing::bits_of;
 
 // The GPU quantiser must agree bit for bit with the CPU emulation, on values spanning many binades
 // (so subnormal outputs, saturation at 448 and ties all occur) and on an all-zero group.
@@ -62,12 +63,6 @@ TEST(Fp8QuantizeGpuTest, MatchesCpuEmulationBitExactly) {
 }
 
 // Bits of a float, so that NaN scales compare equal to NaN scales.
-uint32_t bits_of(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, 4);
-  return b;
-}
-
 // A [rows, cols] bf16 matrix whose 1x128 groups (row r, group g) and 128x128 blocks hold the special cases
 // the quantisation rules name (include/megamoe/fp8.hpp), the rest random over many binades.
 std::vector<__nv_bfloat16> special_values(int64_t rows, int64_t cols, uint32_t seed) {

@@ -21,12 +21,7 @@ namespace megamoe {
 namespace {
 
 using testing::DeviceBuffer;
-
-uint32_t bits_of(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, 4);
-  return b;
-}
+using testing::bits_of;
 
 // Rows over many binades (subnormal codes, ties and the 448 edge all occur).
 float random_value(std::mt19937& rng) {

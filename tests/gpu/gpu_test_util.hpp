@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace megamoe::testing {
@@ -25,6 +27,13 @@ inline bool gpu_available() {
 #define MEGAMOE_ASSERT_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(cudaGetLastError())
 
 namespace megamoe::testing {
+
+// The bits of a float, for comparisons that must tell -0 from +0 and one NaN from another.
+inline uint32_t bits_of(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+}
 
 // Owning device allocation; the memory is filled with 0xFF bytes on creation (NaN for fp32/bf16), so
 // anything a kernel fails to write is caught.
