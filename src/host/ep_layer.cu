@@ -238,7 +238,6 @@ struct ExpertParallelLayer::Impl {
     g.a_source_rows = received_source_rows();
     return g;
   }
-  // The same for the FP8 GEMM, its D kept in fp32.
   // The received e4m3 rows q (scales row-major, as they travel) copied into expert order in the workspace's
   // rows_q / rows_s: the A operand of GEMM1 (x) and of the dgrad (d_out) through TMA (fp8_gather_rows.hpp).
   Status fp8_rows_in_expert_order(const ep::Params& p, const uint8_t* q, const float* scales) const {

@@ -1,10 +1,11 @@
 // One warp per row: 16-byte loads and stores across the row (a lane takes every 32nd piece), the row's scales
-// by the first cols / 128 lanes. The source rows come from a receive buffer that the rows revisit (top-K
-// copies of a token), mostly from L2; the copy is bound by its stores.
+// by the first cols / 128 lanes. The rows revisit a receive buffer (top-K copies of a token), but by the time
+// of the copy it is no longer in L2: the copy runs at DRAM bandwidth, reads and writes (docs/PERF.md run 62).
 #include <string>
 
 #include "kernels/cuda_check.hpp"
 #include "kernels/fp8_gather_rows.hpp"
+#include "kernels/warp_grid.hpp"
 
 namespace megamoe::kernels {
 namespace {
@@ -56,11 +57,8 @@ Status gather_rows_e4m3(const uint8_t* q, const float* scales, int64_t source_ro
     return Status::invalid("gather_rows_e4m3: null pointer");
   if ((reinterpret_cast<uintptr_t>(q) & 15u) != 0 || (reinterpret_cast<uintptr_t>(out_q) & 15u) != 0)
     return Status::invalid("gather_rows_e4m3: q and out_q must be 16-byte aligned");
-  int device = 0, num_sms = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t needed = (capacity + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  const int blocks = static_cast<int>(needed < num_sms * 16 ? needed : num_sms * 16);
+  int blocks = 0;
+  MEGAMOE_RETURN_IF_ERROR(warp_grid((capacity + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
   gather_rows_e4m3_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(q, scales, source_rows, row_src, cols, rows_used,
                                                                      capacity, out_q, out_s, scales_pitch);
   MEGAMOE_CHECK_LAUNCH(stream, "gather_rows_e4m3_kernel");

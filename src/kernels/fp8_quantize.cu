@@ -2,6 +2,7 @@
 #include "device/fp8_codes.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/fp8_quantize.hpp"
+#include "kernels/warp_grid.hpp"
 
 namespace megamoe::kernels {
 namespace {
@@ -11,17 +12,6 @@ using device::scale_from_amax;
 
 constexpr int kGroup = 128;
 constexpr int kWarpsPerBlock = 8;
-
-// The grid of a warp-per-item kernel: `needed` blocks of kWarpsPerBlock warps, at most 16 per SM (the warps
-// stride over the rest).
-Status warp_grid(int64_t needed, int* blocks) {
-  int device = 0;
-  int num_sms = 0;
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  *blocks = static_cast<int>(needed < num_sms * 16 ? needed : num_sms * 16);
-  return Status::ok();
-}
 
 // One 1x128 group held by a warp, 4 consecutive values per lane: the group's scale (amax from 0, NaN-ignoring
 // as fp8::amax_step: an all-NaN group has amax 0 and scale 1, as on the CPU) and the lane's 4 E4M3 bytes.

@@ -128,6 +128,15 @@ void expect_none(const Disagreements& d, const char* what) {
                            << std::defaultfloat;
 }
 
+// After a checking kernel: no quotient and no code disagreed (found[0] and found[1]).
+void expect_no_disagreements(const DeviceBuffer<Disagreements>& found) {
+  MEGAMOE_ASSERT_CUDA(cudaGetLastError());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<Disagreements> result = found.download();
+  expect_none(result[0], "quotients");
+  expect_none(result[1], "codes");
+}
+
 TEST(Fp8CodesGpuTest, QuotientsByReciprocalAreIeeeDivisionsForEverySignificand) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   // Scales across the reciprocal's range: its ends, powers of two, the extreme significands, amax / 448 of
@@ -155,11 +164,7 @@ TEST(Fp8CodesGpuTest, QuotientsByReciprocalAreIeeeDivisionsForEverySignificand) 
   const dim3 grid((1u << 23) / 4 / kThreads, static_cast<unsigned>(scales.size() * exponents.size()), 2);
   every_significand_kernel<<<grid, kThreads>>>(scales_d.get(), exponents_d.get(), static_cast<int>(exponents.size()),
                                                found.get(), found.get() + 1);
-  MEGAMOE_ASSERT_CUDA(cudaGetLastError());
-  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-  const std::vector<Disagreements> result = found.download();
-  expect_none(result[0], "quotients");
-  expect_none(result[1], "codes");
+  expect_no_disagreements(found);
 }
 
 // Opt-in (MEGAMOE_FP8_EXHAUSTIVE=1; about a minute on an H200): no quotient of any pair of significands differs.
@@ -210,11 +215,7 @@ TEST(Fp8CodesGpuTest, GroupsOfSpecialAndRandomValuesGiveTheDivisionsCodes) {
   MEGAMOE_ASSERT_CUDA(cudaMemset(found.get(), 0, 2 * sizeof(Disagreements)));
   groups_kernel<<<static_cast<unsigned>((groups + 255) / 256), 256>>>(values_d.get(), groups, found.get(),
                                                                        found.get() + 1);
-  MEGAMOE_ASSERT_CUDA(cudaGetLastError());
-  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-  const std::vector<Disagreements> result = found.download();
-  expect_none(result[0], "quotients");
-  expect_none(result[1], "codes");
+  expect_no_disagreements(found);
 }
 
 // Every code in every byte position decodes to the CPU's value (NaN codes to NaN).
