@@ -3,7 +3,7 @@
 // expert offsets across its lanes, so that nothing waits on one thread walking the experts; the group's rows
 // (where each starts in the input, its routing weight) go to shared memory once.
 //
-// Per slab, each thread loads 4 channels (E4M3: 8) of four rows: 16-byte fp32 loads, 8-byte E4M3 loads.
+// Per slab, each thread loads 4 channels (E4M3: 8) of four rows: 16-byte fp32 loads, 8-byte bf16 and E4M3 loads.
 // The next slab's loads are issued before this slab is quantized, so that they are in flight meanwhile. The
 // thread turns them into the slab's values (one to three per input channel: the copy's own; dh's gate and up
 // halves from one read of g and h; or a and both halves of dh) and stores them as float4 into a shared fp32
@@ -130,19 +130,19 @@ struct E4m3Rows {
   }
 };
 
-// a = silu(g) u of GEMM1's fp32 output h [rows, 2I] (gate columns, then up), I channels: the forward's
+// a = silu(g) u of GEMM1's bf16 output h [rows, 2I] (gate columns, then up), I channels: the forward's
 // activation, recomputed with the epilogues' arithmetic (device/epilogue/transforms.cuh).
 struct SwigluRows {
   static constexpr int kPieces = 1, kOutputs = 1, kMinBlocks = 3;
-  const float* h;
+  const __nv_bfloat16* h;
   int64_t I;
   struct Raw {
     float4 gate, up;
   };
   __device__ __forceinline__ RowRef row(int r) const { return {r * (2 * I), 0.0f}; }
   __device__ __forceinline__ void fetch(RowRef row, int64_t j, Raw& raw) const {
-    raw.gate = load_float4(h + row.base + j);
-    raw.up = load_float4(h + row.base + I + j);
+    raw.gate = device::load_bf16x4(h + row.base + j);
+    raw.up = device::load_bf16x4(h + row.base + I + j);
   }
   __device__ __forceinline__ void expand(const Raw& raw, RowRef, float (&v)[kOutputs][4 * kPieces]) const {
     v[0][0] = device::swiglu(raw.gate.x, raw.up.x);
@@ -158,7 +158,7 @@ struct SwigluRows {
 struct SwigluGradRows {
   static constexpr int kPieces = 1, kOutputs = 2, kMinBlocks = 2;
   const float* g;
-  const float* h;
+  const __nv_bfloat16* h;
   const float* row_weight;
   int64_t I;
   struct Raw {
@@ -168,8 +168,8 @@ struct SwigluGradRows {
   __device__ __forceinline__ RowRef row(int r) const { return {r * I, __ldg(row_weight + r)}; }
   __device__ __forceinline__ void fetch(RowRef row, int64_t j, Raw& raw) const {
     raw.g = load_float4(g + row.base + j);
-    raw.gate = load_float4(h + 2 * row.base + j);
-    raw.up = load_float4(h + 2 * row.base + I + j);
+    raw.gate = device::load_bf16x4(h + 2 * row.base + j);
+    raw.up = device::load_bf16x4(h + 2 * row.base + I + j);
   }
   // dh's gate and up values into v[kDg] and v[kDu].
   template <int kDg, int kDu, int kCount>
@@ -384,10 +384,11 @@ Status launch(const char* what, const Rows& rows, const Outputs<Rows::kOutputs>&
   return Status::ok();
 }
 
-Status check_swiglu_grad_inputs(const char* what, const float* g, const float* h, const float* row_weight) {
+Status check_swiglu_grad_inputs(const char* what, const float* g, const __nv_bfloat16* h, const float* row_weight) {
   if (g == nullptr || h == nullptr || row_weight == nullptr || (reinterpret_cast<uintptr_t>(g) & 15u) != 0 ||
-      (reinterpret_cast<uintptr_t>(h) & 15u) != 0)
-    return Status::invalid(std::string(what) + ": g, h and row_weight must be non-null, g and h 16-byte aligned");
+      (reinterpret_cast<uintptr_t>(h) & 7u) != 0)
+    return Status::invalid(std::string(what) +
+                           ": g, h and row_weight must be non-null, g 16-byte and h 8-byte aligned");
   return Status::ok();
 }
 
@@ -418,17 +419,17 @@ Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t 
                 channels, offsets, experts, capacity, stream);
 }
 
-Status token_major_quantize_swiglu(const float* h, int64_t I, const int32_t* offsets, int experts, int64_t capacity,
+Status token_major_quantize_swiglu(const __nv_bfloat16* h, int64_t I, const int32_t* offsets, int experts, int64_t capacity,
                                    uint8_t* qt, float* st, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu", I, offsets, experts, capacity, qt, st));
   if (capacity == 0) return Status::ok();
-  if (h == nullptr || (reinterpret_cast<uintptr_t>(h) & 15u) != 0)
-    return Status::invalid("token_major_quantize_swiglu: h must be non-null and 16-byte aligned");
+  if (h == nullptr || (reinterpret_cast<uintptr_t>(h) & 7u) != 0)
+    return Status::invalid("token_major_quantize_swiglu: h must be non-null and 8-byte aligned");
   return launch("token_major_quantize_kernel<SwigluRows>", SwigluRows{h, I}, Outputs<1>{{{qt, st, I, 0}}}, I,
                 offsets, experts, capacity, stream);
 }
 
-Status token_major_quantize_swiglu_grad(const float* g, const float* h, const float* row_weight, int64_t I,
+Status token_major_quantize_swiglu_grad(const float* g, const __nv_bfloat16* h, const float* row_weight, int64_t I,
                                         const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt, float* st,
                                         cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu_grad", I, offsets, experts, capacity, qt, st));
@@ -438,7 +439,7 @@ Status token_major_quantize_swiglu_grad(const float* g, const float* h, const fl
                 Outputs<2>{{{qt, st, 2 * I, 0}, {qt, st, 2 * I, I}}}, I, offsets, experts, capacity, stream);
 }
 
-Status token_major_quantize_swiglu_pair(const float* g, const float* h, const float* row_weight, int64_t I,
+Status token_major_quantize_swiglu_pair(const float* g, const __nv_bfloat16* h, const float* row_weight, int64_t I,
                                         const int32_t* offsets, int experts, int64_t capacity, uint8_t* at_q,
                                         float* at_s, uint8_t* dht_q, float* dht_s, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu_pair", I, offsets, experts, capacity, at_q, at_s));

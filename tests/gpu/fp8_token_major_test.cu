@@ -22,6 +22,7 @@ namespace {
 
 using testing::DeviceBuffer;
 using testing::bits_of;
+using testing::round_to_bf16;
 
 // Rows over many binades (subnormal codes, ties and the 448 edge all occur).
 float random_value(std::mt19937& rng) {
@@ -161,13 +162,14 @@ TEST(Fp8TokenMajorGpuTest, GatheredE4m3RowsMatchTheCpuRuleBitExactly) {
   check_gathered_e4m3_rows(768);
 }
 
-// Random GEMM1 outputs h [capacity, 2I], dgrads g [capacity, I] and routing weights over the experts of
-// kOffsets, on the host and uploaded (the seed is printed).
+// Random GEMM1 outputs h [capacity, 2I] (bf16; the host copy holds their values), dgrads g [capacity, I] and
+// routing weights over the experts of kOffsets, on the host and uploaded (the seed is printed).
 struct SwigluRowsProblem {
   int64_t I;
   int experts = static_cast<int>(kOffsets.size()) - 1;
   std::vector<float> h, g, w;
-  DeviceBuffer<float> d_h, d_g, d_w;
+  DeviceBuffer<__nv_bfloat16> d_h;
+  DeviceBuffer<float> d_g, d_w;
   DeviceBuffer<int32_t> d_offsets;
 
   explicit SwigluRowsProblem(int64_t I)
@@ -180,7 +182,7 @@ struct SwigluRowsProblem {
     for (float& v : h) v = normal(rng);
     for (float& v : g) v = normal(rng);
     for (float& v : w) v = std::fabs(normal(rng)) + 0.01f;
-    d_h.upload(h);
+    d_h.upload(round_to_bf16(h));
     d_g.upload(g);
     d_w.upload(w);
     d_offsets.upload(kOffsets);
@@ -340,8 +342,14 @@ TEST(Fp8TokenMajorGpuTest, BadArgumentsAreRefused) {
                   .code(),
               StatusCode::kInvalidArgument);
   }
-  EXPECT_EQ(kernels::token_major_quantize_swiglu_pair(rows.get(), rows.get(), rows.get(), 128, offsets.get(), 4,
+  DeviceBuffer<__nv_bfloat16> h(kCapacity * 2 * 128);
+  EXPECT_EQ(kernels::token_major_quantize_swiglu_pair(rows.get(), h.get(), rows.get(), 128, offsets.get(), 4,
                                                       kCapacity, qt.get(), st.get(), qt.get() + 1, st.get(), nullptr)
+                .code(),
+            StatusCode::kInvalidArgument);
+  // h is read 8 bytes at a time: 8-byte aligned.
+  EXPECT_EQ(kernels::token_major_quantize_swiglu(h.get() + 2, 128, offsets.get(), 4, kCapacity, qt.get(), st.get(),
+                                                 nullptr)
                 .code(),
             StatusCode::kInvalidArgument);
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
