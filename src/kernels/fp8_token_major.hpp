@@ -38,7 +38,7 @@ Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t 
                                  int64_t capacity, uint8_t* qt, float* st, cudaStream_t stream);
 
 // a = silu(g) u from GEMM1's bf16 output h [capacity, 2I] (gate columns 0..I-1, then up), I channels, with the
-// epilogues' arithmetic (the forward's a, fp32). I a multiple of 128; h 8-byte aligned.
+// epilogues' arithmetic (the forward's a, fp32). I a multiple of 128; h 16-byte aligned.
 Status token_major_quantize_swiglu(const __nv_bfloat16* h, int64_t I, const int32_t* offsets, int experts, int64_t capacity,
                                    uint8_t* qt, float* st, cudaStream_t stream);
 

@@ -347,8 +347,8 @@ TEST(Fp8TokenMajorGpuTest, BadArgumentsAreRefused) {
                                                       kCapacity, qt.get(), st.get(), qt.get() + 1, st.get(), nullptr)
                 .code(),
             StatusCode::kInvalidArgument);
-  // h is read 8 bytes at a time: 8-byte aligned.
-  EXPECT_EQ(kernels::token_major_quantize_swiglu(h.get() + 2, 128, offsets.get(), 4, kCapacity, qt.get(), st.get(),
+  // h is read 16 bytes at a time: 16-byte aligned.
+  EXPECT_EQ(kernels::token_major_quantize_swiglu(h.get() + 4, 128, offsets.get(), 4, kCapacity, qt.get(), st.get(),
                                                  nullptr)
                 .code(),
             StatusCode::kInvalidArgument);
