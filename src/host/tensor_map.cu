@@ -68,14 +68,18 @@ Status make_bf16_experts_map(CUtensorMap* map, const void* base, int64_t cols, i
 }
 
 Status make_fp32_tensor_map_2d(CUtensorMap* map, const void* base, const uint64_t* dims, uint64_t pitch,
-                               const uint32_t* box) {
+                               const uint32_t* box, bool swizzle_128b) {
   if (dims[0] > pitch || (pitch * 4) % 16 != 0 || (box[0] * 4) % 16 != 0) {
     return Status(StatusCode::kInternal, "fp32 tensor map: the pitch must hold a row and be a multiple of 16 bytes");
+  }
+  if (swizzle_128b && box[0] * 4 != 128) {
+    return Status(StatusCode::kInternal, "fp32 tensor map: a 128-byte-swizzled box is 32 floats wide");
   }
   const cuuint64_t gdim[2] = {dims[0], dims[1]};
   const cuuint64_t gstride[1] = {pitch * 4};
   const cuuint32_t bdim[2] = {box[0], box[1]};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, gdim, gstride, bdim, CU_TENSOR_MAP_SWIZZLE_NONE);
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, gdim, gstride, bdim,
+                swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 }  // namespace megamoe

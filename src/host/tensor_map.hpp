@@ -22,9 +22,10 @@ Status make_bf16_experts_map(CUtensorMap* map, const void* base, int64_t cols, i
                              uint32_t box_rows);
 
 // A 2-D fp32 tensor [dims[1], pitch] (dims[0] <= pitch elements used per row, pitch * 4 bytes a multiple of 16,
-// as TMA strides must be), no swizzle: boxes of box[0] x box[1] elements land as plain row-major arrays
-// (box[0] * 4 a multiple of 16). Out-of-range elements load as zeros.
+// as TMA strides must be): boxes of box[0] x box[1] elements (box[0] * 4 a multiple of 16) land as plain
+// row-major arrays, or with swizzle_128b (box[0] * 4 == 128) in the 128-byte swizzle of the bf16 maps (a box
+// 1024-aligned in shared memory). Out-of-range elements load as zeros and are not stored.
 Status make_fp32_tensor_map_2d(CUtensorMap* map, const void* base, const uint64_t* dims, uint64_t pitch,
-                               const uint32_t* box);
+                               const uint32_t* box, bool swizzle_128b = false);
 
 }  // namespace megamoe

@@ -95,7 +95,12 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   }
   const bool d_by_row = by_index.d_rows != nullptr;
   const bool d_fp32 = by_index.d_fp32 != nullptr;
-  if (!d_by_row && !d_fp32) {
+  if (d_fp32) {
+    const uint64_t dims[2] = {static_cast<uint64_t>(N), rows};
+    const uint32_t box[2] = {32, 64};
+    MEGAMOE_RETURN_IF_ERROR(make_fp32_tensor_map_2d(&tm_d, by_index.d_fp32, dims, static_cast<uint64_t>(N), box,
+                                                    /*swizzle_128b=*/true));
+  } else if (!d_by_row) {
     const uint64_t dims[2] = {static_cast<uint64_t>(N), rows};
     const uint32_t box[2] = {64, 64};
     MEGAMOE_RETURN_IF_ERROR(make_bf16_tensor_map(&tm_d, D, 2, dims, box));
@@ -119,7 +124,7 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   p.epi.aux = device::OutputRows{nullptr, N, nullptr, nullptr};
   p.epi.c_cols = N;
   p.epi.aux_cols = N;
-  p.tma_store = d_by_row || d_fp32 ? 0 : 1;  // rows stored through their pointers take the thread path
+  p.tma_store = d_by_row ? 0 : 1;  // rows stored through their pointers take the thread path
   p.d32 = by_index.d_fp32;
 
   ClusterLaunch launch;

@@ -13,7 +13,7 @@
 //     accumulator and the fp32 promotion with the scales (mma_tile_fp8_blockwise, which waits for the next
 //     stage and reads the weight block's scale from global memory one K block ahead while the tensor cores
 //     run), then the bf16 epilogue of the engine (epilogue_plain through BoxStore: TMA stores for whole 64-row
-//     slices, else the threads).
+//     slices, else the threads), or with an fp32 D its fp32 boxes the same way (epilogue_fp32_tma).
 // Work items (expert, m-tile, n-tile) are numbered on the device (GroupedTiles) from the expert row offsets;
 // the dense GEMM is one group of M rows. Every role walks the same grid-stride schedule.
 #pragma once
@@ -48,7 +48,7 @@ struct Fp8GemmParams {
   const float* sa_rows;             // gathered A: the source rows' scales [source rows, K / 128] row-major
   device::EpilogueArgs epi;         // D through OutputRows (contiguous, or a pointer per row), no row scale
   float* d32;                       // non-null: D stored in fp32 instead, [max_rows, N] contiguous
-  int tma_store;                    // 1: the D tensor map is valid
+  int tma_store;                    // 1: the D tensor map is valid (bf16 D, or fp32 d32 in 32-column boxes)
 };
 
 // kOverlap_: the consumers' loop is mma_tile_fp8_blockwise_overlapped (two partial accumulators: 232
@@ -166,9 +166,16 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
     if (p.d32 != nullptr) {
-      // The slice's rows inside the expert: rows [slice0, slice0 + valid) of D.
-      device::epilogue_fp32<kBN>(acc, p.d32, s.slice0 + max(s.valid, 0), p.N, s.slice0, s.n0, false,
-                                 smem.staging[cwg][0], 2 + cwg, lt);
+      // A whole slice leaves through TMA; else the threads store the slice's rows inside the expert (rows
+      // [slice0, slice0 + valid) of D), once the staging boxes are free of earlier TMA stores (begin_tile).
+      const bool tma = p.tma_store != 0 && s.valid >= 64;
+      store.begin_tile(tma, p.epi.c, p.epi.aux, s.slice0, s.valid);
+      if (tma) {
+        device::epilogue_fp32_tma<kBN>(acc, tm_d, p.N, s.slice0, s.n0, store);
+      } else {
+        device::epilogue_fp32<kBN>(acc, p.d32, s.slice0 + max(s.valid, 0), p.N, s.slice0, s.n0, false,
+                                   smem.staging[cwg][0], 2 + cwg, lt);
+      }
       continue;
     }
     // A TMA box is clipped only at the tensor's edge, and rows past an expert belong to the next one: TMA

@@ -55,20 +55,10 @@ __global__ void quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ x, 
   }
 }
 
-// The gate and up values of one 128-column group of h that a lane holds: 4 consecutive columns of each (two
-// 8-byte loads).
-struct SwigluLaneValues {
-  float4 gate, up;
-  __device__ __forceinline__ void load(const __nv_bfloat16* h_row, int64_t I, int64_t col) {
-    gate = device::load_bf16x4(h_row + col);
-    up = device::load_bf16x4(h_row + I + col);
-  }
-};
-
-// One warp per 1x128 group of a = silu(g) * u: lane holds 4 consecutive gate values and the 4 matching up
-// values. A warp loads two groups before it quantizes either: with one, 16 bytes in flight a lane kept the
-// kernel at about half the DRAM bandwidth once h was bf16 (docs/PERF.md run 69). Only rows [0, *rows_used)
-// when rows_used is given (read once per warp).
+// One warp per row, its 1x128 groups of a = silu(g) * u in turn: lane holds 4 consecutive gate values and the
+// 4 matching up values (two 8-byte loads). A warp per group had to split its group index into row and group
+// by a 64-bit division, which with bf16 h made the kernel bound by instructions (docs/PERF.md run 71: 173 a
+// group). Only rows [0, *rows_used) when rows_used is given (read once per warp).
 __global__ void swiglu_quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ h, int64_t rows, int64_t I,
                                                   const int32_t* __restrict__ rows_used, int64_t pitch,
                                                   uint8_t* __restrict__ aq, float* __restrict__ scales) {
@@ -78,27 +68,16 @@ __global__ void swiglu_quantize_rows_1x128_kernel(const __nv_bfloat16* __restric
   const int64_t groups_per_row = I / kGroup;
   int64_t limit = rows;
   if (rows_used != nullptr) limit = min(max(static_cast<int64_t>(*rows_used), int64_t{0}), rows);
-  const int64_t groups = limit * groups_per_row;
-  for (int64_t first = warp; first < groups; first += 2 * warp_stride) {
-    SwigluLaneValues in[2];
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int64_t group = first + k * warp_stride;
-      if (group < groups) {
-        const int64_t row = group / groups_per_row, kb = group % groups_per_row;
-        in[k].load(h + row * 2 * I, I, kb * kGroup + lane * 4);
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int64_t group = first + k * warp_stride;
-      if (group >= groups) break;  // uniform over the warp
-      const int64_t row = group / groups_per_row, kb = group % groups_per_row;
-      const float4 g = in[k].gate, u = in[k].up;
+  for (int64_t row = warp; row < limit; row += warp_stride) {
+    const __nv_bfloat16* h_row = h + row * 2 * I + lane * 4;
+    uint8_t* aq_row = aq + row * I + lane * 4;
+    for (int64_t kb = 0; kb < groups_per_row; ++kb) {
+      const float4 g = device::load_bf16x4(h_row + kb * kGroup);
+      const float4 u = device::load_bf16x4(h_row + I + kb * kGroup);
       const float a[4] = {device::swiglu(g.x, u.x), device::swiglu(g.y, u.y), device::swiglu(g.z, u.z),
                           device::swiglu(g.w, u.w)};
       const WarpGroupQuantized qa = quantize_warp_group(a);
-      *reinterpret_cast<uint32_t*>(aq + row * I + kb * kGroup + lane * 4) = qa.bytes;
+      *reinterpret_cast<uint32_t*>(aq_row + kb * kGroup) = qa.bytes;
       if (lane == 0) scales[kb * pitch + row] = qa.scale;
     }
   }
@@ -106,10 +85,8 @@ __global__ void swiglu_quantize_rows_1x128_kernel(const __nv_bfloat16* __restric
 
 // One warp per row: for each 128-column group kb of I, lane holds 4 consecutive columns; the gate group kb
 // and the up group I / 128 + kb of dh are quantized from them (two amaxes), and the row's <g, a> is summed
-// in a fixed order (per lane over kb, then the butterfly): the same bits every run. The groups are loaded two
-// at a time, before either is computed (as in swiglu_quantize_rows_1x128_kernel).
-__global__ void __launch_bounds__(kWarpsPerBlock * 32, 4)
-    swiglu_backward_quantize_rows_1x128_kernel(const float* __restrict__ g,
+// in a fixed order (per lane over kb, then the butterfly): the same bits every run.
+__global__ void swiglu_backward_quantize_rows_1x128_kernel(const float* __restrict__ g,
                                                            const __nv_bfloat16* __restrict__ h,
                                                            const float* __restrict__ row_weight, int64_t rows,
                                                            int64_t I, const int32_t* __restrict__ rows_used,
@@ -127,43 +104,29 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, 4)
     const float* g_row = g + row * I;
     const __nv_bfloat16* h_row = h + row * 2 * I;
     float dot = 0.0f;
-    for (int64_t pair = 0; pair < groups; pair += 2) {
-      float4 gv[2];
-      SwigluLaneValues hv[2];
+    for (int64_t kb = 0; kb < groups; ++kb) {
+      const int64_t col = kb * kGroup + lane * 4;
+      const float4 gv = *reinterpret_cast<const float4*>(g_row + col);
+      const float4 hg = device::load_bf16x4(h_row + col);
+      const float4 hu = device::load_bf16x4(h_row + I + col);
+      const float gs[4] = {gv.x, gv.y, gv.z, gv.w}, gate[4] = {hg.x, hg.y, hg.z, hg.w}, up[4] = {hu.x, hu.y, hu.z, hu.w};
+      float dg[4], du[4], a[4];
 #pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        if (pair + k < groups) {
-          const int64_t col = (pair + k) * kGroup + lane * 4;
-          gv[k] = *reinterpret_cast<const float4*>(g_row + col);
-          hv[k].load(h_row, I, col);
-        }
+      for (int i = 0; i < 4; ++i) {
+        const device::SwiGLUGrad d = device::swiglu_backward(w * gs[i], gate[i], up[i]);
+        dg[i] = d.dg;
+        du[i] = d.du;
+        a[i] = d.a;
+        dot += gs[i] * d.a;
       }
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int64_t kb = pair + k;
-        if (kb >= groups) break;  // uniform over the warp
-        const int64_t col = kb * kGroup + lane * 4;
-        const float gs[4] = {gv[k].x, gv[k].y, gv[k].z, gv[k].w};
-        const float gate[4] = {hv[k].gate.x, hv[k].gate.y, hv[k].gate.z, hv[k].gate.w};
-        const float up[4] = {hv[k].up.x, hv[k].up.y, hv[k].up.z, hv[k].up.w};
-        float dg[4], du[4], a[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const device::SwiGLUGrad d = device::swiglu_backward(w * gs[i], gate[i], up[i]);
-          dg[i] = d.dg;
-          du[i] = d.du;
-          a[i] = d.a;
-          dot += gs[i] * d.a;
-        }
-        const WarpGroupQuantized qg = quantize_warp_group(dg), qu = quantize_warp_group(du);
-        *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + col) = qg.bytes;
-        *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + I + col) = qu.bytes;
-        if (lane == 0) {
-          dh_s[kb * pitch + row] = qg.scale;
-          dh_s[(groups + kb) * pitch + row] = qu.scale;
-        }
-        if (a_out != nullptr) *reinterpret_cast<float4*>(a_out + row * I + col) = make_float4(a[0], a[1], a[2], a[3]);
+      const WarpGroupQuantized qg = quantize_warp_group(dg), qu = quantize_warp_group(du);
+      *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + col) = qg.bytes;
+      *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + I + col) = qu.bytes;
+      if (lane == 0) {
+        dh_s[kb * pitch + row] = qg.scale;
+        dh_s[(groups + kb) * pitch + row] = qu.scale;
       }
+      if (a_out != nullptr) *reinterpret_cast<float4*>(a_out + row * I + col) = make_float4(a[0], a[1], a[2], a[3]);
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
@@ -333,9 +296,9 @@ Status swiglu_quantize_rows_1x128(const __nv_bfloat16* h, int64_t rows, int64_t 
     return Status::invalid("swiglu_quantize_rows_1x128: null pointer");
   if ((reinterpret_cast<uintptr_t>(h) & 7u) != 0 || (reinterpret_cast<uintptr_t>(aq) & 3u) != 0)
     return Status::invalid("swiglu_quantize_rows_1x128: h must be 8-byte and aq 4-byte aligned");
-  // Sized for every row; with rows_used the warps past the used rows' groups find no work.
+  // Sized for every row; with rows_used the warps past the used rows find no work.
   int blocks = 0;
-  MEGAMOE_RETURN_IF_ERROR(warp_grid((rows * (I / kGroup) + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
+  MEGAMOE_RETURN_IF_ERROR(warp_grid((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
   swiglu_quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(h, rows, I, rows_used, scales_pitch,
                                                                                  aq, scales);
   MEGAMOE_CHECK_LAUNCH(stream, "swiglu_quantize_rows_1x128_kernel");

@@ -37,6 +37,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 using megamoe::testing::DeviceBuffer;
+using megamoe::testing::bits_of;
 
 constexpr double kFrobeniusTol = 1e-2;
 constexpr double kRelTol = 1.0 / 128;  // 2^-7
@@ -441,6 +442,27 @@ TEST(Fp8Gemm, GroupedByExpert) {
   int64_t written_outside = 0;
   for (int64_t i = rows * N; i < max_rows * N; ++i) written_outside += !std::isnan(d32[i]);
   EXPECT_EQ(written_outside, 0) << "fp32 D rows outside every expert were written";
+
+  // fp32 D from the contiguous A through TMA, as the layer's dgrad runs it (whole slices leave in TMA boxes,
+  // the rest through the threads), with the overlapped promotion, and with CTAs that take several tiles (the
+  // staging boxes reused while earlier stores drain): bitwise the gathered call's fp32 D.
+  for (const int max_ctas : {0, 3}) {
+    dD32.poison();
+    Fp8GemmTuning overlapped{1, max_ctas};
+    overlapped.overlap_promotion = true;
+    Fp8GemmRows fp32_only;
+    fp32_only.d_fp32 = dD32.get();
+    const Status contiguous = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), nullptr, doff.get(), E,
+                                                  max_rows, N, K, nullptr, overlapped, fp32_only);
+    ASSERT_TRUE(contiguous.is_ok()) << contiguous.to_string();
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<float> d32_tma = dD32.download();
+    int64_t differ = 0, outside = 0;
+    for (int64_t i = 0; i < rows * N; ++i) differ += bits_of(d32_tma[i]) != bits_of(d32[i]);
+    for (int64_t i = rows * N; i < max_rows * N; ++i) outside += !std::isnan(d32_tma[i]);
+    EXPECT_EQ(differ, 0) << "fp32 D from the contiguous A differs (max_ctas " << max_ctas << ")";
+    EXPECT_EQ(outside, 0) << "fp32 D rows outside every expert were written (max_ctas " << max_ctas << ")";
+  }
 }
 
 TEST(Fp8Gemm, EmptyInputsAreNoOps) {

@@ -234,6 +234,22 @@ __device__ __forceinline__ int fp32_staged(int row, int col) {
   return row * 128 + (((col >> 2) ^ (row & 7)) << 4) + 4 * (col & 3);
 }
 
+// fp32 C through TMA (the warpgroup's whole 64-row slice inside a contiguous C): per pass of 32 columns one
+// staging box of the BoxStore (stage_fp32_pass's layout is the 128-byte swizzle of `map`, an fp32 map with
+// boxes of 32 columns x 64 rows), stored asynchronously as epilogue_plain's boxes are. Columns past N are
+// clipped by TMA; passes wholly past them are skipped. Bitwise the values epilogue_fp32 stores.
+template <int kBN, class Store>
+__device__ __forceinline__ void epilogue_fp32_tma(const float (&acc)[kBN / 2], const CUtensorMap* map, int N,
+                                                  int slice0, int n0, Store& store) {
+#pragma unroll
+  for (int pass = 0; pass < kBN / 32; ++pass) {
+    if (n0 + pass * 32 >= N) break;  // uniform over the warpgroup
+    const int box = store.template reserve<1>();
+    stage_fp32_pass<kBN>(acc, pass, store.staging + (box % Store::kSlotCount) * kBoxBytes, store.lt);
+    store.commit(box, map, kOutputC, slice0, n0 + pass * 32, N);
+  }
+}
+
 // fp32 output C[m, n] of a K-grouped tile (m0: first row of the warpgroup's slice of C), M x N, through one
 // staging box per pass of 32 columns; accumulate adds to the existing value (one fp32 rounding, no
 // atomics: every element has one owner).
