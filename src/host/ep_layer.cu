@@ -58,7 +58,7 @@ Status check_fp8(const LayerOptions& options) {
   if (options.forward_path != ForwardPath::kModular || options.backward_path != BackwardPath::kModular)
     return Status(StatusCode::kNotSupported, "fp8-blockwise runs the modular paths only so far (no fused kernels)");
   if (options.recompute_h)
-    return Status(StatusCode::kNotSupported, "fp8-blockwise keeps GEMM1's fp32 h for its backward: no recompute_h");
+    return Status(StatusCode::kNotSupported, "fp8-blockwise keeps GEMM1's h for its backward: no recompute_h");
   return Status::ok();
 }
 
@@ -271,7 +271,7 @@ struct ExpertParallelLayer::Impl {
   Status expert_mlp_backward(const ep::Params& p, const BackwardArgs& args) const;
   Status weight_gradients(const ep::Params& p, const BackwardArgs& args) const;
   // The same in blockwise FP8 (docs/FP8.md, the backward), on the e4m3 d_out rows the FP8 dispatch delivered
-  // and what the FP8 forward kept (the received x rows, the fp32 h, the quantized weights).
+  // and what the FP8 forward kept (the received x rows, h, the quantized weights).
   Status expert_mlp_backward_fp8(const ep::Params& p, const BackwardArgs& args, bool transpose_weights) const;
   Status weight_gradients_fp8(const ep::Params& p, const BackwardArgs& args) const;
 };
