@@ -13,8 +13,7 @@
 //     accumulator and the fp32 promotion with the scales (mma_tile_fp8_blockwise, which waits for the next
 //     stage and reads the weight block's scale from global memory one K block ahead while the tensor cores
 //     run), then the bf16 epilogue of the engine (epilogue_plain through BoxStore: TMA stores for whole 64-row
-//     slices, else a bulk copy per row, both asynchronous), or with an fp32 D its fp32 boxes through TMA
-//     (epilogue_fp32_tma; partial slices through the threads).
+//     slices, else the threads), or with an fp32 D its fp32 boxes the same way (epilogue_fp32_tma).
 // Work items (expert, m-tile, n-tile) are numbered on the device (GroupedTiles) from the expert row offsets;
 // the dense GEMM is one group of M rows. Every role walks the same grid-stride schedule.
 #pragma once
@@ -60,9 +59,8 @@ struct Fp8GemmConfig {
   static constexpr bool kGatherA = kGatherA_;
   static constexpr bool kOverlap = kOverlap_;
   static constexpr int kBN = 128;
-  // 5 x 32 KB stages + 2 x 2 staging slots (TMA stores and bulk row copies keep a warpgroup's whole
-  // 64 x 128 slice in flight; 9 KB each, the bulk path's padded rows) + the tile numbering's tables fit in
-  // 227 KB; a sixth stage does not.
+  // 5 x 32 KB stages + 2 x 2 staging boxes (TMA stores keep a warpgroup's whole 64 x 128 slice in flight)
+  // + the tile numbering's tables fit in 227 KB; a sixth stage does not.
   static constexpr int kStages = 5;
   static constexpr int kSlots = kBN / 64;
   // The bf16-pair view: kBK = 64 "bf16" = 128 e4m3 = one K block (fp8_mainloop.cuh).
@@ -84,7 +82,7 @@ struct Fp8GemmConfig {
 
   struct alignas(1024) SharedStorage {
     uint8_t stages[kStages][Shape::kStageBytes];  // each 1024-aligned: kStageBytes is a multiple of 1024
-    uint8_t staging[2][kSlots][device::kStagingSlotBytes<true>];
+    uint8_t staging[2][kSlots][device::kBoxBytes];
     device::StageScales scales[kStages];
     uint64_t full[kStages];
     uint64_t empty[kStages];
@@ -148,8 +146,7 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
   constexpr int cwg = kCwg;
   const int lt = tid & 127;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
-  device::BoxStore<Cfg::kSlots, true, /*kBulkRows=*/true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg,
-                                                                lt);
+  device::BoxStore<Cfg::kSlots, true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
   device::PipeState<Shape::kStages> st;
   float acc[kBN / 2];
   for (int j = 0;; ++j) {

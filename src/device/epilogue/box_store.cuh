@@ -4,12 +4,7 @@
 //   * through TMA (one thread, asynchronous: the epilogue never waits for its own stores, they drain while
 //     the next tile's main loop runs), when every row of the slice is a row of a contiguous output, or
 //   * through the threads, as 16-byte row-contiguous stores to a destination address per row: a row of a
-//     contiguous output, a scattered row index, or a row pointer (a peer's buffer, for instance), or
-//   * with kBulkRows, one bulk copy per row (cp.async.bulk, issued by the row's thread: asynchronous like the
-//     TMA path, so a scattered slice no longer holds the warpgroup while its rows are read back and stored).
-//     Its staging rows are unswizzled, 144 bytes apart (the 16-byte pad keeps stmatrix conflict-free), since a
-//     bulk copy reads one contiguous run. The rows are complete only when the kernel's stores are waited for
-//     (finish()): a kernel that signals a row as written before it ends must not use it.
+//     contiguous output, a scattered row index, or a row pointer (a peer's buffer, for instance).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -23,12 +18,6 @@
 namespace megamoe::device {
 
 inline constexpr int kBoxBytes = 64 * 128;  // 64 rows x 64 bf16
-inline constexpr int kBulkRowPitch = 128 + 16;  // a staging row of the bulk-copy path
-// The bytes of one staging slot: a box, or with kBulkRows its padded rows (a multiple of 1024 either way, as
-// the TMA path's swizzle needs).
-template <bool kBulkRows>
-inline constexpr int kStagingSlotBytes = kBulkRows ? 64 * kBulkRowPitch : kBoxBytes;
-static_assert(kStagingSlotBytes<true> % 1024 == 0, "staging slots stay 1024-aligned");
 
 __device__ __forceinline__ int box_read_row(int lt) { return lt >> 3; }
 __device__ __forceinline__ int box_read_chunk(int lt) { return lt & 7; }
@@ -61,12 +50,10 @@ struct SliceRows {
   __nv_bfloat16* row[2][64];
 };
 
-template <int kSlots, bool kTma, bool kBulkRows = false>
+template <int kSlots, bool kTma>
 struct BoxStore {
-  static_assert(!kBulkRows || kTma, "the bulk-copy row path shares the TMA path's wait protocol");
   static constexpr int kSlotCount = kSlots;
-  static constexpr int kSlotBytes = kStagingSlotBytes<kBulkRows>;
-  uint8_t* staging;    // this warpgroup's kSlots slots of kSlotBytes (1024-aligned)
+  uint8_t* staging;    // this warpgroup's kSlots boxes (1024-aligned)
   uint32_t staging_s;  // the same, as a shared-memory address
   SliceRows* rows;     // this warpgroup's row table
   int bar_id;          // named barrier of this warpgroup's 128 threads
@@ -79,12 +66,6 @@ struct BoxStore {
         tma_slice(false) {}
 
   __device__ __forceinline__ void barrier() const { named_barrier_sync(bar_id, 128); }
-  __device__ __forceinline__ uint8_t* slot_of(int box) const { return staging + (box % kSlots) * kSlotBytes; }
-  // The threads that issue stores: thread 0 on the TMA path, the 64 row threads on the bulk-copy path (each
-  // waits for its own bulk groups).
-  __device__ __forceinline__ bool issues_stores() const { return kBulkRows ? lt < 64 : lt == 0; }
-  // Whether this tile's slice stages for the bulk-copy row path (padded rows) rather than for TMA.
-  __device__ __forceinline__ bool bulk_rows() const { return kBulkRows && !tma_slice; }
 
   // tma: whether this tile's slice may leave through TMA (uniform over the warpgroup: every output
   // contiguous and every row of the slice inside the expert). Otherwise the row table is filled for the
@@ -94,13 +75,10 @@ struct BoxStore {
     box_no = 0;
     tma_slice = kTma && tma;
     if constexpr (kTma) {
-      // The previous tile's TMA stores (or bulk row copies) were issued a whole main loop ago; make sure they
-      // have read the staging boxes before anything is written into them again.
-      if (issues_stores()) tma_store_wait_read<0>();
+      // The previous tile's TMA stores were issued a whole main loop ago; make sure they have read the
+      // staging boxes before anything is written into them again.
+      if (lt == 0) tma_store_wait_read<0>();
     }
-    // The bulk path's last commit read the row table after its barrier, with none after: every row thread
-    // must be past it before the table is rewritten.
-    if constexpr (kBulkRows) barrier();
     if (!tma_slice) {
       // The previous tile's boxes have been read out (each drain ends with a barrier).
       const OutputRows& out = lt < 64 ? c : aux;
@@ -118,8 +96,8 @@ struct BoxStore {
     static_assert(kN >= 1 && kN <= kSlots, "boxes reserved at once must fit the staging slots");
     const int b = box_no;
     box_no += kN;
-    if (kTma && (tma_slice || kBulkRows) && b + kN > kSlots) {
-      if (issues_stores()) tma_store_wait_read<kSlots - kN>();
+    if (kTma && tma_slice && b + kN > kSlots) {
+      if (lt == 0) tma_store_wait_read<kSlots - kN>();
       barrier();
     }
     return b;
@@ -131,38 +109,26 @@ struct BoxStore {
     const int warp = lt >> 5, lane = lt & 31;
     const int sm_row = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
     const int sm_grp = lane >> 4;
-    const uint32_t slot = staging_s + (box % kSlots) * kSlotBytes;
-    const uint32_t addr = bulk_rows() ? slot + sm_row * kBulkRowPitch + ((jj + sm_grp) << 4)
-                                      : slot + sm_row * 128 + (((jj + sm_grp) ^ (sm_row & 7)) << 4);
+    const uint32_t addr = staging_s + (box % kSlots) * kBoxBytes + sm_row * 128 + (((jj + sm_grp) ^ (sm_row & 7)) << 4);
     stmatrix_x4(addr, v[0][0], v[0][1], v[1][0], v[1][1]);
   }
 
   // Box `box` leaves: columns [col0, col0 + 64) of output `which` (`ncols` wide). `map`: its TMA store target,
   // used only on the TMA path (whose output is contiguous, so the box lands at row slice0).
   __device__ void commit(int box, const CUtensorMap* map, BoxOutput which, int slice0, int col0, int ncols) {
-    uint8_t* const src = slot_of(box);
+    const int slot = box % kSlots;
     if (kTma && tma_slice) {
       fence_proxy_async_smem();  // the stmatrix writes become visible to TMA
       barrier();
       if (lt == 0) {
-        tma_store_2d(map, col0, slice0, src);
+        tma_store_2d(map, col0, slice0, staging + slot * kBoxBytes);
         tma_store_commit();
-      }
-    } else if (kBulkRows) {
-      fence_proxy_async_smem();  // the stmatrix writes become visible to the bulk copies
-      barrier();
-      if (lt < 64) {
-        __nv_bfloat16* dst = rows->row[which][lt];
-        if (dst != nullptr && col0 < ncols) {
-          const uint32_t bytes = static_cast<uint32_t>(min(64, ncols - col0)) * 2u;
-          bulk_store(dst + col0, src + lt * kBulkRowPitch, bytes);
-        }
-        tma_store_commit();  // one group per box and row thread, empty or not: reserve() counts them
       }
     } else {
       barrier();
       const int chunk = box_read_chunk(lt);
       const int col = col0 + chunk * 8;
+      const uint8_t* src = staging + slot * kBoxBytes;
 #pragma unroll
       for (int it = 0; it < 4; ++it) {
         const int row = box_read_row(lt) + 16 * it;
@@ -188,11 +154,10 @@ struct BoxStore {
     commit(b, map, which, slice0, col0, ncols);
   }
 
-  // Before the kernel ends: the staging boxes must not be released while TMA may still read them, and the
-  // bulk row copies are complete (their writes included) when it ends.
+  // Before the kernel ends: the staging boxes must not be released while TMA may still read them.
   __device__ __forceinline__ void finish() const {
     if constexpr (kTma) {
-      if (issues_stores()) tma_store_wait_all<0>();
+      if (lt == 0) tma_store_wait_all<0>();
     }
   }
 };

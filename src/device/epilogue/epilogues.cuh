@@ -245,7 +245,7 @@ __device__ __forceinline__ void epilogue_fp32_tma(const float (&acc)[kBN / 2], c
   for (int pass = 0; pass < kBN / 32; ++pass) {
     if (n0 + pass * 32 >= N) break;  // uniform over the warpgroup
     const int box = store.template reserve<1>();
-    stage_fp32_pass<kBN>(acc, pass, store.slot_of(box), store.lt);
+    stage_fp32_pass<kBN>(acc, pass, store.staging + (box % Store::kSlotCount) * kBoxBytes, store.lt);
     store.commit(box, map, kOutputC, slice0, n0 + pass * 32, N);
   }
 }

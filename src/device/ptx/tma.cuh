@@ -41,11 +41,6 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, int c0, int
   const int32_t crd[2] = {c0, c1};
   ptx::cp_async_bulk_tensor(ptx::space_global, ptx::space_shared, map, crd, smem);
 }
-// Shared -> global, one contiguous run of `bytes` (a multiple of 16; both addresses 16-byte aligned), through
-// the same bulk-group protocol as the TMA stores (the same fence and barrier before it).
-__device__ __forceinline__ void bulk_store(void* gmem, const void* smem, uint32_t bytes) {
-  ptx::cp_async_bulk(ptx::space_global, ptx::space_shared, gmem, smem, bytes);
-}
 __device__ __forceinline__ void tma_store_commit() { ptx::cp_async_bulk_commit_group(); }
 // Until at most kPending committed store groups may still read their shared-memory source.
 template <int kPending>
