@@ -423,6 +423,30 @@ TEST(Fp8Gemm, GroupedByExpert) {
         << "gathered rows with the overlapped promotion differ (max_ctas " << max_ctas << ")";
   }
 
+  // D rows through their pointers from the contiguous A, as the layer's GEMM2 and dgrad run it (the scattered
+  // boxes handed to the store warps), with the overlapped promotion and with CTAs that take several tiles
+  // (slots reused while earlier boxes drain): bitwise the contiguous call's rows; unnamed rows untouched.
+  for (const int max_ctas : {0, 3}) {
+    dOut.poison();
+    Fp8GemmTuning overlapped{1, max_ctas};
+    overlapped.overlap_promotion = true;
+    Fp8GemmRows rows_only;
+    rows_only.d_rows = dPointers.get();
+    const Status by_pointer = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), nullptr, doff.get(), E,
+                                                  max_rows, N, K, nullptr, overlapped, rows_only);
+    ASSERT_TRUE(by_pointer.is_ok()) << by_pointer.to_string();
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<bf16> out_p = dOut.download();
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(out_p.begin() + int64_t{dest[r]} * N, N, seen.begin() + r * N);
+    EXPECT_EQ(count_bitwise_differences(want, seen), 0)
+        << "D rows through pointers from the contiguous A differ (max_ctas " << max_ctas << ")";
+    int64_t unnamed = 0;
+    for (int64_t d = 0; d < source_rows; ++d) {
+      if (!named[d]) unnamed += count_not_nan(out_p, d * N, (d + 1) * N);
+    }
+    EXPECT_EQ(unnamed, 0) << "rows no pointer names were written (max_ctas " << max_ctas << ")";
+  }
+
   // D in fp32 (gathered A as above): rounded to bf16 it gives the bf16 call's bits; rows outside every
   // expert stay untouched.
   DeviceBuffer<float> dD32(static_cast<size_t>(max_rows * N));  // NaN-poisoned
