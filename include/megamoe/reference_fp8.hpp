@@ -10,9 +10,7 @@
 //             W13      128x128 blocks of [2I, H], per expert                  (GEMM1, and dgrad of GEMM1)
 //             a        1x128 groups along I, per routed row                   (operand of GEMM2)
 //             W2       128x128 blocks of [H, I], per expert                   (GEMM2, and dgrad of GEMM2)
-//             h        rounded to bf16, not quantized (the GEMM's output as the layer stores it; a and dh
-//                      are computed from it)
-//             y, out: fp32, not quantized
+//             h, y, out: fp32, not quantized
 //   backward  dy       1x128 groups along H, per routed row                   (operand of da = dy . W2)
 //             dh       1x128 groups along 2I, per routed row                  (operand of dx = dh . W13)
 //             dy^T, a^T, dh^T, x^T: 1x128 groups along the routed-row (token) axis, per expert, the last
@@ -21,8 +19,7 @@
 //                      again), a^T and dh^T from the fp32 values
 //             da, dx partials, dx, dW2, dW13: fp32, not quantized
 //             d_topk_weights = <q(dOut_t) . W2q[e], a> with a the unquantized fp32 SwiGLU output.
-// Nothing else is rounded to bf16 (the GPU's other bf16 stores, used as they are, are not modelled; see the
-// .cpp).
+// Nothing is rounded to bf16 (the GPU's bf16 stores are not modelled; see the .cpp).
 #pragma once
 
 #include <cstdint>

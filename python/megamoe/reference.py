@@ -9,8 +9,7 @@ only move rows, so the multi-rank layer equals one layer over all ranks' tokens 
 reference computes exactly that and splits the result, which keeps it free of any communication code.
 
 FP8 (moe_fp8, moe_ranks_fp8): the blockwise FP8 forward (docs/FP8.md), the same steps with x, W13, a and W2
-rounded to E4M3 through their scales at the points where the GPU layer quantizes them, and h rounded to bf16
-where the GPU layer stores it;
+rounded to E4M3 through their scales at the points where the GPU layer quantizes them;
 moe_ranks_fp8_backward: its backward, with the backward's own quantization points (not autograd).
 
 Process ranks (moe_distributed): each process holds its tokens and its E/R experts, as the GPU layer's
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["moe", "moe_ranks", "moe_distributed", "check_ids", "fake_quantize_1x128", "fake_quantize_128x128",
-           "quantize_128x128", "dequantize_128x128", "round_bf16", "moe_fp8", "moe_ranks_fp8", "moe_ranks_fp8_backward"]
+           "quantize_128x128", "dequantize_128x128", "moe_fp8", "moe_ranks_fp8", "moe_ranks_fp8_backward"]
 
 
 def check_ids(topk_idx: torch.Tensor, num_experts: int, what: str = "topk_idx") -> None:
@@ -61,9 +60,9 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13
     return _moe(x, topk_idx, topk_weights, w13, w2, check=check).to(x.dtype)
 
 
-def _moe(x, topk_idx, topk_weights, w13, w2, *, check: bool, round_h=None, round_a=None) -> torch.Tensor:
-    """moe's steps, out in the accumulation dtype (fp64 for fp64 x, else fp32); round_h, if given, rounds
-    GEMM1's output h (the FP8 layer's point F3), round_a rounds a before GEMM2 (its point F5)."""
+def _moe(x, topk_idx, topk_weights, w13, w2, *, check: bool, round_a=None) -> torch.Tensor:
+    """moe's steps, out in the accumulation dtype (fp64 for fp64 x, else fp32); round_a, if given, rounds a
+    before GEMM2 (the FP8 layer's point F5)."""
     num_tokens, top_k = topk_idx.shape
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -80,8 +79,6 @@ def _moe(x, topk_idx, topk_weights, w13, w2, *, check: bool, round_h=None, round
     rows_token = token[order]
 
     h = _expert_matmul(x[rows_token], w13, counts)
-    if round_h is not None:
-        h = round_h(h)
     a = F.silu(h[:, :inter]) * h[:, inter:]
     y = _expert_matmul(a if round_a is None else round_a(a), w2, counts)
 
@@ -156,12 +153,6 @@ def dequantize_128x128(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     return (blocks * scales.float().reshape(*codes.shape[:-2], n // 128, 1, k // 128, 1)).reshape(codes.shape)
 
 
-def round_bf16(t: torch.Tensor) -> torch.Tensor:
-    """t's values rounded to bf16 (to nearest, ties to even), in t's dtype: the FP8 layer's h (point F3), which
-    it stores in bf16 as the bf16 layer does and quantizes a and dh from."""
-    return t.to(torch.bfloat16).to(t.dtype)
-
-
 def fake_quantize_128x128(w: torch.Tensor) -> torch.Tensor:
     """w [..., N, K] (N and K multiples of 128), one scale per 128 x 128 block of each matrix -> fp32 values
     (float64 for float64 w, exactly the same values)."""
@@ -171,9 +162,8 @@ def fake_quantize_128x128(w: torch.Tensor) -> torch.Tensor:
 def moe_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
             w2: torch.Tensor, *, check: bool = True, weights_quantized: bool = False) -> torch.Tensor:
     """The blockwise FP8 forward of one rank holding every expert (docs/FP8.md F1-F8): x per token and a per
-    routed row in 1 x 128 groups, W13 and W2 in 128 x 128 blocks, GEMM1's output h rounded to bf16, the GEMMs
-    and the SwiGLU in fp32, the combine in fp32; out in x's dtype. The GPU also rounds y to bf16 before the
-    combine.
+    routed row in 1 x 128 groups, W13 and W2 in 128 x 128 blocks, the GEMMs and the SwiGLU in fp32, the
+    combine in fp32; out in x's dtype. The GPU also rounds y to bf16 before the combine.
 
     float64 x (and weights) run the GEMMs in float64: the oracle for the GPU layer. In fp32 the GEMMs may run
     in a reduced-precision mode (TF32 on CUDA where allowed), and the quantization of a after them amplifies
@@ -183,7 +173,7 @@ def moe_fp8(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     round_w = (lambda w: w) if weights_quantized else fake_quantize_128x128
     return _moe(fake_quantize_1x128(x), topk_idx, topk_weights.to(acc), round_w(w13).to(acc), round_w(w2).to(acc),
-                check=check, round_h=round_bf16, round_a=fake_quantize_1x128).to(x.dtype)
+                check=check, round_a=fake_quantize_1x128).to(x.dtype)
 
 
 def moe_ranks_fp8(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],
@@ -216,11 +206,10 @@ def moe_ranks_fp8_backward(xs: list[torch.Tensor], topk_idx: list[torch.Tensor],
     dtype (pass float64: the oracle of the GPU layer). Not the autograd of moe_fp8: the FP8 backward quantizes
     d_out per token, dh per row, and the weight gradients' operands along the routed rows.
 
-    Per routed row of expert e (the forward recomputed, h rounded to bf16): g = q(dOut_t) W2q[e];
-    d_topk_weights = <g, a> (a the unquantized activation); dh = SwiGLU'(w g); d_x_t += q(dh) W13q[e]. Per
-    expert, its rows in the GPU's order (source rank, windows of 32 tokens, slot, token): dW2 = T(w q(dOut))^T
-    T(a), dW13 = T(dh)^T T(q(x)), T(.) the token-major quantization in groups of 128 rows from the expert's
-    first row."""
+    Per routed row of expert e (the forward recomputed): g = q(dOut_t) W2q[e]; d_topk_weights = <g, a> (a the
+    unquantized activation); dh = SwiGLU'(w g); d_x_t += q(dh) W13q[e]. Per expert, its rows in the GPU's
+    order (source rank, windows of 32 tokens, slot, token): dW2 = T(w q(dOut))^T T(a), dW13 = T(dh)^T T(q(x)),
+    T(.) the token-major quantization in groups of 128 rows from the expert's first row."""
     ranks = len(xs)
     if not (len(topk_idx) == len(topk_weights) == len(w13) == len(w2) == len(d_out) == ranks) or ranks == 0:
         raise ValueError("moe_ranks_fp8_backward needs one tensor per rank in every list, and at least one rank")
@@ -249,7 +238,7 @@ def moe_ranks_fp8_backward(xs: list[torch.Tensor], topk_idx: list[torch.Tensor],
         xs_e = torch.cat([xq[r][t] for r, t, _ in rows])
         dout_e = torch.cat([doutq[r][t] for r, t, _ in rows])
         w_e = torch.cat([topk_weights[r][t, j].to(acc) for r, t, j in rows]).unsqueeze(1)
-        h = round_bf16(xs_e @ w13q[e].T)  # the forward's h, stored in bf16
+        h = xs_e @ w13q[e].T
         gate, up = h[:, :inter], h[:, inter:]
         a = (F.silu(gate) * up).float().to(acc)  # the GPU's a is fp32
         g = (dout_e @ w2q[e]).float().to(acc)    # the dgrad's fp32 output

@@ -70,8 +70,7 @@ struct WorkspaceLayout {
   int64_t row_weight = 0;      // f32 [C]: its routing weight
   int64_t row_dest = 0;        // pointer [C]: its combine row on the source rank
   int64_t row_dot_dest = 0;    // pointer [C]: its dot_parts partials on the source rank
-  int64_t h = 0;               // bf16 [C, 2I]  GEMM1's output (FP8: a is quantized from it), saved for the
-                               //               backward (SwiGLU backward); with recompute_h the
+  int64_t h = 0;               // bf16 [C, 2I]  saved for the backward (SwiGLU backward); with recompute_h the
                                //               backward recomputes it here and the SwiGLU backward overwrites
                                //               it with dh in place
   int64_t a = 0;               // bf16 [C, I]   forward: a; backward: w * a (recomputed from h) for d_w2
@@ -93,6 +92,7 @@ struct WorkspaceLayout {
   int64_t recv_xs = 0;         // f32 [R, T, H / 128]: their scales, a row's together
   int64_t rows_q = 0;          // e4m3 [C, H]: received rows in expert order, GEMM1's x then the dgrad's d_out
   int64_t rows_s = 0;          // f32 [H / 128, kernels::fp8_scale_pitch(C)]: their scales, K-block-major
+  int64_t h_f32 = 0;           // f32 [C, 2I]: GEMM1's output, unrounded (a is quantized from it)
   int64_t a_q = 0;             // e4m3 [C, I]: GEMM2's operand
   int64_t a_s = 0;             // f32 [I / 128, kernels::fp8_scale_pitch(C)]: K-block-major
   int64_t w13_q = 0;           // e4m3 [E_local, 2I, H]: the call's W13, 128x128 blocks
@@ -157,7 +157,7 @@ struct WorkspaceLayout {
     l.row_weight = take(4 * C);
     l.row_dest = take(8 * C);
     l.row_dot_dest = take(8 * C);
-    l.h = take(2 * C * 2 * I);  // both layers: the FP8 one quantizes a from it and keeps it for the backward
+    l.h = take(b * 2 * C * 2 * I);
     l.a = take(b * 2 * C * I);
     l.dh = s.recompute_h ? l.h : take(b * 2 * C * 2 * I);
     const int64_t blocks = row_blocks(s);
@@ -177,6 +177,7 @@ struct WorkspaceLayout {
     l.recv_xs = take(q * 4 * R * T * (H / 128));
     l.rows_q = take(q * C * H);
     l.rows_s = take(q * 4 * (H / 128) * kernels::fp8_scale_pitch(C));
+    l.h_f32 = take(q * 4 * C * 2 * I);
     l.a_q = take(q * C * I);
     l.a_s = take(q * 4 * (I / 128) * kernels::fp8_scale_pitch(C));
     l.w13_q = take(q * EL * 2 * I * H);

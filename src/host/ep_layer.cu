@@ -58,7 +58,7 @@ Status check_fp8(const LayerOptions& options) {
   if (options.forward_path != ForwardPath::kModular || options.backward_path != BackwardPath::kModular)
     return Status(StatusCode::kNotSupported, "fp8-blockwise runs the modular paths only so far (no fused kernels)");
   if (options.recompute_h)
-    return Status(StatusCode::kNotSupported, "fp8-blockwise keeps GEMM1's h for its backward: no recompute_h");
+    return Status(StatusCode::kNotSupported, "fp8-blockwise keeps GEMM1's fp32 h for its backward: no recompute_h");
   return Status::ok();
 }
 
@@ -247,7 +247,7 @@ struct ExpertParallelLayer::Impl {
                                      expert_offsets() + config.experts_per_rank(), C, buffer<uint8_t>(l.rows_q),
                                      buffer<float>(l.rows_s), kernels::fp8_scale_pitch(C), placement.stream);
   }
-  // An FP8 GEMM's output stored unrounded (fp32, contiguous): the dgrad's g, which dh is computed from.
+  // An FP8 GEMM's output stored unrounded (fp32, contiguous): GEMM1's h, the dgrad's g.
   static kernels::Fp8GemmRows fp32_rows(float* d_fp32) {
     kernels::Fp8GemmRows rows;
     rows.d_fp32 = d_fp32;
@@ -271,7 +271,7 @@ struct ExpertParallelLayer::Impl {
   Status expert_mlp_backward(const ep::Params& p, const BackwardArgs& args) const;
   Status weight_gradients(const ep::Params& p, const BackwardArgs& args) const;
   // The same in blockwise FP8 (docs/FP8.md, the backward), on the e4m3 d_out rows the FP8 dispatch delivered
-  // and what the FP8 forward kept (the received x rows, h, the quantized weights).
+  // and what the FP8 forward kept (the received x rows, the fp32 h, the quantized weights).
   Status expert_mlp_backward_fp8(const ep::Params& p, const BackwardArgs& args, bool transpose_weights) const;
   Status weight_gradients_fp8(const ep::Params& p, const BackwardArgs& args) const;
 };
@@ -305,9 +305,10 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward(const ep::Params& p, const 
 
 // Blockwise FP8 (docs/FP8.md): the weights quantized in 128x128 blocks when they changed (the caller's
 // weights_version says so); h = xq W13q^T over the received e4m3 rows and their scales (copied into expert
-// order first, so that the GEMM reads them through TMA), rounded to bf16 as the bf16 layer's h (the FP8
-// reference rounds at the same point, so a is quantized from the same values); a = silu(g) u quantized in
-// 1x128 groups along I; y = aq W2q^T, each row stored straight into its combine slot on the source rank.
+// order first, so that the GEMM reads them through TMA), kept in fp32 (by arithmetic, not measured: from a bf16 h about one element of a in 60 would round to the
+// other e4m3 neighbour than the reference's, about 1% of error in out);
+// a = silu(g) u quantized in 1x128 groups along I; y = aq W2q^T, each row stored straight into its combine
+// slot on the source rank.
 Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, const ForwardArgs& args,
                                                          bool quantize_weights) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
@@ -322,13 +323,13 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
                                                                   buffer<float>(p.layout.w2_s), stream));
   }
   const QuantizedWeights& w = fp8_weights;
-  auto* h = buffer<__nv_bfloat16>(p.layout.h);
+  auto* h = buffer<float>(p.layout.h_f32);
   MEGAMOE_RETURN_IF_ERROR(
       fp8_rows_in_expert_order(p, buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs)));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(p.layout.rows_q), buffer<float>(p.layout.rows_s),
-                                                       w.w13, w.w13_scales, h, expert_offsets(), EL, C,
+                                                       w.w13, w.w13_scales, nullptr, expert_offsets(), EL, C,
                                                        static_cast<int>(2 * I), static_cast<int>(H), stream,
-                                                       fp8_tuning()));
+                                                       fp8_tuning(), fp32_rows(h)));
   auto* a_q = buffer<uint8_t>(p.layout.a_q);
   auto* a_s = buffer<float>(p.layout.a_s);
   // Only the rows the experts hold (expert_offsets[EL], counted on the device).
@@ -388,8 +389,7 @@ Status ExpertParallelLayer::Impl::weight_gradients(const ep::Params& p, const Ba
 }
 
 // g = q(dOut) W2q (fp32, d_out's received rows copied into expert order, W2q read K-major: its transposed copy);
-// then per routed row dh = SwiGLU'(w g) (from the forward's bf16 h) quantized 1 x 128 along 2I, with <g, a>
-// sent to the source's slot;
+// then per routed row dh = SwiGLU'(w g) quantized 1 x 128 along 2I, with <g, a> sent to the source's slot;
 // dx rows = dh_q W13q straight into the combine slots (W13q's transposed copy); then the weight gradients.
 Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, const BackwardArgs& args,
                                                           bool transpose_weights) const {
@@ -417,7 +417,7 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
   auto* dh_q = buffer<uint8_t>(l.dh_q);
   auto* dh_s = buffer<float>(l.dh_s);
   MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_backward_quantize_rows_1x128(
-      g, buffer<__nv_bfloat16>(l.h), buffer<float>(l.row_weight), C, I, expert_offsets() + EL, dh_q, dh_s,
+      g, buffer<float>(l.h_f32), buffer<float>(l.row_weight), C, I, expert_offsets() + EL, dh_q, dh_s,
       kernels::fp8_scale_pitch(C), nullptr, buffer<float*>(l.row_dot_dest), p.shape.dot_parts, stream));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(dh_q, dh_s, buffer<uint8_t>(l.w13t_q), buffer<float>(l.w13t_s),
                                                        nullptr, expert_offsets(), EL, C, static_cast<int>(H),
@@ -437,7 +437,7 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
   const int32_t* offsets = expert_offsets();
   const auto* row_src = buffer<int32_t>(l.row_src);
   const auto* row_weight = buffer<float>(l.row_weight);
-  auto* h = buffer<__nv_bfloat16>(l.h);
+  auto* h = buffer<float>(l.h_f32);
   MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_e4m3(
       buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts), source_rows, row_src, row_weight, H, offsets, EL, C,
       buffer<uint8_t>(l.dyt_q), buffer<float>(l.dyt_s), stream));

@@ -68,8 +68,7 @@ Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const fl
 //     row-major (the layout a row's scales travel in with it), 4-byte aligned. Needs cluster_size 1.
 //   d_rows: D row r is stored at d_rows[r] (N bf16, 16-byte aligned; nullptr drops the row); D may be null.
 //   d_fp32: D stored unrounded instead, fp32 [max_rows, N] contiguous (16-byte aligned; D may be null): the
-//     accumulator the bf16 D rounds, for a consumer that quantizes it again (the FP8 layer's dgrad g, which
-//     dh is computed from).
+//     accumulator the bf16 D rounds, for a consumer that quantizes it again (the FP8 layer's h and g).
 // Either way the output bits are those of the contiguous call on the same rows (d_fp32: before rounding).
 struct Fp8GemmRows {
   const int32_t* a_rows = nullptr;

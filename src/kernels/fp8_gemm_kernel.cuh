@@ -13,10 +13,7 @@
 //     accumulator and the fp32 promotion with the scales (mma_tile_fp8_blockwise, which waits for the next
 //     stage and reads the weight block's scale from global memory one K block ahead while the tensor cores
 //     run), then the bf16 epilogue of the engine (epilogue_plain through BoxStore: TMA stores for whole 64-row
-//     slices, else the boxes handed to a store warp), or with an fp32 D its fp32 boxes through TMA
-//     (epilogue_fp32_tma; partial slices through the threads);
-//   with A through TMA, producer warps 2 and 3 store the scattered boxes of consumer warpgroups 1 and 2
-//     (box_handoff.cuh), so that the consumers go on to the next tile's main loop meanwhile.
+//     slices, else the threads), or with an fp32 D its fp32 boxes the same way (epilogue_fp32_tma).
 // Work items (expert, m-tile, n-tile) are numbered on the device (GroupedTiles) from the expert row offsets;
 // the dense GEMM is one group of M rows. Every role walks the same grid-stride schedule.
 #pragma once
@@ -77,11 +74,6 @@ struct Fp8GemmConfig {
   // per consumer warpgroup of the cluster peer (fp8_mainloop.cuh).
   static constexpr int kEmptyArrivals = device::kFp8EmptyArrivals<Shape, kGatherA>;
   static constexpr int kScaleThread = 32;  // producer thread that loads the A scales (another warp than thread 0)
-  // Scattered output slices (row pointers, rows past an expert's end) are stored by producer warps 2 and 3,
-  // one per consumer warpgroup (box_handoff.cuh), where the producer's threads are free: not while they
-  // gather A's rows.
-  static constexpr bool kHandoff = !kGatherA_;
-  static constexpr int kFirstStoreWarp = 2;
   // Consumers hold two fp32 accumulators of 64 registers each (acc, partial) plus addressing; overlapped,
   // a second partial.
   static constexpr int kProducerRegs = kOverlap ? 40 : 56;
@@ -95,7 +87,6 @@ struct Fp8GemmConfig {
     uint64_t full[kStages];
     uint64_t empty[kStages];
     device::SliceRows slice_rows[2];
-    device::BoxHandoff handoff[2];
     int dense_offsets[2];
     typename Tiles::Storage tiles;
   };
@@ -110,14 +101,6 @@ __device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const 
                                                  int rank, int ptid) {
   using Shape = typename Cfg::Shape;
   const bool tma_thread = ptid == 0;
-  if constexpr (Cfg::kHandoff) {
-    const int warp = ptid / 32;
-    if (warp >= Cfg::kFirstStoreWarp) {
-      const int cwg = warp - Cfg::kFirstStoreWarp;
-      smem.handoff[cwg].template drain<device::kBoxBytes>(smem.staging[cwg][0], &smem.slice_rows[cwg], ptid & 31);
-      return;
-    }
-  }
   if (!Cfg::kGatherA && !tma_thread && ptid != Cfg::kScaleThread) return;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   typename Cfg::Loader loader{tm_a, tm_b, p.src, {}};
@@ -163,8 +146,7 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
   constexpr int cwg = kCwg;
   const int lt = tid & 127;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
-  device::BoxStore<Cfg::kSlots, true, Cfg::kHandoff> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt,
-                                                           &smem.handoff[cwg]);
+  device::BoxStore<Cfg::kSlots, true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
   device::PipeState<Shape::kStages> st;
   float acc[kBN / 2];
   for (int j = 0;; ++j) {
@@ -219,10 +201,6 @@ __global__ void __launch_bounds__(kFp8GemmThreads, 1)
   if (tid == 0) {
     const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
     pipe.init(Cfg::kFullArrivals, Cfg::kEmptyArrivals);
-    if constexpr (Cfg::kHandoff) {
-      smem.handoff[0].init();
-      smem.handoff[1].init();
-    }
     smem.dense_offsets[0] = 0;
     smem.dense_offsets[1] = p.max_rows;
     device::mbarrier_init_fence();

@@ -56,10 +56,10 @@ __global__ void quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ x, 
 }
 
 // One warp per row, its 1x128 groups of a = silu(g) * u in turn: lane holds 4 consecutive gate values and the
-// 4 matching up values (two 8-byte loads). A warp per group had to split its group index into row and group
-// by a 64-bit division, which with bf16 h made the kernel bound by instructions (docs/PERF.md run 71: 173 a
-// group). Only rows [0, *rows_used) when rows_used is given (read once per warp).
-__global__ void swiglu_quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ h, int64_t rows, int64_t I,
+// 4 matching up values (two 16-byte loads). A warp per group had to split its group index into row and group
+// by a 64-bit division, about 70 of the 173 instructions a group (docs/PERF.md runs 71-72). Only rows
+// [0, *rows_used) when rows_used is given (read once per warp).
+__global__ void swiglu_quantize_rows_1x128_kernel(const float* __restrict__ h, int64_t rows, int64_t I,
                                                   const int32_t* __restrict__ rows_used, int64_t pitch,
                                                   uint8_t* __restrict__ aq, float* __restrict__ scales) {
   const int lane = threadIdx.x % 32;
@@ -69,11 +69,11 @@ __global__ void swiglu_quantize_rows_1x128_kernel(const __nv_bfloat16* __restric
   int64_t limit = rows;
   if (rows_used != nullptr) limit = min(max(static_cast<int64_t>(*rows_used), int64_t{0}), rows);
   for (int64_t row = warp; row < limit; row += warp_stride) {
-    const __nv_bfloat16* h_row = h + row * 2 * I + lane * 4;
+    const float* h_row = h + row * 2 * I + lane * 4;
     uint8_t* aq_row = aq + row * I + lane * 4;
     for (int64_t kb = 0; kb < groups_per_row; ++kb) {
-      const float4 g = device::load_bf16x4(h_row + kb * kGroup);
-      const float4 u = device::load_bf16x4(h_row + I + kb * kGroup);
+      const float4 g = *reinterpret_cast<const float4*>(h_row + kb * kGroup);
+      const float4 u = *reinterpret_cast<const float4*>(h_row + I + kb * kGroup);
       const float a[4] = {device::swiglu(g.x, u.x), device::swiglu(g.y, u.y), device::swiglu(g.z, u.z),
                           device::swiglu(g.w, u.w)};
       const WarpGroupQuantized qa = quantize_warp_group(a);
@@ -86,8 +86,7 @@ __global__ void swiglu_quantize_rows_1x128_kernel(const __nv_bfloat16* __restric
 // One warp per row: for each 128-column group kb of I, lane holds 4 consecutive columns; the gate group kb
 // and the up group I / 128 + kb of dh are quantized from them (two amaxes), and the row's <g, a> is summed
 // in a fixed order (per lane over kb, then the butterfly): the same bits every run.
-__global__ void swiglu_backward_quantize_rows_1x128_kernel(const float* __restrict__ g,
-                                                           const __nv_bfloat16* __restrict__ h,
+__global__ void swiglu_backward_quantize_rows_1x128_kernel(const float* __restrict__ g, const float* __restrict__ h,
                                                            const float* __restrict__ row_weight, int64_t rows,
                                                            int64_t I, const int32_t* __restrict__ rows_used,
                                                            int64_t pitch, uint8_t* __restrict__ dh_q,
@@ -102,13 +101,13 @@ __global__ void swiglu_backward_quantize_rows_1x128_kernel(const float* __restri
   for (int64_t row = warp; row < limit; row += warp_stride) {
     const float w = row_weight[row];
     const float* g_row = g + row * I;
-    const __nv_bfloat16* h_row = h + row * 2 * I;
+    const float* h_row = h + row * 2 * I;
     float dot = 0.0f;
     for (int64_t kb = 0; kb < groups; ++kb) {
       const int64_t col = kb * kGroup + lane * 4;
       const float4 gv = *reinterpret_cast<const float4*>(g_row + col);
-      const float4 hg = device::load_bf16x4(h_row + col);
-      const float4 hu = device::load_bf16x4(h_row + I + col);
+      const float4 hg = *reinterpret_cast<const float4*>(h_row + col);
+      const float4 hu = *reinterpret_cast<const float4*>(h_row + I + col);
       const float gs[4] = {gv.x, gv.y, gv.z, gv.w}, gate[4] = {hg.x, hg.y, hg.z, hg.w}, up[4] = {hu.x, hu.y, hu.z, hu.w};
       float dg[4], du[4], a[4];
 #pragma unroll
@@ -283,7 +282,7 @@ Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t co
   return Status::ok();
 }
 
-Status swiglu_quantize_rows_1x128(const __nv_bfloat16* h, int64_t rows, int64_t I, const int32_t* rows_used,
+Status swiglu_quantize_rows_1x128(const float* h, int64_t rows, int64_t I, const int32_t* rows_used,
                                   uint8_t* aq, float* scales, int64_t scales_pitch, cudaStream_t stream) {
   if (rows < 0 || I <= 0 || I % kGroup != 0)
     return Status::invalid("swiglu_quantize_rows_1x128: I must be a positive multiple of 128 and rows >= 0, got rows=" +
@@ -294,8 +293,8 @@ Status swiglu_quantize_rows_1x128(const __nv_bfloat16* h, int64_t rows, int64_t 
   if (rows == 0) return Status::ok();
   if (h == nullptr || aq == nullptr || scales == nullptr)
     return Status::invalid("swiglu_quantize_rows_1x128: null pointer");
-  if ((reinterpret_cast<uintptr_t>(h) & 7u) != 0 || (reinterpret_cast<uintptr_t>(aq) & 3u) != 0)
-    return Status::invalid("swiglu_quantize_rows_1x128: h must be 8-byte and aq 4-byte aligned");
+  if ((reinterpret_cast<uintptr_t>(h) & 15u) != 0 || (reinterpret_cast<uintptr_t>(aq) & 3u) != 0)
+    return Status::invalid("swiglu_quantize_rows_1x128: h must be 16-byte and aq 4-byte aligned");
   // Sized for every row; with rows_used the warps past the used rows find no work.
   int blocks = 0;
   MEGAMOE_RETURN_IF_ERROR(warp_grid((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
@@ -305,7 +304,7 @@ Status swiglu_quantize_rows_1x128(const __nv_bfloat16* h, int64_t rows, int64_t 
   return Status::ok();
 }
 
-Status swiglu_backward_quantize_rows_1x128(const float* g, const __nv_bfloat16* h, const float* row_weight, int64_t rows,
+Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const float* row_weight, int64_t rows,
                                            int64_t I, const int32_t* rows_used, uint8_t* dh_q, float* dh_s,
                                            int64_t scales_pitch, float* a_out, float* const* dot_rows, int dot_parts,
                                            cudaStream_t stream) {
@@ -320,10 +319,9 @@ Status swiglu_backward_quantize_rows_1x128(const float* g, const __nv_bfloat16* 
   if (rows == 0) return Status::ok();
   if (g == nullptr || h == nullptr || row_weight == nullptr || dh_q == nullptr || dh_s == nullptr)
     return Status::invalid("swiglu_backward_quantize_rows_1x128: null pointer");
-  if ((reinterpret_cast<uintptr_t>(g) & 15u) != 0 || (reinterpret_cast<uintptr_t>(h) & 7u) != 0 ||
+  if ((reinterpret_cast<uintptr_t>(g) & 15u) != 0 || (reinterpret_cast<uintptr_t>(h) & 15u) != 0 ||
       (reinterpret_cast<uintptr_t>(a_out) & 15u) != 0 || (reinterpret_cast<uintptr_t>(dh_q) & 3u) != 0)
-    return Status::invalid("swiglu_backward_quantize_rows_1x128: g and a_out must be 16-byte, h 8-byte, dh_q 4-byte "
-                           "aligned");
+    return Status::invalid("swiglu_backward_quantize_rows_1x128: g, h and a_out must be 16-byte, dh_q 4-byte aligned");
   int blocks = 0;
   MEGAMOE_RETURN_IF_ERROR(warp_grid((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
   swiglu_backward_quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(

@@ -18,15 +18,14 @@ namespace megamoe::kernels {
 Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t cols, uint8_t* q, float* scales,
                                 cudaStream_t stream, int64_t scales_pitch = 0);
 
-// GEMM1's output h [rows, 2I] bf16 (gate columns 0..I-1, then up columns; the FP8 reference rounds h to bf16
-// at the same point, its F3) -> a = silu(g) * u in fp32, as the SwiGLU epilogues compute it
+// GEMM1's output h [rows, 2I] fp32 (gate columns 0..I-1, then up columns; unrounded, so that a is quantized
+// from the values the FP8 reference quantizes) -> a = silu(g) * u in fp32, as the SwiGLU epilogues compute it
 // (device/epilogue/transforms.cuh), quantized in 1x128 groups along I by the rules of quantize_rows_1x128:
 // aq [rows, I] E4M3 bytes and the scales
 // K-block-major, group (row, kb) at scales[kb * scales_pitch + row] (scales_pitch >= rows; the FP8 GEMM's
 // layout, kernels/fp8_gemm.hpp). rows_used, optional device int: only rows [0, *rows_used) (clamped into
-// [0, rows]) are read and written, the layer's expert rows counted on the device. h 8-byte aligned, aq 4-byte.
-// Asynchronous on `stream`.
-Status swiglu_quantize_rows_1x128(const __nv_bfloat16* h, int64_t rows, int64_t I, const int32_t* rows_used,
+// [0, rows]) are read and written, the layer's expert rows counted on the device. Asynchronous on `stream`.
+Status swiglu_quantize_rows_1x128(const float* h, int64_t rows, int64_t I, const int32_t* rows_used,
                                   uint8_t* aq, float* scales, int64_t scales_pitch, cudaStream_t stream);
 
 // w [rows, cols] bf16 row-major (cols a multiple of 128, rows any) -> q [rows, cols] E4M3 bytes and one fp32
@@ -39,13 +38,13 @@ Status quantize_blocks_128x128_bf16(const __nv_bfloat16* w, int64_t rows, int64_
 
 // The FP8 backward's step between its two dgrads (docs/FP8.md, the planned backward), per routed row r of
 // [0, rows) (or [0, *rows_used)): g [rows, I] fp32, the dgrad of GEMM2 before the routing weight; h [rows, 2I]
-// bf16 from the forward (8-byte aligned); w = row_weight[r]. da = w g; dh = SwiGLU'(da) (gate columns, then up columns), as the
+// fp32 from the forward; w = row_weight[r]. da = w g; dh = SwiGLU'(da) (gate columns, then up columns), as the
 // bf16 epilogue computes it (device/epilogue/transforms.cuh), quantized 1x128 along 2I: dh_q [rows, 2I] and
 // K-block-major scales dh_s [2I / 128, scales_pitch]. Optional: a_out [rows, I] fp32 = a = silu(g_h) u_h
 // (unweighted: the FP8 reference's dW2 is dy^T a with dy = w dOut, its point B8), and the routing-weight
 // gradient <g, a> summed in a fixed order into dot_rows[r][0] (the row's other dot_parts - 1 partials set to
 // 0; a null row pointer skips the row).
-Status swiglu_backward_quantize_rows_1x128(const float* g, const __nv_bfloat16* h, const float* row_weight, int64_t rows,
+Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const float* row_weight, int64_t rows,
                                            int64_t I, const int32_t* rows_used, uint8_t* dh_q, float* dh_s,
                                            int64_t scales_pitch, float* a_out, float* const* dot_rows, int dot_parts,
                                            cudaStream_t stream);

@@ -3,8 +3,7 @@
 // expert offsets across its lanes, so that nothing waits on one thread walking the experts; the group's rows
 // (where each starts in the input, its routing weight) go to shared memory once.
 //
-// Per slab, each thread loads 4 channels (E4M3, bf16: 8) of four rows: 16-byte fp32 and bf16 loads, 8-byte E4M3
-// loads.
+// Per slab, each thread loads 4 channels (E4M3: 8) of four rows: 16-byte fp32 loads, 8-byte E4M3 loads.
 // The next slab's loads are issued before this slab is quantized, so that they are in flight meanwhile. The
 // thread turns them into the slab's values (one to three per input channel: the copy's own; dh's gate and up
 // halves from one read of g and h; or a and both halves of dh) and stores them as float4 into a shared fp32
@@ -131,43 +130,25 @@ struct E4m3Rows {
   }
 };
 
-// Eight consecutive bf16 values (16-byte aligned, read-only), kept packed until expanded: two pieces of h a
-// lane. With one piece (8-byte loads) the eight lanes of a row read half a 128-byte line per slab and the SwiGLU
-// pair ran 1.36x slower than on the fp32 h it replaced (docs/PERF.md run 69).
-struct Bf16x8 {
-  uint4 words;
-  __device__ __forceinline__ void load(const __nv_bfloat16* p) { words = __ldg(reinterpret_cast<const uint4*>(p)); }
-  __device__ __forceinline__ void values(float (&v)[8]) const {
-    const uint32_t w[4] = {words.x, words.y, words.z, words.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[k]));
-      v[2 * k] = f.x;
-      v[2 * k + 1] = f.y;
-    }
-  }
-};
-
-// a = silu(g) u of GEMM1's bf16 output h [rows, 2I] (gate columns, then up), I channels: the forward's
+// a = silu(g) u of GEMM1's fp32 output h [rows, 2I] (gate columns, then up), I channels: the forward's
 // activation, recomputed with the epilogues' arithmetic (device/epilogue/transforms.cuh).
 struct SwigluRows {
-  static constexpr int kPieces = 2, kOutputs = 1, kMinBlocks = 3;
-  const __nv_bfloat16* h;
+  static constexpr int kPieces = 1, kOutputs = 1, kMinBlocks = 3;
+  const float* h;
   int64_t I;
   struct Raw {
-    Bf16x8 gate, up;
+    float4 gate, up;
   };
   __device__ __forceinline__ RowRef row(int r) const { return {r * (2 * I), 0.0f}; }
   __device__ __forceinline__ void fetch(RowRef row, int64_t j, Raw& raw) const {
-    raw.gate.load(h + row.base + j);
-    raw.up.load(h + row.base + I + j);
+    raw.gate = load_float4(h + row.base + j);
+    raw.up = load_float4(h + row.base + I + j);
   }
   __device__ __forceinline__ void expand(const Raw& raw, RowRef, float (&v)[kOutputs][4 * kPieces]) const {
-    float gate[8], up[8];
-    raw.gate.values(gate);
-    raw.up.values(up);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[0][k] = device::swiglu(gate[k], up[k]);
+    v[0][0] = device::swiglu(raw.gate.x, raw.up.x);
+    v[0][1] = device::swiglu(raw.gate.y, raw.up.y);
+    v[0][2] = device::swiglu(raw.gate.z, raw.up.z);
+    v[0][3] = device::swiglu(raw.gate.w, raw.up.w);
   }
 };
 
@@ -175,41 +156,36 @@ struct SwigluRows {
 // swiglu_backward_quantize_rows_1x128 (fp8_quantize.hpp) quantizes along the channels, the same arithmetic.
 // Input channel j gives dh's channels j (dg) and I + j (du), so g and h are read once.
 struct SwigluGradRows {
-  static constexpr int kPieces = 2, kOutputs = 2, kMinBlocks = 2;
+  static constexpr int kPieces = 1, kOutputs = 2, kMinBlocks = 2;
   const float* g;
-  const __nv_bfloat16* h;
+  const float* h;
   const float* row_weight;
   int64_t I;
   struct Raw {
-    float4 g[2];
-    Bf16x8 gate, up;
+    float4 g, gate, up;
   };
   // base: the row's start in g; in h it is 2 base.
   __device__ __forceinline__ RowRef row(int r) const { return {r * I, __ldg(row_weight + r)}; }
   __device__ __forceinline__ void fetch(RowRef row, int64_t j, Raw& raw) const {
-    raw.g[0] = load_float4(g + row.base + j);
-    raw.g[1] = load_float4(g + row.base + j + 4);
-    raw.gate.load(h + 2 * row.base + j);
-    raw.up.load(h + 2 * row.base + I + j);
+    raw.g = load_float4(g + row.base + j);
+    raw.gate = load_float4(h + 2 * row.base + j);
+    raw.up = load_float4(h + 2 * row.base + I + j);
   }
-  // dh's gate and up values into v[kDg] and v[kDu]; gate and up are h's values.
+  // dh's gate and up values into v[kDg] and v[kDu].
   template <int kDg, int kDu, int kCount>
-  __device__ __forceinline__ static void backward(const Raw& raw, float w, const float (&gate)[8],
-                                                  const float (&up)[8], float (&v)[kCount][8]) {
-    const float gs[8] = {raw.g[0].x, raw.g[0].y, raw.g[0].z, raw.g[0].w,
-                         raw.g[1].x, raw.g[1].y, raw.g[1].z, raw.g[1].w};
+  __device__ __forceinline__ static void backward(const Raw& raw, float w, float (&v)[kCount][4]) {
+    const float da[4] = {w * raw.g.x, w * raw.g.y, w * raw.g.z, w * raw.g.w};
+    const float gate[4] = {raw.gate.x, raw.gate.y, raw.gate.z, raw.gate.w};
+    const float up[4] = {raw.up.x, raw.up.y, raw.up.z, raw.up.w};
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const device::SwiGLUGrad d = device::swiglu_backward(w * gs[k], gate[k], up[k]);
+    for (int k = 0; k < 4; ++k) {
+      const device::SwiGLUGrad d = device::swiglu_backward(da[k], gate[k], up[k]);
       v[kDg][k] = d.dg;
       v[kDu][k] = d.du;
     }
   }
   __device__ __forceinline__ void expand(const Raw& raw, RowRef row, float (&v)[kOutputs][4 * kPieces]) const {
-    float gate[8], up[8];
-    raw.gate.values(gate);
-    raw.up.values(up);
-    backward<0, 1>(raw, row.weight, gate, up, v);
+    backward<0, 1>(raw, row.weight, v);
   }
 };
 
@@ -218,12 +194,11 @@ struct SwigluGradRows {
 struct SwigluPairRows : SwigluGradRows {
   static constexpr int kOutputs = 3, kMinBlocks = 2;
   __device__ __forceinline__ void expand(const Raw& raw, RowRef row, float (&v)[kOutputs][4 * kPieces]) const {
-    float gate[8], up[8];
-    raw.gate.values(gate);
-    raw.up.values(up);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[0][k] = device::swiglu(gate[k], up[k]);
-    backward<1, 2>(raw, row.weight, gate, up, v);
+    v[0][0] = device::swiglu(raw.gate.x, raw.up.x);
+    v[0][1] = device::swiglu(raw.gate.y, raw.up.y);
+    v[0][2] = device::swiglu(raw.gate.z, raw.up.z);
+    v[0][3] = device::swiglu(raw.gate.w, raw.up.w);
+    backward<1, 2>(raw, row.weight, v);
   }
 };
 
@@ -409,7 +384,7 @@ Status launch(const char* what, const Rows& rows, const Outputs<Rows::kOutputs>&
   return Status::ok();
 }
 
-Status check_swiglu_grad_inputs(const char* what, const float* g, const __nv_bfloat16* h, const float* row_weight) {
+Status check_swiglu_grad_inputs(const char* what, const float* g, const float* h, const float* row_weight) {
   if (g == nullptr || h == nullptr || row_weight == nullptr || (reinterpret_cast<uintptr_t>(g) & 15u) != 0 ||
       (reinterpret_cast<uintptr_t>(h) & 15u) != 0)
     return Status::invalid(std::string(what) + ": g, h and row_weight must be non-null, g and h 16-byte aligned");
@@ -443,7 +418,7 @@ Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t 
                 channels, offsets, experts, capacity, stream);
 }
 
-Status token_major_quantize_swiglu(const __nv_bfloat16* h, int64_t I, const int32_t* offsets, int experts, int64_t capacity,
+Status token_major_quantize_swiglu(const float* h, int64_t I, const int32_t* offsets, int experts, int64_t capacity,
                                    uint8_t* qt, float* st, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu", I, offsets, experts, capacity, qt, st));
   if (capacity == 0) return Status::ok();
@@ -453,7 +428,7 @@ Status token_major_quantize_swiglu(const __nv_bfloat16* h, int64_t I, const int3
                 offsets, experts, capacity, stream);
 }
 
-Status token_major_quantize_swiglu_grad(const float* g, const __nv_bfloat16* h, const float* row_weight, int64_t I,
+Status token_major_quantize_swiglu_grad(const float* g, const float* h, const float* row_weight, int64_t I,
                                         const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt, float* st,
                                         cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu_grad", I, offsets, experts, capacity, qt, st));
@@ -463,7 +438,7 @@ Status token_major_quantize_swiglu_grad(const float* g, const __nv_bfloat16* h, 
                 Outputs<2>{{{qt, st, 2 * I, 0}, {qt, st, 2 * I, I}}}, I, offsets, experts, capacity, stream);
 }
 
-Status token_major_quantize_swiglu_pair(const float* g, const __nv_bfloat16* h, const float* row_weight, int64_t I,
+Status token_major_quantize_swiglu_pair(const float* g, const float* h, const float* row_weight, int64_t I,
                                         const int32_t* offsets, int experts, int64_t capacity, uint8_t* at_q,
                                         float* at_s, uint8_t* dht_q, float* dht_s, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu_pair", I, offsets, experts, capacity, at_q, at_s));

@@ -13,7 +13,6 @@
 // all-zero group scale 1), codes e4m3(v / scale) with saturation. Asynchronous on `stream`.
 #pragma once
 
-#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -37,21 +36,21 @@ Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t 
                                  const float* row_weight, int64_t channels, const int32_t* offsets, int experts,
                                  int64_t capacity, uint8_t* qt, float* st, cudaStream_t stream);
 
-// a = silu(g) u from GEMM1's bf16 output h [capacity, 2I] (gate columns 0..I-1, then up), I channels, with the
+// a = silu(g) u from GEMM1's fp32 output h [capacity, 2I] (gate columns 0..I-1, then up), I channels, with the
 // epilogues' arithmetic (the forward's a, fp32). I a multiple of 128; h 16-byte aligned.
-Status token_major_quantize_swiglu(const __nv_bfloat16* h, int64_t I, const int32_t* offsets, int experts, int64_t capacity,
+Status token_major_quantize_swiglu(const float* h, int64_t I, const int32_t* offsets, int experts, int64_t capacity,
                                    uint8_t* qt, float* st, cudaStream_t stream);
 
 // dh = SwiGLU'(w g) per routed row r (w = row_weight[r], g [capacity, I] the dgrad of GEMM2, h as above), 2I
 // channels: dg then du, the values swiglu_backward_quantize_rows_1x128 (fp8_quantize.hpp) computes.
-Status token_major_quantize_swiglu_grad(const float* g, const __nv_bfloat16* h, const float* row_weight, int64_t I,
+Status token_major_quantize_swiglu_grad(const float* g, const float* h, const float* row_weight, int64_t I,
                                         const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt, float* st,
                                         cudaStream_t stream);
 
 // Both SwiGLU operands of the weight gradients from one read of g and h (the two calls above read them twice
 // between them): writes bit for bit what token_major_quantize_swiglu(h, I, ..., at_q, at_s, ...) and
 // token_major_quantize_swiglu_grad(g, h, row_weight, I, ..., dht_q, dht_s, ...) write, with their requirements.
-Status token_major_quantize_swiglu_pair(const float* g, const __nv_bfloat16* h, const float* row_weight, int64_t I,
+Status token_major_quantize_swiglu_pair(const float* g, const float* h, const float* row_weight, int64_t I,
                                         const int32_t* offsets, int experts, int64_t capacity, uint8_t* at_q,
                                         float* at_s, uint8_t* dht_q, float* dht_s, cudaStream_t stream);
 

@@ -12,8 +12,7 @@
 //                        Hook: round_row(kTokenInput), a copy that only GEMM1 reads.
 //   F2  W13[e] [2I, H]   q128x128 on the public layout (blocks = 128 consecutive gate rows or 128
 //                        consecutive up rows x 128 columns). Hook: round_weight(kW13).
-//   F3  h = x_q . W13_q^T            rounded to bf16 (round-to-nearest-even), the GEMM's output as the bf16
-//                        layer stores it; both F4 and B4 read it. Hook: round_row(kGateUp).
+//   F3  h = x_q . W13_q^T            fp32, not quantized (GEMM1 accumulator; round_row(kGateUp) is a no-op).
 //   F4  a = silu(g) * u              fp32, in GEMM1's epilogue.
 //   F5  a [I]            q1x128 along I, per routed row. Hook: round_row(kActivation), a copy that only
 //                        GEMM2 reads.
@@ -37,7 +36,7 @@
 //                        the dgrad epilogue contracts on the I side (docs/MODEL.md, Backward) with the
 //                        activation it recomputes from h. Computed here by fp8_routing_weight_grads below, because the
 //                        generic backward contracts <dOut_t, y_j> with the unquantized dOut.
-//   B4  dh = [dg, du]                fp32 SwiGLU backward from the bf16 h of F3 and the fp32 da of B3.
+//   B4  dh = [dg, du]                fp32 SwiGLU backward from the fp32 h of F3 and the fp32 da of B3.
 //   B5  dh [2I]          q1x128 along 2I (public order: groups are 128 gate or 128 up channels, never
 //                        mixed). Hook: round_row(kGateUpGrad), a copy that only the dgrad of GEMM1 reads.
 //   B6  W13_q^T          the K-major copy of W13_q (K = 2I): numerically the same matrix as F2.
@@ -58,22 +57,19 @@
 //   B9  dW2, dW13                    fp32 accumulation over the expert's routed rows, fp32 result.
 //
 // Not modelled (documented choices, each far below the FP8 error):
-//  - bf16 storage of values used as they are. The GPU stores some values in bf16 where the contract or the
-//    traffic asks for it (out and d_x are bf16 tensors; the combine may move y_j and dx_j in bf16). Each such
-//    store adds at most 2^-9 relative error per element (~0.1-0.2% norm-wise) against the ~3-5% of FP8; the
-//    reference keeps fp32 so that one oracle serves every storage choice. A value quantized again after a
-//    bf16 store is another matter: it lands on the other E4M3 neighbour whenever the bf16 rounding crosses a
-//    rounding midpoint, with probability about 2^-9 / (the E4M3 step), about 1% norm-wise, too close to the
-//    GPU checks' 1e-2. So such a store is modelled where the GPU makes it: h (F3), which a and dh are
-//    quantized from.
+//  - bf16 storage. The GPU stores some values in bf16 where the contract or the traffic asks for it
+//    (out and d_x are bf16 tensors; the combine may move y_j and dx_j in bf16; the backward may save h in
+//    bf16). Each such store adds at most 2^-9 relative error per element (~0.1-0.2% norm-wise) against the
+//    ~3-5% of FP8; the reference keeps fp32 so that one oracle serves every storage choice. That holds for
+//    a value stored in bf16 and used as it is; one that is quantized again afterwards (a from a bf16 h, dh
+//    from a bf16 h) lands on the other E4M3 neighbour whenever the bf16 rounding crosses a rounding
+//    midpoint, with probability about 2^-9 / (the E4M3 step): by arithmetic about 1% norm-wise, too close
+//    to the GPU checks' 1e-2. So the GPU's FP8 forward keeps h in fp32 (docs/FP8.md).
 //  - The FP8 wgmma's limited-precision accumulation (promoted to fp32 every 128 K-elements on the GPU):
 //    the reference accumulates in double.
 #include "megamoe/reference_fp8.hpp"
 
 #include <algorithm>
-#include <bit>
-#include <cmath>
-#include <cstdint>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -92,18 +88,6 @@ using detail::WgradOperand;
 
 void quantize_operand_row(std::span<float> row) {
   fp8::fake_quantize_rows_1x128(row.data(), 1, static_cast<int64_t>(row.size()));
-}
-
-// Each value rounded to the nearest bf16, ties to even (the GPU's cvt.rn.bf16x2.f32): the low 16 bits of the
-// fp32 pattern rounded away, a carry into the exponent rounding up to the next binade or to infinity. NaN
-// stays NaN (quiet).
-void round_row_to_bf16(std::span<float> row) {
-  for (float& v : row) {
-    if (std::isnan(v)) continue;
-    uint32_t bits = std::bit_cast<uint32_t>(v);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    v = std::bit_cast<float>(bits & 0xFFFF0000u);
-  }
 }
 
 // The F1 / B1 rounding of every routed row of a token-major operand [channels, routed_rows]: each column
@@ -126,10 +110,8 @@ QuantizationHooks<float> fp8_hooks() {
       case RowPoint::kGateUpGrad:    // B5
         quantize_operand_row(row);
         return;
-      case RowPoint::kGateUp:  // F3: GEMM1's output, stored in bf16
-        round_row_to_bf16(row);
-        return;
       case RowPoint::kOutputGrad:        // B1: dOut was quantized per token before backward_impl
+      case RowPoint::kGateUp:            // F3: fp32 accumulator
       case RowPoint::kExpertOutput:      // F7: fp32
       case RowPoint::kActivationGrad:    // B3: fp32
       case RowPoint::kInputGradPartial:  // B7: fp32

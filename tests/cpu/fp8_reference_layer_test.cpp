@@ -190,7 +190,6 @@ TEST(Fp8ReferenceLayerTest, ErrorAgainstExactReferenceIsThatOfFp8) {
 enum Point : int {
   kX = 0,      // F1: x, 1x128 along H
   kW13,        // F2: W13 128x128 blocks
-  kH,          // F3: h rounded to bf16 (not a quantization, but a and dh are quantized from it)
   kA,          // F5: a, 1x128 along I
   kW2,         // F6: W2 128x128 blocks
   kDOut,       // B1: dOut per token, 1x128 along H (dy = w q(dOut) for the dgrad and dy^T)
@@ -203,7 +202,7 @@ enum Point : int {
 };
 
 constexpr std::array<const char*, kNumPoints> kPointNames = {
-    "x 1x128", "W13 128x128", "h bf16", "a 1x128", "W2 128x128", "dOut 1x128",
+    "x 1x128", "W13 128x128", "a 1x128", "W2 128x128", "dOut 1x128",
     "dh 1x128", "dy^T token axis", "a^T token axis", "dh^T token axis", "x^T token axis"};
 
 using PointSet = std::array<bool, kNumPoints>;
@@ -216,18 +215,6 @@ double dot(const float* a, const float* b, int64_t n) {
 
 void quantize_row(std::vector<float>& row, bool on) {
   if (on) fp8::fake_quantize_rows_1x128(row.data(), 1, static_cast<int64_t>(row.size()));
-}
-
-// Each value to the nearest bf16 (8 significant bits, ties to even), written from the rule rather than from
-// the bit pattern the reference rounds: the significand scaled to 8 bits and rounded by nearbyint (the
-// default rounding mode is to nearest, ties to even). The values here are normal and far from overflow.
-void round_to_bf16(std::vector<float>& row, bool on) {
-  if (!on) return;
-  for (float& v : row) {
-    int exponent = 0;
-    const double significand = std::frexp(static_cast<double>(v), &exponent);  // in [0.5, 1)
-    v = static_cast<float>(std::ldexp(std::nearbyint(std::ldexp(significand, 8)), exponent - 8));
-  }
 }
 
 // Token-axis groups written from the rule, independently of fake_quantize_token_major_1x128.
@@ -286,7 +273,6 @@ LayerResults hand_written_fp8(const Problem& p, const PointSet& on) {
       quantize_row(xq, on[kX]);
       std::vector<float> h(2 * I), a(I), y(H);
       for (int64_t o = 0; o < 2 * I; ++o) h[o] = static_cast<float>(dot(xq.data(), w13.data() + o * H, H));
-      round_to_bf16(h, on[kH]);
       for (int64_t i = 0; i < I; ++i) {
         const double gate = h[i], up = h[I + i];
         a[i] = static_cast<float>(gate * sigmoid(gate) * up);

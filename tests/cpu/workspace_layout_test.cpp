@@ -47,6 +47,7 @@ std::vector<Buffer> fp8_buffers(const WorkspaceLayout& l, const Shape& s) {
           {"recv_xs", l.recv_xs, 4 * R * T * (H / 128)},
           {"rows_q", l.rows_q, C * H},
           {"rows_s", l.rows_s, 4 * (H / 128) * kernels::fp8_scale_pitch(C)},
+          {"h_f32", l.h_f32, 4 * C * 2 * I},
           {"a_q", l.a_q, C * I},
           {"a_s", l.a_s, 4 * (I / 128) * kernels::fp8_scale_pitch(C)},
           {"w13_q", l.w13_q, EL * 2 * I * H},
@@ -82,7 +83,6 @@ TEST(WorkspaceLayoutTest, Fp8BuffersFitApartAndAligned) {
   buffers.push_back({"combine", l.combine, 2 * int64_t{s.max_tokens} * s.top_k * s.hidden});
   buffers.push_back({"recv_token", l.recv_token, 4 * int64_t{s.num_ranks} * s.max_tokens});
   buffers.push_back({"row_dest", l.row_dest, 8 * s.row_capacity});
-  buffers.push_back({"h", l.h, 2 * s.row_capacity * 2 * s.intermediate});  // bf16 GEMM1 output, both precisions
   buffers.push_back({"fused_work", l.fused_work, 4});
   std::sort(buffers.begin(), buffers.end(), [](const Buffer& a, const Buffer& b) { return a.offset < b.offset; });
   for (size_t i = 0; i < buffers.size(); ++i) {
@@ -96,12 +96,12 @@ TEST(WorkspaceLayoutTest, Fp8BuffersFitApartAndAligned) {
   }
 }
 
-// The bf16 backward's buffers with the bytes their tensors need (the bf16 forward writes recv_x and a; h, which
-// both precisions keep, is not among them).
+// The bf16 backward's buffers with the bytes their tensors need (the bf16 forward writes recv_x, h and a).
 std::vector<Buffer> bf16_backward_buffers(const WorkspaceLayout& l, const Shape& s) {
   const int64_t H = s.hidden, I = s.intermediate, R = s.num_ranks, T = s.max_tokens, C = s.row_capacity;
   return {{"recv_x", l.recv_x, 2 * R * T * H},
           {"recv_dout", l.recv_dout, 2 * R * T * H},
+          {"h", l.h, 2 * C * 2 * I},
           {"a", l.a, 2 * C * I},
           {"dh", l.dh, 2 * C * 2 * I}};
 }
@@ -120,6 +120,7 @@ TEST(WorkspaceLayoutTest, EachPrecisionGivesTheOthersBuffersNoRoom) {
   // The bf16 backward's buffers of the FP8 layout are empty: each starts where the buffer after it does.
   EXPECT_EQ(l8.recv_x, l8.recv_token);
   EXPECT_EQ(l8.recv_dout, l8.recv_token);
+  EXPECT_EQ(l8.h, l8.grid_arrivals);
   EXPECT_EQ(l8.a, l8.grid_arrivals);
   EXPECT_EQ(l8.dh, l8.grid_arrivals);
   // So the FP8 layout differs from the bf16 one by the FP8 tensors' bytes less the bf16 backward's
@@ -132,9 +133,7 @@ TEST(WorkspaceLayoutTest, EachPrecisionGivesTheOthersBuffersNoRoom) {
     EXPECT_LE(b.offset + b.bytes, l16.total) << b.name;
   }
   EXPECT_LE(l16.recv_x + 2 * int64_t{s16.num_ranks} * s16.max_tokens * s16.hidden, l16.recv_dout);
-  // h is GEMM1's bf16 output in both.
   EXPECT_LE(l16.h + 2 * s16.row_capacity * 2 * s16.intermediate, l16.a);
-  EXPECT_LE(l8.h + 2 * s8.row_capacity * 2 * s8.intermediate, l8.a);
   EXPECT_LE(l16.a + 2 * s16.row_capacity * s16.intermediate, l16.dh);
 }
 

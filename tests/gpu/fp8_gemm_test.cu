@@ -423,9 +423,9 @@ TEST(Fp8Gemm, GroupedByExpert) {
         << "gathered rows with the overlapped promotion differ (max_ctas " << max_ctas << ")";
   }
 
-  // D rows through their pointers from the contiguous A, as the layer's GEMM2 and dgrad run it (the scattered
-  // boxes handed to the store warps), with the overlapped promotion and with CTAs that take several tiles
-  // (slots reused while earlier boxes drain): bitwise the contiguous call's rows; unnamed rows untouched.
+  // D rows through their pointers from the contiguous A, as the layer's GEMM2 and dgrad run it, with the
+  // overlapped promotion and with CTAs that take several tiles: bitwise the contiguous call's rows; rows no
+  // pointer names stay untouched.
   for (const int max_ctas : {0, 3}) {
     dOut.poison();
     Fp8GemmTuning overlapped{1, max_ctas};

@@ -1,7 +1,6 @@
 // Shared pieces of the GPU tests: skipping without a GPU, device buffers, CUDA checks.
 #pragma once
 
-#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -34,17 +33,6 @@ inline uint32_t bits_of(float v) {
   uint32_t b;
   std::memcpy(&b, &v, sizeof b);
   return b;
-}
-
-// Each value rounded to bf16 in place (to nearest, ties to even), and the bf16 array of them to upload: for
-// inputs that a kernel reads in bf16 and the host check reads as floats.
-inline std::vector<__nv_bfloat16> round_to_bf16(std::vector<float>& values) {
-  std::vector<__nv_bfloat16> out(values.size());
-  for (size_t i = 0; i < values.size(); ++i) {
-    out[i] = __float2bfloat16(values[i]);
-    values[i] = __bfloat162float(out[i]);
-  }
-  return out;
 }
 
 // Owning device allocation; the memory is filled with 0xFF bytes on creation (NaN for fp32/bf16), so

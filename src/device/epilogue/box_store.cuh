@@ -4,17 +4,13 @@
 //   * through TMA (one thread, asynchronous: the epilogue never waits for its own stores, they drain while
 //     the next tile's main loop runs), when every row of the slice is a row of a contiguous output, or
 //   * through the threads, as 16-byte row-contiguous stores to a destination address per row: a row of a
-//     contiguous output, a scattered row index, or a row pointer (a peer's buffer, for instance); with
-//     kHandoff those stores are made by a store warp while the warpgroup goes on (box_handoff.cuh). The
-//     rows are then written only when the kernel ends: a kernel that signals a row as written before it
-//     ends must keep the threads' path.
+//     contiguous output, a scattered row index, or a row pointer (a peer's buffer, for instance).
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
 
-#include "device/epilogue/box_handoff.cuh"
 #include "device/ptx/mbarrier.cuh"
 #include "device/ptx/sync.cuh"
 #include "device/ptx/tma.cuh"
@@ -54,24 +50,20 @@ struct SliceRows {
   __nv_bfloat16* row[2][64];
 };
 
-template <int kSlots, bool kTma, bool kHandoff = false>
+template <int kSlots, bool kTma>
 struct BoxStore {
-  static_assert(!kHandoff || kSlots == kHandoffSlots, "the handoff ring has kHandoffSlots slots");
   static constexpr int kSlotCount = kSlots;
   uint8_t* staging;    // this warpgroup's kSlots boxes (1024-aligned)
   uint32_t staging_s;  // the same, as a shared-memory address
   SliceRows* rows;     // this warpgroup's row table
-  BoxHandoff* handoff; // kHandoff: the ring to this warpgroup's store warp
   int bar_id;          // named barrier of this warpgroup's 128 threads
   int lt;              // thread in the warpgroup
-  int box_no;          // boxes emitted in the current tile (kHandoff, threads' path: handed off so far)
-  int handed;          // kHandoff: boxes handed off so far
-  int tile_first;      // box_no at the start of the current tile
+  int box_no;          // boxes emitted in the current tile
   bool tma_slice;      // the current tile's slice leaves through TMA
 
-  __device__ BoxStore(uint8_t* staging_, SliceRows* rows_, int bar_id_, int lt_, BoxHandoff* handoff_ = nullptr)
-      : staging(staging_), staging_s(smem_addr(staging_)), rows(rows_), handoff(handoff_), bar_id(bar_id_), lt(lt_),
-        box_no(0), handed(0), tile_first(0), tma_slice(false) {}
+  __device__ BoxStore(uint8_t* staging_, SliceRows* rows_, int bar_id_, int lt_)
+      : staging(staging_), staging_s(smem_addr(staging_)), rows(rows_), bar_id(bar_id_), lt(lt_), box_no(0),
+        tma_slice(false) {}
 
   __device__ __forceinline__ void barrier() const { named_barrier_sync(bar_id, 128); }
 
@@ -80,17 +72,13 @@ struct BoxStore {
   // slice starting at source row slice0, `valid` rows of which exist.
   __device__ __forceinline__ void begin_tile(bool tma, const OutputRows& c, const OutputRows& aux, int slice0,
                                              int valid) {
+    box_no = 0;
     tma_slice = kTma && tma;
-    // Handed-off boxes keep counting from tile to tile (slot k % kSlots of the ring); the others start at 0.
-    box_no = kHandoff && !tma_slice ? handed : 0;
-    tile_first = box_no;
     if constexpr (kTma) {
       // The previous tile's TMA stores were issued a whole main loop ago; make sure they have read the
       // staging boxes before anything is written into them again.
       if (lt == 0) tma_store_wait_read<0>();
     }
-    // Likewise the store warp: every box handed off has been stored (slots and row table free again).
-    if constexpr (kHandoff) handoff->wait_drained(handed);
     if (!tma_slice) {
       // The previous tile's boxes have been read out (each drain ends with a barrier).
       const OutputRows& out = lt < 64 ? c : aux;
@@ -112,8 +100,6 @@ struct BoxStore {
       if (lt == 0) tma_store_wait_read<kSlots - kN>();
       barrier();
     }
-    // A slot this tile already handed off must have been stored before it is staged into again.
-    if (kHandoff && !tma_slice && b + kN > tile_first + kSlots) handoff->wait_drained(b + kN - kSlots);
     return b;
   }
 
@@ -138,11 +124,6 @@ struct BoxStore {
         tma_store_2d(map, col0, slice0, staging + slot * kBoxBytes);
         tma_store_commit();
       }
-    } else if (kHandoff) {
-      // The store warp takes it from here; a tile hands off at most kSlots boxes, into slots drained at
-      // begin_tile.
-      handoff->hand_off(box, col0, which, ncols, lt);
-      ++handed;
     } else {
       barrier();
       const int chunk = box_read_chunk(lt);
@@ -173,14 +154,8 @@ struct BoxStore {
     commit(b, map, which, slice0, col0, ncols);
   }
 
-  // Before the kernel ends: the staging boxes must not be released while TMA may still read them; with
-  // kHandoff the store warp is told that no box follows (after the last one has been stored).
-  __device__ __forceinline__ void finish() {
-    if constexpr (kHandoff) {
-      handoff->wait_drained(handed);
-      handoff->hand_off(handed, -1, 0, 0, lt);
-      ++handed;
-    }
+  // Before the kernel ends: the staging boxes must not be released while TMA may still read them.
+  __device__ __forceinline__ void finish() const {
     if constexpr (kTma) {
       if (lt == 0) tma_store_wait_all<0>();
     }

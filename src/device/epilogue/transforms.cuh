@@ -13,14 +13,6 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Four consecutive bf16 values (8-byte aligned, read-only data) as floats: the inverse of two pack_bf16x2.
-__device__ __forceinline__ float4 load_bf16x4(const __nv_bfloat16* p) {
-  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
-  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-  return make_float4(lo.x, lo.y, hi.x, hi.y);
-}
-
 // Fast sigmoid: ex2 and rcp on the special-function unit (exact enough for a bf16 result; sigmoid of a
 // large negative g underflows to 0 cleanly, since rcp(inf) = 0).
 __device__ __forceinline__ float sigmoid_fast(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
