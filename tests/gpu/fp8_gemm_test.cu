@@ -407,14 +407,19 @@ TEST(Fp8Gemm, GroupedByExpert) {
   }
   EXPECT_EQ(unnamed_written, 0) << "rows no pointer names were written";
 
+  // The call with the overlapped promotion, single CTAs, max_ctas of them (the layer's tuning), on A and sa.
+  const auto overlapped_call = [&](int max_ctas, const uint8_t* A, const float* sa, const Fp8GemmRows& rows_by) {
+    Fp8GemmTuning overlapped{1, max_ctas};
+    overlapped.overlap_promotion = true;
+    return fp8_grouped_gemm_nt(A, sa, dB.get(), dsb.get(), nullptr, doff.get(), E, max_rows, N, K, nullptr, overlapped,
+                               rows_by);
+  };
+
   // The same gathered call with the overlapped promotion (and with CTAs that take several tiles): bitwise the
   // same rows.
   for (const int max_ctas : {0, 3}) {
     dOut.poison();
-    Fp8GemmTuning overlapped{1, max_ctas};
-    overlapped.overlap_promotion = true;
-    const Status gathered_o = fp8_grouped_gemm_nt(dSq.get(), dSs.get(), dB.get(), dsb.get(), nullptr, doff.get(), E,
-                                                  max_rows, N, K, nullptr, overlapped, by_index);
+    const Status gathered_o = overlapped_call(max_ctas, dSq.get(), dSs.get(), by_index);
     ASSERT_TRUE(gathered_o.is_ok()) << gathered_o.to_string();
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<bf16> out_o = dOut.download();
@@ -428,12 +433,9 @@ TEST(Fp8Gemm, GroupedByExpert) {
   // pointer names stay untouched.
   for (const int max_ctas : {0, 3}) {
     dOut.poison();
-    Fp8GemmTuning overlapped{1, max_ctas};
-    overlapped.overlap_promotion = true;
     Fp8GemmRows rows_only;
     rows_only.d_rows = dPointers.get();
-    const Status by_pointer = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), nullptr, doff.get(), E,
-                                                  max_rows, N, K, nullptr, overlapped, rows_only);
+    const Status by_pointer = overlapped_call(max_ctas, dA.get(), dsa.get(), rows_only);
     ASSERT_TRUE(by_pointer.is_ok()) << by_pointer.to_string();
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<bf16> out_p = dOut.download();
@@ -472,12 +474,9 @@ TEST(Fp8Gemm, GroupedByExpert) {
   // staging boxes reused while earlier stores drain): bitwise the gathered call's fp32 D.
   for (const int max_ctas : {0, 3}) {
     dD32.poison();
-    Fp8GemmTuning overlapped{1, max_ctas};
-    overlapped.overlap_promotion = true;
     Fp8GemmRows fp32_only;
     fp32_only.d_fp32 = dD32.get();
-    const Status contiguous = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), nullptr, doff.get(), E,
-                                                  max_rows, N, K, nullptr, overlapped, fp32_only);
+    const Status contiguous = overlapped_call(max_ctas, dA.get(), dsa.get(), fp32_only);
     ASSERT_TRUE(contiguous.is_ok()) << contiguous.to_string();
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<float> d32_tma = dD32.download();
