@@ -21,6 +21,7 @@
 // Then the same with each contender's 5 warm-ups and 30 launches in a row, one contender after another (the
 // order of the earlier runs, docs/PERF.md run 23), to compare the two orders.
 //   bench_fp8_gemm [--interleaved | --sequential]
+//   bench_fp8_gemm --k-sweep   (the grouped form's rate against K: the tile's fixed cost, see k_sweep)
 // (--out / --baseline, which scripts/gpu-check.sh gives every benchmark, are accepted and ignored: cuBLASLt
 // is timed in the same run)
 #include <cublasLt.h>
@@ -450,6 +451,86 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
   release();
 }
 
+// --k-sweep: the layer's grouped form (16 experts x 8192 rows, N = 2048, single CTAs) at K = 2 .. 32 blocks of
+// 128, the plain and the overlapped promotion, all interleaved in the same rounds. A tile that costs kb K blocks
+// of main loop plus a fixed X (tile boundary: last promotion, epilogue, next tile's start) runs at
+// rate = c kb / (kb + X), i.e. 1 / rate = 1 / c + (X / c) / kb: a straight line in 1 / kb, fitted by least
+// squares; c is the main loop's own rate, X the tile's fixed cost in K blocks (docs/FP8.md).
+void k_sweep() {
+  constexpr int E = 16, N = 2048;
+  constexpr int64_t rows_per_group = 8192, M = rows_per_group * E;
+  const int blocks[] = {2, 4, 6, 8, 12, 16, 24, 32};
+  constexpr int kMaxK = 32 * 128;
+  uint8_t *A, *B;
+  float *sa, *sb;
+  bf16* D;
+  int32_t* offsets;
+  const size_t sa_count = size_t(megamoe::kernels::fp8_scale_pitch(M)) * (kMaxK / 128);
+  const size_t sb_count = size_t(E) * (N / 128) * (kMaxK / 128);
+  BENCH_CHECK_CUDA(cudaMalloc(&A, size_t(M) * kMaxK));
+  BENCH_CHECK_CUDA(cudaMalloc(&B, size_t(E) * N * kMaxK));
+  BENCH_CHECK_CUDA(cudaMalloc(&sa, sa_count * sizeof(float)));
+  BENCH_CHECK_CUDA(cudaMalloc(&sb, sb_count * sizeof(float)));
+  BENCH_CHECK_CUDA(cudaMalloc(&D, size_t(M) * N * sizeof(bf16)));
+  BENCH_CHECK_CUDA(cudaMalloc(&offsets, (E + 1) * sizeof(int32_t)));
+  std::vector<int32_t> off(E + 1);
+  for (int e = 0; e <= E; ++e) off[e] = static_cast<int32_t>(e * rows_per_group);
+  BENCH_CHECK_CUDA(cudaMemcpy(offsets, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  fill(A, size_t(M) * kMaxK, 1);
+  fill(B, size_t(E) * N * kMaxK, 2);
+  fill(sa, sa_count, 1.0f);
+  fill(sb, sb_count, 1.0f);
+  std::vector<std::function<void()>> contenders;
+  for (const bool overlap : {false, true}) {
+    for (const int kb : blocks) {
+      contenders.push_back([=] {
+        megamoe::kernels::Fp8GemmTuning tuning{1, 0};
+        tuning.overlap_promotion = overlap;
+        BENCH_CHECK_OK(
+            megamoe::kernels::fp8_grouped_gemm_nt(A, sa, B, sb, D, offsets, E, M, N, kb * 128, nullptr, tuning));
+      });
+    }
+  }
+  const std::vector<double> t = interleaved_median_ms(contenders);
+  constexpr int kCount = sizeof(blocks) / sizeof(blocks[0]);
+  std::printf("K sweep: grouped 16x8192 N=%d, single CTAs, interleaved (median of 30)\n", N);
+  std::printf("| promotion | K blocks | K | ms | TFLOP/s |\n|---|---|---|---|---|\n");
+  for (int o = 0; o < 2; ++o) {
+    // Least squares of y = 1 / rate against x = 1 / kb.
+    double sx = 0, sy = 0, sxx = 0, sxy = 0;
+    std::vector<double> rate(kCount);
+    for (int i = 0; i < kCount; ++i) {
+      const double ms = t[o * kCount + i];
+      rate[i] = 2.0 * double(M) * N * blocks[i] * 128 / (ms * 1e-3) / 1e12;
+      std::printf("| %s | %d | %d | %.3f | %.1f |\n", o ? "overlapped" : "plain", blocks[i], blocks[i] * 128, ms,
+                  rate[i]);
+      const double x = 1.0 / blocks[i], y = 1.0 / rate[i];
+      sx += x, sy += y, sxx += x * x, sxy += x * y;
+    }
+    const double n = kCount, slope = (n * sxy - sx * sy) / (n * sxx - sx * sx), icpt = (sy - slope * sx) / n;
+    const double c = 1.0 / icpt, X = slope * c;
+    // One K block of a 128 x 128 tile at rate c, on one of the SMs that share the work.
+    int sms = 0, device = 0;
+    BENCH_CHECK_CUDA(cudaGetDevice(&device));
+    BENCH_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const double block_us = 2.0 * 128 * 128 * 128 / (c * 1e12 / sms) * 1e6;
+    double worst = 0;
+    for (int i = 0; i < kCount; ++i) {
+      const double fit = c * blocks[i] / (blocks[i] + X);
+      worst = std::max(worst, std::fabs(fit - rate[i]) / rate[i]);
+    }
+    std::printf("fit (%s): rate = c kb / (kb + X), c = %.1f TFLOP/s, X = %.2f K blocks = %.2f us a tile "
+                "(a K block %.3f us on one of %d SMs); worst residual %.1f%%\n",
+                o ? "overlapped" : "plain", c, X, X * block_us, block_us, sms, 100.0 * worst);
+  }
+  BENCH_CHECK_CUDA(cudaFree(A));
+  BENCH_CHECK_CUDA(cudaFree(B));
+  BENCH_CHECK_CUDA(cudaFree(sa));
+  BENCH_CHECK_CUDA(cudaFree(sb));
+  BENCH_CHECK_CUDA(cudaFree(D));
+  BENCH_CHECK_CUDA(cudaFree(offsets));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -457,6 +538,10 @@ int main(int argc, char** argv) {
   // contender after another, with the same main loop): --interleaved or --sequential for one of them.
   bool interleaved = true, sequential = true, dense_only = false, gathered_only = false;
   for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--k-sweep")) {  // the tile's fixed cost: rate against K blocks (k_sweep above)
+      k_sweep();
+      return 0;
+    }
     if (!std::strcmp(argv[i], "--dense-only")) {  // the 8192^3 GEMM alone (scripts/profile-fp8-gemm.sh)
       dense_only = true;
     } else if (!std::strcmp(argv[i], "--gathered-only")) {  // the gathered-rows GEMM at N=3072 K=4096 alone
@@ -470,7 +555,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: bench_fp8_gemm [--interleaved | --sequential] [--dense-only | --gathered-only] "
-                   "[--out IGNORED] [--baseline IGNORED]\n");
+                   "[--out IGNORED] [--baseline IGNORED] | --k-sweep\n");
       return 2;
     }
   }
