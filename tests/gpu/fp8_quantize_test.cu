@@ -62,7 +62,6 @@ TEST(Fp8QuantizeGpuTest, MatchesCpuEmulationBitExactly) {
   EXPECT_EQ(scales_gpu[7 * (cols / 128)], 1.0f);
 }
 
-// Bits of a float, so that NaN scales compare equal to NaN scales.
 // A [rows, cols] bf16 matrix whose 1x128 groups (row r, group g) and 128x128 blocks hold the special cases
 // the quantisation rules name (include/megamoe/fp8.hpp), the rest random over many binades.
 std::vector<__nv_bfloat16> special_values(int64_t rows, int64_t cols, uint32_t seed) {

@@ -103,17 +103,17 @@ TEST(Fp8TokenMajorGpuTest, Fp32RowsMatchTheCpuRuleBitExactly) {
 
 // Dispatched E4M3 rows gathered by index (one index out of range: zeros), dequantized, and with the routing
 // weight (dy = w dOut) or without (x); 256 channels (one run of slabs a block) and 768 (two, the second partial).
-void check_gathered_e4m3_rows(int64_t kChannels) {
-  SCOPED_TRACE("channels " + std::to_string(kChannels));
+void check_gathered_e4m3_rows(int64_t channels) {
+  SCOPED_TRACE("channels " + std::to_string(channels));
   const uint32_t seed = std::random_device{}();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937 rng(seed);
   constexpr int64_t kSourceRows = 200;
-  std::vector<float> source(kSourceRows * kChannels);
+  std::vector<float> source(kSourceRows * channels);
   for (float& v : source) v = random_value(rng);
   std::vector<uint8_t> q(source.size());
-  std::vector<float> s(kSourceRows * (kChannels / 128));
-  fp8::quantize_rows_1x128(source.data(), kSourceRows, kChannels, q.data(), s.data());
+  std::vector<float> s(kSourceRows * (channels / 128));
+  fp8::quantize_rows_1x128(source.data(), kSourceRows, channels, q.data(), s.data());
   std::uniform_int_distribution<int32_t> pick(0, kSourceRows - 1);
   std::uniform_real_distribution<float> weight(0.01f, 1.0f);
   std::vector<int32_t> row_src(kCapacity);
@@ -137,21 +137,21 @@ void check_gathered_e4m3_rows(int64_t kChannels) {
   d_offsets.upload(kOffsets);
   for (const bool weighted : {false, true}) {
     SCOPED_TRACE(weighted ? "with the routing weight" : "without a weight");
-    DeviceBuffer<uint8_t> qt(kChannels * columns);
-    DeviceBuffer<float> st(columns / 128 * kChannels);
+    DeviceBuffer<uint8_t> qt(channels * columns);
+    DeviceBuffer<float> st(columns / 128 * channels);
     ASSERT_TRUE(kernels::token_major_quantize_e4m3(d_q.get(), d_s.get(), kSourceRows, d_src.get(),
-                                                   weighted ? d_weight.get() : nullptr, kChannels, d_offsets.get(),
+                                                   weighted ? d_weight.get() : nullptr, channels, d_offsets.get(),
                                                    experts, kCapacity, qt.get(), st.get(), nullptr)
                     .is_ok());
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     const auto value = [&](int64_t r, int64_t c) {
       const int32_t src = row_src[r];
       if (src < 0 || src >= kSourceRows) return 0.0f;
-      float v = fp8::e4m3_to_float(q[src * kChannels + c]) * s[src * (kChannels / 128) + c / 128];
+      float v = fp8::e4m3_to_float(q[src * channels + c]) * s[src * (channels / 128) + c / 128];
       if (weighted) v *= row_weight[r];
       return v;
     };
-    expect_token_major(kOffsets, kCapacity, kChannels, value, qt.download(), st.download());
+    expect_token_major(kOffsets, kCapacity, channels, value, qt.download(), st.download());
   }
 }
 
