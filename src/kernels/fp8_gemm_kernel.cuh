@@ -15,7 +15,8 @@
 //     run), then the bf16 epilogue of the engine (epilogue_plain through BoxStore: TMA stores for whole 64-row
 //     slices, else the threads), or with an fp32 D its fp32 boxes the same way (epilogue_fp32_tma).
 // Work items (expert, m-tile, n-tile) are numbered on the device (GroupedTiles) from the expert row offsets;
-// the dense GEMM is one group of M rows. Every role walks the same grid-stride schedule.
+// the dense GEMM is one group of M rows. Every role walks the same grid-stride schedule; the producer decodes
+// each item and the consumers read its decoding (TileSlots), which lands with the tile's first stage.
 #pragma once
 
 #include <algorithm>
@@ -30,6 +31,7 @@
 #include "device/ptx/sync.cuh"
 #include "device/sched/grouped_tiles.cuh"
 #include "device/sched/schedulers.cuh"
+#include "device/sched/tile_slots.cuh"
 #include "device/shared_storage.cuh"
 
 namespace megamoe::kernels {
@@ -88,9 +90,12 @@ struct Fp8GemmConfig {
     uint64_t empty[kStages];
     device::SliceRows slice_rows[2];
     int dense_offsets[2];
+    device::TileSlots<8> tile_slots;  // decoded tiles, producer to consumers (at least kStages slots)
     typename Tiles::Storage tiles;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + slack to align the base
+  static_assert(sizeof(SharedStorage::tile_slots.tile) / sizeof(device::TileCoord) >= kStages,
+                "a tile slot is reused only after its tile's first stage was released (tile_slots.cuh)");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");
 };
 
@@ -117,6 +122,7 @@ __device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const 
       const int scale_row = ptid < tile.rows ? device::gather_row(p.src.a, tile.row0 + ptid) : -1;
       for (int kt = 0; kt < tile.k_tiles; ++kt) {
         pipe.producer_acquire(st);
+        if (kt == 0 && tma_thread) smem.tile_slots.publish(j, tile);  // before its arrival on the stage
         device::gather_block_scale(&smem.scales[st.index], tile.row0, ptid, p.sa_rows, scale_row, k_blocks, kt);
         loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, rank);  // then this thread's arrival
         st.advance();
@@ -125,6 +131,7 @@ __device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const 
       for (int kt = 0; kt < tile.k_tiles; ++kt) {
         pipe.producer_acquire(st);
         if (tma_thread) {
+          if (kt == 0) smem.tile_slots.publish(j, tile);  // before its arrival on the stage
           loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, rank);
         } else {
           device::load_block_scales(pipe, st, &smem.scales[st.index], tm_sa, tile, kt);
@@ -153,7 +160,9 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     const int t = sched.item(j);
     // Read from shared memory per item, not held across the epilogue (where every register counts).
     if (t >= tiles.total_now()) break;
-    const device::TileCoord tile = tiles.decode(t, rank);
+    // The producer's decoding of the tile, which landed with its first stage (tile_slots.cuh).
+    pipe.consumer_wait(st);
+    const device::TileCoord tile = smem.tile_slots.read(j);
     if constexpr (Cfg::kOverlap) {
       device::mma_tile_fp8_blockwise_overlapped<Shape, Cfg::kGatherA>(acc, pipe, st, smem.stages[0], smem.scales,
                                                                       p.b_scales.of(tile), tile, cwg, lt,

@@ -239,16 +239,24 @@ void run_dense(int64_t M, int N, int K, int spread) {
   EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0) << what << ": 2-CTA clusters differ from single CTAs";
 
   // The promotion overlapped with the next block's wgmma (two partial sums), single CTAs and pairs: the same
-  // blocks promoted in the same order, so bitwise the same.
-  for (const int cluster : {1, 2}) {
-    dD.poison();
-    Fp8GemmTuning overlapped{cluster, 0};
-    overlapped.overlap_promotion = true;
-    const Status o = fp8_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), M, N, K, nullptr, overlapped);
-    ASSERT_TRUE(o.is_ok()) << what << ", overlapped promotion: " << o.to_string();
-    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-    EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0)
-        << what << ": overlapped promotion (cluster " << cluster << ") differs from the plain loop";
+  // blocks promoted in the same order, so bitwise the same. Also with 4 CTAs, each walking many tiles (one K
+  // block a tile at K = 128, an odd count at 384: every tail form of the overlapped loop, with the ring's
+  // phases carried across tiles; rows past M untouched).
+  for (const int max_ctas : {0, 4}) {
+    for (const int cluster : {1, 2}) {
+      dD.poison();
+      Fp8GemmTuning overlapped{cluster, max_ctas};
+      overlapped.overlap_promotion = true;
+      const Status o = fp8_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), M, N, K, nullptr, overlapped);
+      ASSERT_TRUE(o.is_ok()) << what << ", overlapped promotion: " << o.to_string();
+      MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+      const std::vector<bf16> got_o = dD.download();
+      EXPECT_EQ(count_bitwise_differences(got, got_o), 0) << what << ": overlapped promotion (cluster " << cluster
+                                                           << ", max_ctas " << max_ctas << ") differs from the plain loop";
+      EXPECT_EQ(count_not_nan(got_o, M * N, (M + kGuardRows) * N), 0)
+          << what << ": overlapped promotion (cluster " << cluster << ", max_ctas " << max_ctas
+          << ") wrote rows past M";
+    }
   }
 }
 
@@ -275,6 +283,14 @@ TEST(Fp8Gemm, StronglyVaryingScales) {
 TEST(Fp8Gemm, SeveralTilesPerCta) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   run_dense(4096, 1024, 384, 4);
+}
+
+// One and two K blocks a tile, partial last tiles in both directions, CTAs with many tiles (run_dense's
+// max_ctas 4): the overlapped loop's shortest forms.
+TEST(Fp8Gemm, ShortTiles) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  run_dense(1000, 200, 128, 4);
+  run_dense(1000, 200, 256, 4);
 }
 
 // N not a multiple of the 128-wide tile: the last tile's weight block has 72 rows.

@@ -21,6 +21,16 @@ inline constexpr int kBoxBytes = 64 * 128;  // 64 rows x 64 bf16
 
 __device__ __forceinline__ int box_read_row(int lt) { return lt >> 3; }
 __device__ __forceinline__ int box_read_chunk(int lt) { return lt & 7; }
+// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a staging box: the 128-byte swizzle of TMA.
+__device__ __forceinline__ int box_chunk_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+// The stmatrix.x4 address of lane `lt` of a warpgroup for column groups jj and jj + 1 (8 bf16 columns each)
+// of box `box` (rows 0-7 | 8-15 of its warp x the two groups), at staging_s.
+__device__ __forceinline__ uint32_t staged_pair_address(uint32_t staging_s, int box, int jj, int lt) {
+  const int warp = lt >> 5, lane = lt & 31;
+  const int sm_row = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+  return staging_s + box * kBoxBytes + box_chunk_offset(sm_row, jj + (lane >> 4));
+}
 
 // How an output's rows are addressed, by the source row of the tile (its A row).
 struct OutputRows {
@@ -106,11 +116,7 @@ struct BoxStore {
   // Column groups jj and jj + 1 (8 columns each) of box `box`: v[g][h] is the packed bf16x2 of group jj + g
   // and row half h of the fragment. stmatrix.x4 stores the four 8x8 matrices (rows 0-7 | 8-15) x (jj | jj+1).
   __device__ __forceinline__ void stage_pair(int box, int jj, const uint32_t (&v)[2][2]) const {
-    const int warp = lt >> 5, lane = lt & 31;
-    const int sm_row = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-    const int sm_grp = lane >> 4;
-    const uint32_t addr = staging_s + (box % kSlots) * kBoxBytes + sm_row * 128 + (((jj + sm_grp) ^ (sm_row & 7)) << 4);
-    stmatrix_x4(addr, v[0][0], v[0][1], v[1][0], v[1][1]);
+    stmatrix_x4(staged_pair_address(staging_s, box % kSlots, jj, lt), v[0][0], v[0][1], v[1][0], v[1][1]);
   }
 
   // Box `box` leaves: columns [col0, col0 + 64) of output `which` (`ncols` wide). `map`: its TMA store target,
@@ -134,7 +140,7 @@ struct BoxStore {
         const int row = box_read_row(lt) + 16 * it;
         __nv_bfloat16* dst = rows->row[which][row];
         if (dst != nullptr && col < ncols) {
-          const uint4 val = *reinterpret_cast<const uint4*>(src + row * 128 + ((chunk ^ (row & 7)) << 4));
+          const uint4 val = *reinterpret_cast<const uint4*>(src + box_chunk_offset(row, chunk));
           *reinterpret_cast<uint4*>(dst + col) = val;
         }
       }

@@ -224,14 +224,13 @@ __device__ __forceinline__ void stage_fp32_pass(const float (&acc)[kBN / 2], int
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = Fragment::row(warp, lane, h);
-      const int c16 = (2 * jj + (q >> 1)) ^ (row & 7);
-      *reinterpret_cast<float2*>(staging + row * 128 + c16 * 16 + 8 * (q & 1)) =
+      *reinterpret_cast<float2*>(staging + box_chunk_offset(row, 2 * jj + (q >> 1)) + 8 * (q & 1)) =
           make_float2(acc[Fragment::reg(j, h, 0)], acc[Fragment::reg(j, h, 1)]);
     }
   }
 }
 __device__ __forceinline__ int fp32_staged(int row, int col) {
-  return row * 128 + (((col >> 2) ^ (row & 7)) << 4) + 4 * (col & 3);
+  return box_chunk_offset(row, col >> 2) + 4 * (col & 3);
 }
 
 // fp32 C through TMA (the warpgroup's whole 64-row slice inside a contiguous C): per pass of 32 columns one
@@ -268,7 +267,7 @@ __device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], float
       const int row = box_read_row(lt) + 16 * it;
       const int m = m0 + row;
       if (m < M && col < N) {
-        float4 v = *reinterpret_cast<const float4*>(staging + row * 128 + ((chunk ^ (row & 7)) << 4));
+        float4 v = *reinterpret_cast<const float4*>(staging + box_chunk_offset(row, chunk));
         float4* dst = reinterpret_cast<float4*>(C + static_cast<int64_t>(m) * N + col);
         if (accumulate) {
           const float4 old = *dst;
