@@ -22,6 +22,7 @@
 // order of the earlier runs, docs/PERF.md run 23), to compare the two orders.
 //   bench_fp8_gemm [--interleaved | --sequential]
 //   bench_fp8_gemm --k-sweep   (the grouped form's rate against K: the tile's fixed cost, see k_sweep)
+//   bench_fp8_gemm --k-sweep-pairs   (the same for the overlapped loop, single CTAs against 2-CTA pairs)
 // (--out / --baseline, which scripts/gpu-check.sh gives every benchmark, are accepted and ignored: cuBLASLt
 // is timed in the same run)
 #include <cublasLt.h>
@@ -456,7 +457,9 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
 // of main loop plus a fixed X (tile boundary: last promotion, epilogue, next tile's start) runs at
 // rate = c kb / (kb + X), i.e. 1 / rate = 1 / c + (X / c) / kb: a straight line in 1 / kb, fitted by least
 // squares; c is the main loop's own rate, X the tile's fixed cost in K blocks (docs/FP8.md).
-void k_sweep() {
+// cluster 2 (--k-sweep-pairs): the overlapped loop in single CTAs and in 2-CTA pairs (the weight panel
+// multicast: a quarter fewer L2 bytes per block, docs/PERF.md run 83) instead of plain and overlapped.
+void k_sweep(int cluster) {
   constexpr int E = 16, N = 2048;
   constexpr int64_t rows_per_group = 8192, M = rows_per_group * E;
   const int blocks[] = {2, 4, 6, 8, 12, 16, 24, 32};
@@ -481,10 +484,12 @@ void k_sweep() {
   fill(sa, sa_count, 1.0f);
   fill(sb, sb_count, 1.0f);
   std::vector<std::function<void()>> contenders;
-  for (const bool overlap : {false, true}) {
+  for (const int group : {0, 1}) {
+    const bool overlap = cluster == 2 || group == 1;
+    const int group_cluster = cluster == 2 && group == 1 ? 2 : 1;
     for (const int kb : blocks) {
       contenders.push_back([=] {
-        megamoe::kernels::Fp8GemmTuning tuning{1, 0};
+        megamoe::kernels::Fp8GemmTuning tuning{group_cluster, 0};
         tuning.overlap_promotion = overlap;
         BENCH_CHECK_OK(
             megamoe::kernels::fp8_grouped_gemm_nt(A, sa, B, sb, D, offsets, E, M, N, kb * 128, nullptr, tuning));
@@ -493,8 +498,9 @@ void k_sweep() {
   }
   const std::vector<double> t = interleaved_median_ms(contenders);
   constexpr int kCount = sizeof(blocks) / sizeof(blocks[0]);
-  std::printf("K sweep: grouped 16x8192 N=%d, single CTAs, interleaved (median of 30)\n", N);
-  std::printf("| promotion | K blocks | K | ms | TFLOP/s |\n|---|---|---|---|---|\n");
+  std::printf("K sweep: grouped 16x8192 N=%d, interleaved (median of 30)\n", N);
+  std::printf("| loop | K blocks | K | ms | TFLOP/s |\n|---|---|---|---|---|\n");
+  const char* group_name[2] = {cluster == 2 ? "overlapped" : "plain", cluster == 2 ? "overlapped pairs" : "overlapped"};
   for (int o = 0; o < 2; ++o) {
     // Least squares of y = 1 / rate against x = 1 / kb.
     double sx = 0, sy = 0, sxx = 0, sxy = 0;
@@ -502,8 +508,7 @@ void k_sweep() {
     for (int i = 0; i < kCount; ++i) {
       const double ms = t[o * kCount + i];
       rate[i] = 2.0 * double(M) * N * blocks[i] * 128 / (ms * 1e-3) / 1e12;
-      std::printf("| %s | %d | %d | %.3f | %.1f |\n", o ? "overlapped" : "plain", blocks[i], blocks[i] * 128, ms,
-                  rate[i]);
+      std::printf("| %s | %d | %d | %.3f | %.1f |\n", group_name[o], blocks[i], blocks[i] * 128, ms, rate[i]);
       const double x = 1.0 / blocks[i], y = 1.0 / rate[i];
       sx += x, sy += y, sxx += x * x, sxy += x * y;
     }
@@ -521,7 +526,7 @@ void k_sweep() {
     }
     std::printf("fit (%s): rate = c kb / (kb + X), c = %.1f TFLOP/s, X = %.2f K blocks = %.2f us a tile "
                 "(a K block %.3f us on one of %d SMs); worst residual %.1f%%\n",
-                o ? "overlapped" : "plain", c, X, X * block_us, block_us, sms, 100.0 * worst);
+                group_name[o], c, X, X * block_us, block_us, sms, 100.0 * worst);
   }
   BENCH_CHECK_CUDA(cudaFree(A));
   BENCH_CHECK_CUDA(cudaFree(B));
@@ -539,7 +544,11 @@ int main(int argc, char** argv) {
   bool interleaved = true, sequential = true, dense_only = false, gathered_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--k-sweep")) {  // the tile's fixed cost: rate against K blocks (k_sweep above)
-      k_sweep();
+      k_sweep(1);
+      return 0;
+    }
+    if (!std::strcmp(argv[i], "--k-sweep-pairs")) {  // the same, overlapped, single CTAs against 2-CTA pairs
+      k_sweep(2);
       return 0;
     }
     if (!std::strcmp(argv[i], "--dense-only")) {  // the 8192^3 GEMM alone (scripts/profile-fp8-gemm.sh)
@@ -555,7 +564,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: bench_fp8_gemm [--interleaved | --sequential] [--dense-only | --gathered-only] "
-                   "[--out IGNORED] [--baseline IGNORED] | --k-sweep\n");
+                   "[--out IGNORED] [--baseline IGNORED] | --k-sweep | --k-sweep-pairs\n");
       return 2;
     }
   }
