@@ -160,7 +160,8 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     const int t = sched.item(j);
     // Read from shared memory per item, not held across the epilogue (where every register counts).
     if (t >= tiles.total_now()) break;
-    // The producer's decoding of the tile, which landed with its first stage (tile_slots.cuh).
+    // The producer's decoding of the tile, which landed with its first stage (tile_slots.cuh; every tile has
+    // K / 128 >= 1 stages: check_shape in fp8_gemm.cu rejects any other K).
     pipe.consumer_wait(st);
     const device::TileCoord tile = smem.tile_slots.read(j);
     if constexpr (Cfg::kOverlap) {
