@@ -1,9 +1,11 @@
-// One warp per row: 16-byte loads and stores across the row (a lane takes every 32nd piece), the row's scales
-// by the first cols / 128 lanes. The rows revisit a receive buffer (top-K copies of a token), but by the time
-// of the copy it is no longer in L2: the copy runs at DRAM bandwidth, reads and writes (docs/PERF.md run 62).
+// One warp per row: the row copied by the layer's warp row copy (ep_row_copy.cuh: 16-byte pieces, four in
+// flight a lane), the row's scales by the first cols / 128 lanes. The rows revisit a receive buffer (top-K
+// copies of a token), but by the time of the copy it is no longer in L2: the copy runs at DRAM bandwidth,
+// reads and writes (docs/PERF.md run 62).
 #include <string>
 
 #include "kernels/cuda_check.hpp"
+#include "kernels/ep_row_copy.cuh"
 #include "kernels/fp8_gather_rows.hpp"
 #include "kernels/warp_grid.hpp"
 
@@ -17,24 +19,13 @@ __global__ void gather_rows_e4m3_kernel(const uint8_t* __restrict__ q, const flo
                                         const int32_t* __restrict__ rows_used, int64_t capacity,
                                         uint8_t* __restrict__ out_q, float* __restrict__ out_s, int64_t pitch) {
   const int lane = static_cast<int>(threadIdx.x % 32);
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   const int64_t rows = min(max(static_cast<int64_t>(__ldg(rows_used)), int64_t{0}), capacity);
-  const int64_t pieces = cols / 16, groups = cols / 128;
-  for (int64_t r = warp; r < rows; r += warp_stride) {
+  const int64_t groups = cols / 128;
+  for (int64_t r = ep::first_warp(); r < rows; r += ep::warp_count()) {
     const int64_t src = min(max(static_cast<int64_t>(__ldg(row_src + r)), int64_t{0}), source_rows - 1);
-    const uint4* from = reinterpret_cast<const uint4*>(q + src * cols);
-    uint4* to = reinterpret_cast<uint4*>(out_q + r * cols);
-    // Four pieces in flight per lane before any store.
-    for (int64_t i = lane; i < pieces; i += 4 * 32) {
-      uint4 v[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (i + 32 * k < pieces) v[k] = __ldg(from + i + 32 * k);
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (i + 32 * k < pieces) to[i + 32 * k] = v[k];
-    }
+    // The e4m3 bytes as bf16 pairs, as the dispatch copies them (ep_dispatch.cuh): the same 16-byte pieces.
+    ep::warp_copy_row(reinterpret_cast<const __nv_bfloat16*>(q + src * cols),
+                      reinterpret_cast<__nv_bfloat16*>(out_q + r * cols), cols / 2, lane);
     for (int64_t kb = lane; kb < groups; kb += 32) out_s[kb * pitch + r] = __ldg(scales + src * groups + kb);
   }
 }
