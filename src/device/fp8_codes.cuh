@@ -69,6 +69,25 @@ __device__ __forceinline__ void e4m3_words_of(const float (&v)[kCount], float sc
   for (int w = 0; w < kCount / 4; ++w) words[w] = e4m3x4_of(q[4 * w], q[4 * w + 1], q[4 * w + 2], q[4 * w + 3]);
 }
 
+// One 1x128 group held by a warp, 4 consecutive values per lane: the group's scale (amax from 0, NaN-ignoring
+// as fp8::amax_step: an all-NaN group has amax 0 and scale 1, as on the CPU) and the lane's 4 E4M3 bytes.
+struct WarpGroupQuantized {
+  uint32_t bytes;
+  float scale;
+};
+__device__ __forceinline__ WarpGroupQuantized quantize_warp_group(const float (&v)[4]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  WarpGroupQuantized out{0u, scale_from_amax(amax)};
+  uint32_t words[1];
+  e4m3_words_of(v, out.scale, words);
+  out.bytes = words[0];
+  return out;
+}
+
 // fp8::e4m3_to_float of the four codes of a word (byte k to value k), by two paired conversions to half:
 // every E4M3 code is exact in half and in fp32.
 __device__ __forceinline__ void e4m3x4_values(uint32_t word, float (&v)[4]) {

@@ -13,6 +13,7 @@
 #include "kernels/fp8_gemm.hpp"
 #include "kernels/fp8_gather_rows.hpp"
 #include "kernels/fp8_quantize.hpp"
+#include "kernels/fp8_swiglu_backward.hpp"
 #include "kernels/fp8_token_major.hpp"
 #include "kernels/fp8_wgrad.hpp"
 #include "kernels/fused_forward.hpp"
@@ -389,7 +390,8 @@ Status ExpertParallelLayer::Impl::weight_gradients(const ep::Params& p, const Ba
 }
 
 // g = q(dOut) W2q (fp32, d_out's received rows copied into expert order, W2q read K-major: its transposed copy);
-// then per routed row dh = SwiGLU'(w g) quantized 1 x 128 along 2I, with <g, a> sent to the source's slot;
+// then per routed row dh = SwiGLU'(w g) quantized 1 x 128 along 2I, with <g, a> sent to the source's slot (and
+// the weight gradients' token-major a and dh, from the same read of g and h);
 // dx rows = dh_q W13q straight into the combine slots (W13q's transposed copy); then the weight gradients.
 Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, const BackwardArgs& args,
                                                           bool transpose_weights) const {
@@ -416,9 +418,19 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
                                                        static_cast<int>(H), stream, fp8_tuning(), fp32_rows(g)));
   auto* dh_q = buffer<uint8_t>(l.dh_q);
   auto* dh_s = buffer<float>(l.dh_s);
-  MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_backward_quantize_rows_1x128(
-      g, buffer<float>(l.h_f32), buffer<float>(l.row_weight), C, I, expert_offsets() + EL, dh_q, dh_s,
-      kernels::fp8_scale_pitch(C), nullptr, buffer<float*>(l.row_dot_dest), p.shape.dot_parts, stream));
+  // One pass over g and h for dh (row-major, this GEMM's operand), <g, a> and the weight gradients' a^T and dh^T.
+  kernels::SwigluBackwardFp8Outputs swiglu_out;
+  swiglu_out.dh_q = dh_q;
+  swiglu_out.dh_s = dh_s;
+  swiglu_out.dh_scales_pitch = kernels::fp8_scale_pitch(C);
+  swiglu_out.dot_rows = buffer<float*>(l.row_dot_dest);
+  swiglu_out.dot_parts = p.shape.dot_parts;
+  swiglu_out.at_q = buffer<uint8_t>(l.at_q);
+  swiglu_out.at_s = buffer<float>(l.at_s);
+  swiglu_out.dht_q = buffer<uint8_t>(l.dht_q);
+  swiglu_out.dht_s = buffer<float>(l.dht_s);
+  MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_backward_quantize_fp8(g, buffer<float>(l.h_f32), buffer<float>(l.row_weight),
+                                                                I, expert_offsets(), EL, C, swiglu_out, stream));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(dh_q, dh_s, buffer<uint8_t>(l.w13t_q), buffer<float>(l.w13t_s),
                                                        nullptr, expert_offsets(), EL, C, static_cast<int>(H),
                                                        static_cast<int>(2 * I), stream, fp8_tuning(),
@@ -427,7 +439,8 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
 }
 
 // dW2 = dy^T a and dW13 = dh^T x on token-major copies quantized along the routed rows (docs/FP8.md): dy = w
-// dOut and x from their dispatched e4m3 rows, a and dh recomputed in fp32 from h, g and the routing weight.
+// dOut and x from their dispatched e4m3 rows; a and dh from the SwiGLU step, which recomputed them in fp32 from
+// h, g and the routing weight.
 Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, const BackwardArgs& args) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
@@ -437,14 +450,10 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
   const int32_t* offsets = expert_offsets();
   const auto* row_src = buffer<int32_t>(l.row_src);
   const auto* row_weight = buffer<float>(l.row_weight);
-  auto* h = buffer<float>(l.h_f32);
   MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_e4m3(
       buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts), source_rows, row_src, row_weight, H, offsets, EL, C,
       buffer<uint8_t>(l.dyt_q), buffer<float>(l.dyt_s), stream));
-  // a^T and dh^T in one pass over g and h (both recomputed from them).
-  MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_swiglu_pair(
-      buffer<float>(l.g_f32), h, row_weight, I, offsets, EL, C, buffer<uint8_t>(l.at_q), buffer<float>(l.at_s),
-      buffer<uint8_t>(l.dht_q), buffer<float>(l.dht_s), stream));
+  // a^T and dh^T were written with dh (expert_mlp_backward_fp8).
   MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_e4m3(buffer<uint8_t>(l.recv_xq), buffer<float>(l.recv_xs),
                                                              source_rows, row_src, nullptr, H, offsets, EL, C,
                                                              buffer<uint8_t>(l.xt_q), buffer<float>(l.xt_s), stream));
@@ -506,6 +515,7 @@ Status preload_kernels() {
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_gemm_preload());
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_quantize_preload());
   MEGAMOE_RETURN_IF_ERROR(kernels::token_major_preload());
+  MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_backward_fp8_preload());
   MEGAMOE_RETURN_IF_ERROR(kernels::gather_rows_preload());
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_preload());
   return kernels::grouped_gemm_preload();

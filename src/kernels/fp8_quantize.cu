@@ -8,29 +8,12 @@ namespace megamoe::kernels {
 namespace {
 
 using device::e4m3_words_of;
+using device::quantize_warp_group;
 using device::scale_from_amax;
+using device::WarpGroupQuantized;
 
 constexpr int kGroup = 128;
 constexpr int kWarpsPerBlock = 8;
-
-// One 1x128 group held by a warp, 4 consecutive values per lane: the group's scale (amax from 0, NaN-ignoring
-// as fp8::amax_step: an all-NaN group has amax 0 and scale 1, as on the CPU) and the lane's 4 E4M3 bytes.
-struct WarpGroupQuantized {
-  uint32_t bytes;
-  float scale;
-};
-__device__ __forceinline__ WarpGroupQuantized quantize_warp_group(const float (&v)[4]) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  WarpGroupQuantized out{0u, scale_from_amax(amax)};
-  uint32_t words[1];
-  e4m3_words_of(v, out.scale, words);
-  out.bytes = words[0];
-  return out;
-}
 
 // One warp per 1x128 group: each lane holds 4 consecutive values (one 8-byte load). pitch 0: scales
 // row-major [rows, groups_per_row]; else K-block-major (group kb of row r at kb * pitch + r).

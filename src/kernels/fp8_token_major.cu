@@ -17,11 +17,12 @@
 #include "device/fp8_codes.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/fp8_token_major.hpp"
+#include "kernels/token_major_groups.cuh"
 
 namespace megamoe::kernels {
 namespace {
 
-constexpr int kGroup = 128;
+constexpr int kGroup = kTokenMajorGroup;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // Enough work per block to amortize finding the group and starting the load pipeline, few enough that the
@@ -202,57 +203,6 @@ struct SwigluPairRows : SwigluGradRows {
   }
 };
 
-// The group of blockIdx.x: how many rows it has (0: the slot has none), its first row, its first column.
-struct Group {
-  int first = 0, rows = 0;
-  int64_t column = 0;
-};
-
-// Groups are numbered expert by expert. Each expert's rows are clamped to start where the previous one's end
-// and to stay inside [0, capacity]: then no group reads past the rows or writes into another expert's columns,
-// whatever the offsets hold. That walk has a closed form: expert e's rows are [b_e, b_{e+1}) with b_k =
-// min(max(0, offsets[0..k]), capacity), so the lanes take 31 experts at a time (lane l boundary base + l) with
-// a max-scan for the b's and a sum-scan for the groups before each expert.
-__device__ Group find_group(const int32_t* __restrict__ offsets, int experts, int64_t capacity, int slot) {
-  constexpr unsigned kAll = 0xffffffffu;
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  int carried_max = 0, carried_groups = 0;
-  for (int base = 0; base < experts; base += 31) {
-    const int k = base + lane;
-    int bound = max(k <= experts ? __ldg(offsets + k) : 0, carried_max);
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int other = __shfl_up_sync(kAll, bound, d);
-      if (lane >= d) bound = max(bound, other);
-    }
-    const int begin = static_cast<int>(min(static_cast<int64_t>(bound), capacity));
-    const int end = __shfl_down_sync(kAll, begin, 1);
-    const bool expert = lane < 31 && k < experts;
-    const int groups = expert ? static_cast<int>((static_cast<int64_t>(end) - begin + kGroup - 1) / kGroup) : 0;
-    int through = groups;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int other = __shfl_up_sync(kAll, through, d);
-      if (lane >= d) through += other;
-    }
-    const int before = carried_groups + through - groups;
-    const unsigned hit = __ballot_sync(kAll, expert && slot >= before && slot - before < groups);
-    if (hit != 0) {
-      const int owner = __ffs(hit) - 1;
-      const int first = __shfl_sync(kAll, begin, owner), last = __shfl_sync(kAll, end, owner);
-      const int local = slot - __shfl_sync(kAll, before, owner);
-      Group group;
-      group.first = first + local * kGroup;
-      group.rows = min(last - group.first, kGroup);
-      group.column = token_major_start(first, base + owner) + static_cast<int64_t>(local) * kGroup;
-      return group;
-    }
-    carried_groups += __shfl_sync(kAll, through, 30);
-    carried_max = __shfl_sync(kAll, bound, 30);
-  }
-  return Group{};
-}
-
 template <class Rows>
 __global__ void __launch_bounds__(kThreads, Rows::kMinBlocks)
     token_major_quantize_kernel(Rows rows, Outputs<Rows::kOutputs> out, const int32_t* __restrict__ offsets,
@@ -263,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, Rows::kMinBlocks)
   // Shared rather than in registers: there the compiler would hoist every row's addresses out of the slab loop.
   RowRef* const row_refs = reinterpret_cast<RowRef*>(tile + kGroup * kColumns);
 
-  const Group group = find_group(offsets, experts, capacity, static_cast<int>(blockIdx.x));
+  const TokenMajorGroup group = find_token_major_group(offsets, experts, capacity, static_cast<int>(blockIdx.x));
   if (group.rows == 0) return;  // uniform over the block
   const unsigned t = threadIdx.x;
   if (t < kGroup) row_refs[t] = static_cast<int>(t) < group.rows ? rows.row(group.first + static_cast<int>(t))
