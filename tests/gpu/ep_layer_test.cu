@@ -255,7 +255,7 @@ LayerOptions with_paths(ForwardPath forward, BackwardPath backward) {
 TEST_P(EpLayerTest, MatchesReferenceAndIsDeterministic) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const Scenario& sc = GetParam();
-  const uint64_t seed = std::random_device{}();
+  const uint64_t seed = testing::test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const Problem p = make_problem(sc, seed);
   std::unique_ptr<VirtualRankGroup> group;
@@ -349,7 +349,7 @@ const LayerConfig kFp8ScenarioShape = fp8_config(384, 16, 4);
 
 void expect_fp8_layer_matches(const std::vector<Scenario>& scenarios) {
   for (const Scenario& sc : scenarios) {
-    const uint64_t seed = std::random_device{}();
+    const uint64_t seed = testing::test_seed();
     SCOPED_TRACE(sc.name + ", seed " + std::to_string(seed));
     const Problem p = make_problem(sc, seed);
     std::unique_ptr<VirtualRankGroup> group;
@@ -496,7 +496,7 @@ TEST(EpLayerFp8Test, WeightsVersionKeepsTheTransposedWeightsInStep) {
 TEST(EpLayerFp8Test, PrequantizedWeightsGiveTheLayersOwnResults) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const Scenario sc{"Fp8_prequantized", kFp8ScenarioShape, 2, {131, 77}, Routing::kRandom};
-  const uint64_t seed = std::random_device{}();
+  const uint64_t seed = testing::test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const Problem p = make_problem(sc, seed);
   std::unique_ptr<VirtualRankGroup> group;
@@ -567,7 +567,7 @@ TEST(EpLayerFp8Test, OverlappedPromotionGivesTheSameBits) {
   for (const Scenario& sc : {Scenario{"Fp8_overlap_R2", kFp8ScenarioShape, 2, {131, 77}, Routing::kRandom},
                              Scenario{"Fp8_overlap_AllToOne", kFp8ScenarioShape, 2, {200, 150},
                                       Routing::kAllToOneExpert}}) {
-    const uint64_t seed = std::random_device{}();
+    const uint64_t seed = testing::test_seed();
     SCOPED_TRACE(sc.name + ", seed " + std::to_string(seed));
     const Problem p = make_problem(sc, seed);
     std::unique_ptr<VirtualRankGroup> group;

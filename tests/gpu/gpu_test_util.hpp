@@ -6,7 +6,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <random>
 #include <vector>
 
 namespace megamoe::testing {
@@ -27,6 +29,13 @@ inline bool gpu_available() {
 #define MEGAMOE_ASSERT_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call << ": " << cudaGetErrorString(cudaGetLastError())
 
 namespace megamoe::testing {
+
+// A fresh random seed for a test's inputs, or the one in MEGAMOE_TEST_SEED (to run again a case whose failure
+// printed its seed).
+inline uint64_t test_seed() {
+  if (const char* text = std::getenv("MEGAMOE_TEST_SEED")) return std::strtoull(text, nullptr, 10);
+  return std::random_device{}();
+}
 
 // The bits of a float, for comparisons that must tell -0 from +0 and one NaN from another.
 inline uint32_t bits_of(float v) {
