@@ -93,6 +93,25 @@ __device__ __forceinline__ WarpGroupQuantized quantize_warp_group(const float (&
   return out;
 }
 
+// One group of 128 held by eight consecutive lanes (lanes 8 k .. 8 k + 7 of the warp), 16 values each: the
+// group's scale (the amax's rule as above) and the lane's 16 E4M3 bytes, value i in byte i % 4 of word i / 4.
+// Every lane of the warp calls it (the shuffles stay inside each eight).
+struct OctetGroupQuantized {
+  uint32_t words[4];
+  float scale;
+};
+__device__ __forceinline__ OctetGroupQuantized quantize_octet_group(const float (&v)[16]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int offset = 1; offset < 8; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  OctetGroupQuantized out;
+  out.scale = scale_from_amax(amax);
+  e4m3_words_of(v, out.scale, out.words);
+  return out;
+}
+
 // fp8::e4m3_to_float of the four codes of a word (byte k to value k), by two paired conversions to half:
 // every E4M3 code is exact in half and in fp32.
 __device__ __forceinline__ void e4m3x4_values(uint32_t word, float (&v)[4]) {

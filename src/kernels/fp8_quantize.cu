@@ -93,14 +93,7 @@ __global__ void swiglu_backward_quantize_rows_1x128_kernel(const float* __restri
       const float4 hu = *reinterpret_cast<const float4*>(h_row + I + col);
       const float gs[4] = {gv.x, gv.y, gv.z, gv.w}, gate[4] = {hg.x, hg.y, hg.z, hg.w}, up[4] = {hu.x, hu.y, hu.z, hu.w};
       float dg[4], du[4], a[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const device::SwiGLUGrad d = device::swiglu_backward(w * gs[i], gate[i], up[i]);
-        dg[i] = d.dg;
-        du[i] = d.du;
-        a[i] = d.a;
-        dot += gs[i] * d.a;
-      }
+      device::swiglu_backward_x4(w, gs, gate, up, dg, du, a, dot);
       const WarpGroupQuantized qg = quantize_warp_group(dg), qu = quantize_warp_group(du);
       *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + col) = qg.bytes;
       *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + I + col) = qu.bytes;

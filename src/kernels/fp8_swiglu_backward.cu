@@ -107,14 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_backward_fp8_kernel(const 
         const float gs[4] = {set[j].g.x, set[j].g.y, set[j].g.z, set[j].g.w};
         const float gate[4] = {set[j].gate.x, set[j].gate.y, set[j].gate.z, set[j].gate.w};
         const float up[4] = {set[j].up.x, set[j].up.y, set[j].up.z, set[j].up.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const device::SwiGLUGrad d = device::swiglu_backward(w * gs[i], gate[i], up[i]);
-          dg[i] = d.dg;
-          du[i] = d.du;
-          a[i] = d.a;
-          dot[kBatch * batch + j] += gs[i] * d.a;
-        }
+        device::swiglu_backward_x4(w, gs, gate, up, dg, du, a, dot[kBatch * batch + j]);
         const device::WarpGroupQuantized qg = device::quantize_warp_group(dg), qu = device::quantize_warp_group(du);
         const int64_t row = group.first + local;
         uint8_t* const dh_row = out.dh_q + row * 2 * I + kb * kGroup + 4 * lane;
@@ -142,17 +135,9 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_backward_fp8_kernel(const 
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       float v[kLaneRows];
-      float amax = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kLaneRows; ++i) {
-        v[i] = lane_tile[i * kColumns + kPassColumns * pass];
-        amax = fmaxf(amax, fabsf(v[i]));
-      }
-#pragma unroll
-      for (int offset = 1; offset < 8; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-      const float scale = device::scale_from_amax(amax);
-      uint32_t word[kLaneRows / 4];
-      device::e4m3_words_of(v, scale, word);
+      for (int i = 0; i < kLaneRows; ++i) v[i] = lane_tile[i * kColumns + kPassColumns * pass];
+      const device::OctetGroupQuantized q = device::quantize_octet_group(v);
       // The pass's output (constants): a, then dh's gate half, then its up half.
       constexpr int kPerOutput = kGroup / kPassColumns;
       const int which = pass / kPerOutput;
@@ -161,8 +146,8 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_backward_fp8_kernel(const 
       const int64_t channels = which == 0 ? I : 2 * I;
       const int64_t c = (which == 2 ? I : 0) + kb * kGroup + kPassColumns * (pass % kPerOutput) + pass_column;
       *reinterpret_cast<uint4*>(qt + c * args.columns + group.column + kLaneRows * part) =
-          make_uint4(word[0], word[1], word[2], word[3]);
-      if (part == 0) st[k_block * static_cast<uint64_t>(channels) + static_cast<uint64_t>(c)] = scale;
+          make_uint4(q.words[0], q.words[1], q.words[2], q.words[3]);
+      if (part == 0) st[k_block * static_cast<uint64_t>(channels) + static_cast<uint64_t>(c)] = q.scale;
     }
   };
 

@@ -279,23 +279,15 @@ __global__ void __launch_bounds__(kThreads, Rows::kMinBlocks)
 #pragma unroll
     for (int pass = 0; pass < kColumns / kPassColumns; ++pass) {
       float v[kLaneRows];
-      float amax = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kLaneRows; ++i) {
-        v[i] = lane_tile[i * kColumns + kPassColumns * pass];
-        amax = fmaxf(amax, fabsf(v[i]));
-      }
-#pragma unroll
-      for (int offset = 1; offset < 8; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-      const float scale = device::scale_from_amax(amax);
-      uint32_t word[kLaneRows / 4];
-      device::e4m3_words_of(v, scale, word);
+      for (int i = 0; i < kLaneRows; ++i) v[i] = lane_tile[i * kColumns + kPassColumns * pass];
+      const device::OctetGroupQuantized q = device::quantize_octet_group(v);
       const Output& o = out.o[kPassColumns * pass / kWidth];  // a constant index: the pass's output
       const int piece = (kPassColumns * pass % kWidth) / 32;
       const int64_t c = o.first + static_cast<int64_t>(slab) * kWidth + lane_channel + 4 * piece;
       *reinterpret_cast<uint4*>(o.qt + c * columns + group.column + kLaneRows * part) =
-          make_uint4(word[0], word[1], word[2], word[3]);
-      if (part == 0) o.st[k_block * static_cast<uint64_t>(o.channels) + static_cast<uint64_t>(c)] = scale;
+          make_uint4(q.words[0], q.words[1], q.words[2], q.words[3]);
+      if (part == 0) o.st[k_block * static_cast<uint64_t>(o.channels) + static_cast<uint64_t>(c)] = q.scale;
     }
     __syncthreads();
   }
