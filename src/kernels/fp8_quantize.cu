@@ -2,6 +2,7 @@
 #include "device/fp8_codes.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/fp8_quantize.hpp"
+#include "kernels/swiglu_backward_row.cuh"
 #include "kernels/warp_grid.hpp"
 
 namespace megamoe::kernels {
@@ -88,29 +89,13 @@ __global__ void swiglu_backward_quantize_rows_1x128_kernel(const float* __restri
     float dot = 0.0f;
     for (int64_t kb = 0; kb < groups; ++kb) {
       const int64_t col = kb * kGroup + lane * 4;
-      const float4 gv = *reinterpret_cast<const float4*>(g_row + col);
-      const float4 hg = *reinterpret_cast<const float4*>(h_row + col);
-      const float4 hu = *reinterpret_cast<const float4*>(h_row + I + col);
-      const float gs[4] = {gv.x, gv.y, gv.z, gv.w}, gate[4] = {hg.x, hg.y, hg.z, hg.w}, up[4] = {hu.x, hu.y, hu.z, hu.w};
-      float dg[4], du[4], a[4];
-      device::swiglu_backward_x4(w, gs, gate, up, dg, du, a, dot);
-      const WarpGroupQuantized qg = quantize_warp_group(dg), qu = quantize_warp_group(du);
-      *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + col) = qg.bytes;
-      *reinterpret_cast<uint32_t*>(dh_q + row * 2 * I + I + col) = qu.bytes;
-      if (lane == 0) {
-        dh_s[kb * pitch + row] = qg.scale;
-        dh_s[(groups + kb) * pitch + row] = qu.scale;
-      }
-      if (a_out != nullptr) *reinterpret_cast<float4*>(a_out + row * I + col) = make_float4(a[0], a[1], a[2], a[3]);
+      const SwigluRowValues v = swiglu_backward_row_block(
+          w, *reinterpret_cast<const float4*>(g_row + col), *reinterpret_cast<const float4*>(h_row + col),
+          *reinterpret_cast<const float4*>(h_row + I + col), row, kb, I, dh_q, dh_s, pitch, lane, dot);
+      if (a_out != nullptr)
+        *reinterpret_cast<float4*>(a_out + row * I + col) = make_float4(v.a[0], v.a[1], v.a[2], v.a[3]);
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    if (dot_rows != nullptr) {
-      float* dst = dot_rows[row];
-      if (dst != nullptr) {
-        for (int part = lane; part < dot_parts; part += 32) dst[part] = part == 0 ? dot : 0.0f;
-      }
-    }
+    store_row_dot(dot, dot_rows, row, dot_parts, lane);
   }
 }
 

@@ -2,9 +2,8 @@
 // blocks kb of I in turn. Per kb:
 //   the row pass: warp w takes rows 8 w .. 8 w + 7 of the group, two at a time, a lane 4 channels of a row (one
 //     16-byte load each of g, gate and up). It computes a, dg and du, quantizes the row's 1 x 128 groups of dg
-//     and du across the warp and adds g a to the row's dot, the arithmetic and order of
-//     swiglu_backward_quantize_rows_1x128 (fp8_quantize.cu), and leaves a, dg and du in a shared fp32 tile
-//     [128 rows][384 columns];
+//     and du across the warp and adds g a to the row's dot (swiglu_backward_row.cuh, shared with
+//     swiglu_backward_quantize_rows_1x128), and leaves a, dg and du in a shared fp32 tile [128 rows][384 columns];
 //   the column pass: eight lanes a tile column, 16 rows each, quantize each channel's 128 rows, the token-major
 //     kernel's pass (fp8_token_major.cu), and store the codes as one 128-byte line of the channel's row of the
 //     copy.
@@ -16,10 +15,10 @@
 // groups, 32 distinct banks.
 #include <string>
 
-#include "device/epilogue/transforms.cuh"
 #include "device/fp8_codes.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/fp8_swiglu_backward.hpp"
+#include "kernels/swiglu_backward_row.cuh"
 #include "kernels/token_major_groups.cuh"
 
 namespace megamoe::kernels {
@@ -100,28 +99,15 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_backward_fp8_kernel(const 
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int local = first_local + kBatch * batch + j;
-      float a[4] = {}, dg[4] = {}, du[4] = {};
       // Rows past the group's are zeros in the tile (the token-major copy's padding) and are not written.
-      if (local < group.rows) {  // uniform over the warp
-        const float w = weights[local];
-        const float gs[4] = {set[j].g.x, set[j].g.y, set[j].g.z, set[j].g.w};
-        const float gate[4] = {set[j].gate.x, set[j].gate.y, set[j].gate.z, set[j].gate.w};
-        const float up[4] = {set[j].up.x, set[j].up.y, set[j].up.z, set[j].up.w};
-        device::swiglu_backward_x4(w, gs, gate, up, dg, du, a, dot[kBatch * batch + j]);
-        const device::WarpGroupQuantized qg = device::quantize_warp_group(dg), qu = device::quantize_warp_group(du);
-        const int64_t row = group.first + local;
-        uint8_t* const dh_row = out.dh_q + row * 2 * I + kb * kGroup + 4 * lane;
-        *reinterpret_cast<uint32_t*>(dh_row) = qg.bytes;
-        *reinterpret_cast<uint32_t*>(dh_row + I) = qu.bytes;
-        if (lane == 0) {
-          out.dh_s[kb * out.dh_scales_pitch + row] = qg.scale;
-          out.dh_s[(blocks + kb) * out.dh_scales_pitch + row] = qu.scale;
-        }
-      }
+      SwigluRowValues v{};
+      if (local < group.rows)  // uniform over the warp
+        v = swiglu_backward_row_block(weights[local], set[j].g, set[j].gate, set[j].up, group.first + local, kb, I,
+                                      out.dh_q, out.dh_s, out.dh_scales_pitch, lane, dot[kBatch * batch + j]);
       float* const tile_row = tile + local * kColumns + lane_run;
-      store_float4(tile_row, a);
-      store_float4(tile_row + kGroup, dg);
-      store_float4(tile_row + 2 * kGroup, du);
+      store_float4(tile_row, v.a);
+      store_float4(tile_row + kGroup, v.dg);
+      store_float4(tile_row + 2 * kGroup, v.du);
     }
   };
 
@@ -166,19 +152,11 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_backward_fp8_kernel(const 
     __syncthreads();  // before the next row pass writes the tile
   }
 
-  // The dots, reduced as swiglu_backward_quantize_rows_1x128 reduces them.
-  if (out.dot_rows == nullptr) return;
+  // The dots (swiglu_backward_row.cuh).
 #pragma unroll
-  for (int i = 0; i < kWarpRows; ++i) {
-    float d = dot[i];
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) d += __shfl_xor_sync(0xffffffffu, d, offset);
-    const int local = first_local + i;
-    if (local >= group.rows) continue;
-    float* const dst = out.dot_rows[group.first + local];
-    if (dst == nullptr) continue;
-    for (int p = lane; p < out.dot_parts; p += 32) dst[p] = p == 0 ? d : 0.0f;
-  }
+  for (int i = 0; i < kWarpRows; ++i)
+    if (first_local + i < group.rows)  // uniform over the warp
+      store_row_dot(dot[i], out.dot_rows, group.first + first_local + i, out.dot_parts, lane);
 }
 
 bool misaligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) != 0; }

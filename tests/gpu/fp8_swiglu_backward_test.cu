@@ -48,17 +48,27 @@ struct StepOutputs {
     for (int64_t r = 0; r < capacity; ++r) rows[r] = r == 5 ? nullptr : dots.get() + r * kDotParts;
     dot_rows.upload(rows);
   }
+
+  // The kernel's view of them, with or without the dots.
+  kernels::SwigluBackwardFp8Outputs view(bool with_dots) const {
+    kernels::SwigluBackwardFp8Outputs out;
+    out.dh_q = dh_q.get();
+    out.dh_s = dh_s.get();
+    out.dh_scales_pitch = pitch;
+    out.dot_rows = with_dots ? dot_rows.get() : nullptr;
+    out.dot_parts = with_dots ? kDotParts : 0;
+    out.at_q = at_q.get();
+    out.at_s = at_s.get();
+    out.dht_q = dht_q.get();
+    out.dht_s = dht_s.get();
+    return out;
+  }
 };
 
 // How many bytes of two device buffers of one size differ.
 template <typename T>
 int64_t differing_bytes(const DeviceBuffer<T>& x, const DeviceBuffer<T>& y) {
-  const std::vector<T> hx = x.download(), hy = y.download();
-  const auto* bx = reinterpret_cast<const uint8_t*>(hx.data());
-  const auto* by = reinterpret_cast<const uint8_t*>(hy.data());
-  int64_t differ = 0;
-  for (size_t i = 0; i < hx.size() * sizeof(T); ++i) differ += bx[i] != by[i];
-  return differ;
+  return testing::differing_bytes(x.download(), y.download());
 }
 
 void check_against_twins(const std::vector<int32_t>& offsets, int64_t capacity, int64_t I) {
@@ -84,18 +94,8 @@ void check_against_twins(const std::vector<int32_t>& offsets, int64_t capacity, 
   d_offsets.upload(offsets);
 
   StepOutputs one(capacity, I, experts), twins(capacity, I, experts);
-  kernels::SwigluBackwardFp8Outputs out;
-  out.dh_q = one.dh_q.get();
-  out.dh_s = one.dh_s.get();
-  out.dh_scales_pitch = one.pitch;
-  out.dot_rows = one.dot_rows.get();
-  out.dot_parts = kDotParts;
-  out.at_q = one.at_q.get();
-  out.at_s = one.at_s.get();
-  out.dht_q = one.dht_q.get();
-  out.dht_s = one.dht_s.get();
   ASSERT_TRUE(kernels::swiglu_backward_quantize_fp8(d_g.get(), d_h.get(), d_w.get(), I, d_offsets.get(), experts,
-                                                    capacity, out, nullptr)
+                                                    capacity, one.view(true), nullptr)
                   .is_ok());
   ASSERT_TRUE(kernels::swiglu_backward_quantize_rows_1x128(
                   d_g.get(), d_h.get(), d_w.get(), capacity, I, d_offsets.get() + experts, twins.dh_q.get(),
@@ -152,14 +152,7 @@ TEST(Fp8SwigluBackwardGpuTest, BadArgumentsAreRefused) {
   StepOutputs o(kCapacity, I, 2);
   DeviceBuffer<float> g(kCapacity * I), h(kCapacity * 2 * I), w(kCapacity);
   DeviceBuffer<int32_t> offsets(3);
-  kernels::SwigluBackwardFp8Outputs out;
-  out.dh_q = o.dh_q.get();
-  out.dh_s = o.dh_s.get();
-  out.dh_scales_pitch = o.pitch;
-  out.at_q = o.at_q.get();
-  out.at_s = o.at_s.get();
-  out.dht_q = o.dht_q.get();
-  out.dht_s = o.dht_s.get();
+  const kernels::SwigluBackwardFp8Outputs out = o.view(false);
   const auto code = [&](int64_t i, int experts, const kernels::SwigluBackwardFp8Outputs& outs, const float* gp) {
     return kernels::swiglu_backward_quantize_fp8(gp, h.get(), w.get(), i, offsets.get(), experts, kCapacity, outs,
                                                  nullptr)

@@ -22,6 +22,7 @@ namespace {
 
 using testing::DeviceBuffer;
 using testing::bits_of;
+using testing::differing_bytes;
 
 // Rows over many binades (subnormal codes, ties and the 448 edge all occur).
 float random_value(std::mt19937& rng) {
@@ -199,16 +200,6 @@ struct SwigluRowsProblem {
     return a_out;
   }
 };
-
-// How many bytes of two equally sized host vectors differ.
-template <typename T>
-int64_t differing_bytes(const std::vector<T>& x, const std::vector<T>& y) {
-  const auto* bx = reinterpret_cast<const uint8_t*>(x.data());
-  const auto* by = reinterpret_cast<const uint8_t*>(y.data());
-  int64_t differ = 0;
-  for (size_t i = 0; i < x.size() * sizeof(T); ++i) differ += bx[i] != by[i];
-  return differ;
-}
 
 // The activation recomputed from h is bit for bit the fp32 a the SwiGLU-backward quantizer writes (a_out),
 // taken through the fp32-rows path.

@@ -37,6 +37,16 @@ inline uint64_t test_seed() {
   return std::random_device{}();
 }
 
+// How many bytes of two equally sized host vectors differ.
+template <typename T>
+int64_t differing_bytes(const std::vector<T>& x, const std::vector<T>& y) {
+  const auto* bx = reinterpret_cast<const uint8_t*>(x.data());
+  const auto* by = reinterpret_cast<const uint8_t*>(y.data());
+  int64_t differ = 0;
+  for (size_t i = 0; i < x.size() * sizeof(T); ++i) differ += bx[i] != by[i];
+  return differ;
+}
+
 // The bits of a float, for comparisons that must tell -0 from +0 and one NaN from another.
 inline uint32_t bits_of(float v) {
   uint32_t b;

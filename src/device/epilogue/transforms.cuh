@@ -32,20 +32,4 @@ __device__ __forceinline__ SwiGLUGrad swiglu_backward(float da, float g, float u
   return SwiGLUGrad{da * u * s * (1.0f + g * (1.0f - s)), da * silu, silu * u};
 }
 
-// The SwiGLU backward of a lane's four consecutive values of a routed row (routing weight w, g the gradient
-// of a before it), with <g, a> added into `dot` value by value: the FP8 backward's per-row arithmetic and
-// summation order, shared by the kernels that must agree on it bit for bit.
-__device__ __forceinline__ void swiglu_backward_x4(float w, const float (&g)[4], const float (&gate)[4],
-                                                   const float (&up)[4], float (&dg)[4], float (&du)[4],
-                                                   float (&a)[4], float& dot) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const SwiGLUGrad d = swiglu_backward(w * g[i], gate[i], up[i]);
-    dg[i] = d.dg;
-    du[i] = d.du;
-    a[i] = d.a;
-    dot += g[i] * d.a;
-  }
-}
-
 }  // namespace megamoe::device
