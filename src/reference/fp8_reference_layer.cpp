@@ -75,6 +75,7 @@
 #include <string>
 
 #include "megamoe/fp8.hpp"
+#include "reference/fp8_hooks.hpp"
 #include "reference/layer_math.hpp"
 
 namespace megamoe::reference {
@@ -99,36 +100,6 @@ void fake_quantize_channels_1x128(float* operand, int64_t channels, int64_t rout
     fp8::fake_quantize_rows_1x128(column.data(), 1, channels);
     for (int64_t c = 0; c < channels; ++c) operand[c * routed_rows + n] = column[c];
   }
-}
-
-QuantizationHooks<float> fp8_hooks() {
-  QuantizationHooks<float> hooks;
-  hooks.round_row = [](RowPoint point, std::span<float> row) {
-    switch (point) {
-      case RowPoint::kTokenInput:    // F1
-      case RowPoint::kActivation:    // F5
-      case RowPoint::kGateUpGrad:    // B5
-        quantize_operand_row(row);
-        return;
-      case RowPoint::kOutputGrad:        // B1: dOut was quantized per token before backward_impl
-      case RowPoint::kGateUp:            // F3: fp32 accumulator
-      case RowPoint::kExpertOutput:      // F7: fp32
-      case RowPoint::kActivationGrad:    // B3: fp32
-      case RowPoint::kInputGradPartial:  // B7: fp32
-        return;
-    }
-  };
-  // F2, F6 (and B2, B6: the transposed copies share the codes and the transposed block scales).
-  hooks.round_weight = [](WeightKind, std::span<float> matrix, int64_t rows, int64_t cols) {
-    fp8::fake_quantize_blocks_128x128(matrix.data(), rows, cols);
-  };
-  // B8: x through its dispatched FP8 copy first (dy is built from the quantized dOut already).
-  hooks.round_wgrad_operand = [](WgradOperand operand, std::span<float> matrix, int64_t channels,
-                                 int64_t routed_rows) {
-    if (operand == WgradOperand::kTokenInput) fake_quantize_channels_1x128(matrix.data(), channels, routed_rows);
-    fake_quantize_token_major_1x128(matrix.data(), channels, routed_rows);
-  };
-  return hooks;
 }
 
 // B3's routing-weight gradient for every routed row: d_topk_weights[t, j] = <q(dOut_t) . W2_q[e], a_j>, given
@@ -185,6 +156,40 @@ void fp8_routing_weight_grads(const LayerConfig& config, const std::vector<RankI
 
 }  // namespace
 
+namespace detail {
+
+QuantizationHooks<float> fp8_quantization_hooks() {
+  QuantizationHooks<float> hooks;
+  hooks.round_row = [](RowPoint point, std::span<float> row) {
+    switch (point) {
+      case RowPoint::kTokenInput:    // F1
+      case RowPoint::kActivation:    // F5
+      case RowPoint::kGateUpGrad:    // B5
+        quantize_operand_row(row);
+        return;
+      case RowPoint::kOutputGrad:        // B1: dOut was quantized per token before backward_impl
+      case RowPoint::kGateUp:            // F3: fp32 accumulator
+      case RowPoint::kExpertOutput:      // F7: fp32
+      case RowPoint::kActivationGrad:    // B3: fp32
+      case RowPoint::kInputGradPartial:  // B7: fp32
+        return;
+    }
+  };
+  // F2, F6 (and B2, B6: the transposed copies share the codes and the transposed block scales).
+  hooks.round_weight = [](WeightKind, std::span<float> matrix, int64_t rows, int64_t cols) {
+    fp8::fake_quantize_blocks_128x128(matrix.data(), rows, cols);
+  };
+  // B8: x through its dispatched FP8 copy first (dy is built from the quantized dOut already).
+  hooks.round_wgrad_operand = [](WgradOperand operand, std::span<float> matrix, int64_t channels,
+                                 int64_t routed_rows) {
+    if (operand == WgradOperand::kTokenInput) fake_quantize_channels_1x128(matrix.data(), channels, routed_rows);
+    fake_quantize_token_major_1x128(matrix.data(), channels, routed_rows);
+  };
+  return hooks;
+}
+
+}  // namespace detail
+
 void fake_quantize_token_major_1x128(float* operand, int64_t channels, int64_t routed_rows) {
   if (channels < 0 || routed_rows < 0) {
     throw std::invalid_argument("megamoe::reference::fake_quantize_token_major_1x128: channels and routed_rows "
@@ -208,12 +213,12 @@ void fake_quantize_token_major_1x128(float* operand, int64_t channels, int64_t r
 
 Status forward_fp8(const LayerConfig& config, const std::vector<RankInputs<float>>& ranks,
                    std::vector<std::vector<float>>* out) {
-  return detail::forward_impl(config, ranks, fp8_hooks(), out);
+  return detail::forward_impl(config, ranks, detail::fp8_quantization_hooks(), out);
 }
 
 Status backward_fp8(const LayerConfig& config, const std::vector<RankInputs<float>>& ranks,
                     const std::vector<std::vector<float>>& d_out, std::vector<RankGradients<float>>* grads) {
-  const QuantizationHooks<float> hooks = fp8_hooks();
+  const QuantizationHooks<float> hooks = detail::fp8_quantization_hooks();
   // backward_impl checks the inputs and d_out (with the configuration) before anything runs; the per-token
   // quantization (B1) only needs the row count to match first.
   std::vector<std::vector<float>> d_out_q = d_out;

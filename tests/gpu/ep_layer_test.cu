@@ -339,11 +339,48 @@ LayerConfig fp8_config(int64_t intermediate, int64_t experts, int64_t top_k) {
   return c;
 }
 
+// The same global problem held by one rank: every rank's tokens in rank order, each rank's from the multiple
+// of the routing window where the reference's compact rank puts them (masked tokens in the gaps), and every
+// expert local. The GPU numbers an expert's rows by (source rank, window, slot, token), so the one rank sees
+// every expert's rows in the order the R ranks do.
+Problem one_rank_problem(const Problem& p) {
+  const int64_t H = p.config.hidden, K = p.config.top_k;
+  Problem q = p;
+  q.config.num_ranks = 1;
+  q.config.max_tokens_per_rank = std::max<int64_t>(1, testing::ep_problem::compact_token_starts(p).back());
+  q.x = {testing::ep_problem::compact_rows(p, p.x, H, 0.0f)};
+  q.d_out = {testing::ep_problem::compact_rows(p, p.d_out, H, 0.0f)};
+  q.idx = {testing::ep_problem::compact_rows<int64_t>(p, p.idx, K, -1)};
+  q.weights = {testing::ep_problem::compact_rows(p, p.weights, K, 0.0f)};
+  return q;
+}
+
+// A one-rank run's outputs cut back into the R ranks' tokens (the gap tokens left out).
+Outputs split_one_rank_outputs(const Problem& p, const Outputs& one) {
+  using testing::ep_problem::split_by_rank;
+  Outputs o;
+  o.out = split_by_rank(p, one.out[0], p.config.hidden);
+  o.d_x = split_by_rank(p, one.d_x[0], p.config.hidden);
+  o.d_weights = split_by_rank(p, one.d_weights[0], p.config.top_k);
+  o.d_w13 = one.d_w13;
+  o.d_w2 = one.d_w2;
+  return o;
+}
+
 // Shapes whose H and I are multiples of the 128-wide scale blocks, routing of every kind, 1 to 8 virtual
-// ranks. The forward and the backward (every output and gradient) must be within 1e-2 of the FP8 CPU
-// reference (which quantizes at the same points, d_out once per token before the routing weight multiplies
+// ranks. The layer's outputs and gradients (every one, over all ranks' tokens) must be within 1e-2 of the FP8
+// CPU reference (which quantizes at the same points, d_out once per token before the routing weight multiplies
 // it; the GPU also rounds y and the d_x partials to bf16 and accumulates in the tensor cores' order), bitwise
 // the same on a second run; the distance to the exact reference is printed.
+//
+// With R > 1 every rank's outputs must also be bitwise those of the one-rank layer holding the same tokens
+// and experts; the 1e-2 bar is then checked on that one rank, whose tensors are the layer's whole outputs.
+// Not per rank: a rank of one or two tokens holds too few values for a relative norm to measure accuracy.
+// The GPU's g and h differ from the reference's in their last bits (the FP8 tensor cores' limited-precision
+// accumulation, not modelled), so an element of a or dh next to an E4M3 rounding midpoint may round to the
+// other neighbour. Over one token's 256 values one such element can weigh more than 1e-2, over the layer's
+// tokens it is lost in the average (docs/FP8.md, the comparison's noise floor; the reference measured against
+// itself under such noise in fp8_reference_layer_test.cpp).
 // Two tests, so that the sanitizers can take the one- and two-rank scenarios alone (scripts/sanitize.sh).
 const LayerConfig kFp8ScenarioShape = fp8_config(384, 16, 4);
 
@@ -361,17 +398,42 @@ void expect_fp8_layer_matches(const std::vector<Scenario>& scenarios) {
     if (::testing::Test::HasFatalFailure()) return;
     run_gpu(p, *group, t, &second);
     if (::testing::Test::HasFatalFailure()) return;
-    const double worst = expect_within(first, run_reference(p, /*fp8=*/true), p, 1e-2);
     expect_same_bits(first, second, p, "a second run");
+
+    // The layer as one rank: the accuracy bar on the whole layer, and the R ranks bitwise the same.
+    const Problem whole = sc.ranks == 1 ? p : one_rank_problem(p);
+    Outputs whole_outputs = first;
+    if (sc.ranks > 1) {
+      group.reset();
+      std::unique_ptr<VirtualRankGroup> one;
+      const Status made = VirtualRankGroup::create(whole.config, scenario_options(), &one);
+      ASSERT_TRUE(made.is_ok()) << made.to_string();
+      std::vector<RankTensors> one_t = upload(whole);
+      run_gpu(whole, *one, one_t, &whole_outputs);
+      if (::testing::Test::HasFatalFailure()) return;
+      expect_same_bits(first, split_one_rank_outputs(p, whole_outputs), p,
+                       "the " + std::to_string(sc.ranks) + " ranks against one rank holding the same tokens");
+    }
+    const double worst = expect_within(whole_outputs, run_reference(whole, /*fp8=*/true), whole, 1e-2);
     std::printf("[ fp8 ] %s: within %.3e of the FP8 reference over every output and gradient\n", sc.name.c_str(),
                 worst);
-    const Expected exact = run_reference(p, /*fp8=*/false);
-    double worst_exact = 0;
-    for (int r = 0; r < sc.ranks; ++r) {
-      int64_t nans = 0;
-      worst_exact = std::max({worst_exact, relative_error(first.out[r], exact.out[r], &nans),
-                              relative_error(first.d_x[r], exact.d_x[r], &nans)});
+    if (sc.ranks > 1) {
+      const Expected per_rank = run_reference(p, /*fp8=*/true);
+      double worst_rank = 0;
+      int at = 0;
+      for (int r = 0; r < sc.ranks; ++r) {
+        int64_t nans = 0;
+        const double e = std::max(relative_error(first.out[r], per_rank.out[r], &nans),
+                                  relative_error(first.d_x[r], per_rank.d_x[r], &nans));
+        if (e > worst_rank) worst_rank = e, at = r;
+      }
+      std::printf("[ fp8 ] %s: per rank, out and d_x at worst %.3e from the FP8 reference (rank %d, %lld tokens)\n",
+                  sc.name.c_str(), worst_rank, at, static_cast<long long>(sc.tokens[at]));
     }
+    const Expected exact = run_reference(whole, /*fp8=*/false);
+    int64_t nans = 0;
+    const double worst_exact = std::max(relative_error(whole_outputs.out[0], exact.out[0], &nans),
+                                        relative_error(whole_outputs.d_x[0], exact.d_x[0], &nans));
     std::printf("[ fp8 ] %s: out and d_x within %.3e of the exact layer\n", sc.name.c_str(), worst_exact);
   }
 }
