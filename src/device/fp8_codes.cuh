@@ -51,12 +51,23 @@ __device__ __forceinline__ void group_quotients(const float (&v)[kCount], float 
   }
 }
 
-// fp8::float_to_e4m3 of four values (saturating to +-448, NaN -> 0x7F), the first in the low byte: two paired
-// conversions.
+// fp8::float_to_e4m3 of two values (saturating to +-448, NaN -> 0x7F), the first in the low byte: one paired
+// conversion.
+__device__ __forceinline__ uint32_t e4m3x2_of(float v0, float v1) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
+}
+
+// The same of four values, the first in the low byte.
 __device__ __forceinline__ uint32_t e4m3x4_of(float v0, float v1, float v2, float v3) {
-  const uint32_t low = __nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(v2, v3), __NV_SATFINITE, __NV_E4M3);
-  return low | (high << 16);
+  return e4m3x2_of(v0, v1) | (e4m3x2_of(v2, v3) << 16);
+}
+
+// A value as a group's amax sees it: the bits of its magnitude (a non-negative float orders as its bits), a
+// NaN as 0 (fp8::amax_step ignores NaN; an infinity stays).
+__device__ __forceinline__ uint32_t amax_bits(float v) {
+  constexpr uint32_t kInfinityBits = 0x7f800000u;
+  const uint32_t bits = __float_as_uint(v) & 0x7fffffffu;
+  return bits <= kInfinityBits ? bits : 0u;
 }
 
 // The codes of a group's values by its scale, four to a word (value 4 w + k in byte k of word w).
@@ -78,13 +89,9 @@ struct WarpGroupQuantized {
   float scale;
 };
 __device__ __forceinline__ WarpGroupQuantized quantize_warp_group(const float (&v)[4]) {
-  constexpr uint32_t kInfinityBits = 0x7f800000u;
   uint32_t magnitude = 0u;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t bits = __float_as_uint(v[i]) & 0x7fffffffu;
-    magnitude = max(magnitude, bits <= kInfinityBits ? bits : 0u);
-  }
+  for (int i = 0; i < 4; ++i) magnitude = max(magnitude, amax_bits(v[i]));
   const float amax = __uint_as_float(__reduce_max_sync(0xffffffffu, magnitude));
   WarpGroupQuantized out{0u, scale_from_amax(amax)};
   uint32_t words[1];

@@ -306,10 +306,10 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward(const ep::Params& p, const 
 
 // Blockwise FP8 (docs/FP8.md): the weights quantized in 128x128 blocks when they changed (the caller's
 // weights_version says so); h = xq W13q^T over the received e4m3 rows and their scales (copied into expert
-// order first, so that the GEMM reads them through TMA), kept in fp32 (by arithmetic, not measured: from a bf16 h about one element of a in 60 would round to the
-// other e4m3 neighbour than the reference's, about 1% of error in out);
-// a = silu(g) u quantized in 1x128 groups along I; y = aq W2q^T, each row stored straight into its combine
-// slot on the source rank.
+// order first, so that the GEMM reads them through TMA), kept in fp32 (by arithmetic, not measured: from a
+// bf16 h about one element of a in 60 would round to the other e4m3 neighbour than the reference's, about 1%
+// of error in out); a = silu(g) u quantized in 1x128 groups along I by GEMM1's epilogue (from the same fp32
+// values); y = aq W2q^T, each row stored straight into its combine slot on the source rank.
 Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, const ForwardArgs& args,
                                                          bool quantize_weights) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
@@ -324,18 +324,19 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
                                                                   buffer<float>(p.layout.w2_s), stream));
   }
   const QuantizedWeights& w = fp8_weights;
-  auto* h = buffer<float>(p.layout.h_f32);
+  auto* a_q = buffer<uint8_t>(p.layout.a_q);
+  auto* a_s = buffer<float>(p.layout.a_s);
   MEGAMOE_RETURN_IF_ERROR(
       fp8_rows_in_expert_order(p, buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs)));
+  // GEMM1 with the SwiGLU epilogue: the fp32 h for the backward and a's codes and scales of the expert rows.
+  kernels::Fp8GemmRows gemm1_out = fp32_rows(buffer<float>(p.layout.h_f32));
+  gemm1_out.swiglu_a_q = a_q;
+  gemm1_out.swiglu_a_s = a_s;
+  gemm1_out.swiglu_a_s_pitch = kernels::fp8_scale_pitch(C);
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(p.layout.rows_q), buffer<float>(p.layout.rows_s),
                                                        w.w13, w.w13_scales, nullptr, expert_offsets(), EL, C,
                                                        static_cast<int>(2 * I), static_cast<int>(H), stream,
-                                                       fp8_tuning(), fp32_rows(h)));
-  auto* a_q = buffer<uint8_t>(p.layout.a_q);
-  auto* a_s = buffer<float>(p.layout.a_s);
-  // Only the rows the experts hold (expert_offsets[EL], counted on the device).
-  MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_quantize_rows_1x128(h, C, I, expert_offsets() + EL, a_q, a_s,
-                                                              kernels::fp8_scale_pitch(C), stream));
+                                                       fp8_tuning(), gemm1_out));
   return kernels::fp8_grouped_gemm_nt(a_q, a_s, w.w2, w.w2_scales, nullptr, expert_offsets(), EL, C, static_cast<int>(H),
                                       static_cast<int>(I), stream, fp8_tuning(), combine_slot_rows());
 }

@@ -66,6 +66,27 @@ Status check_tuning(const Fp8GemmTuning& tuning) {
   return Status::ok();
 }
 
+// The SwiGLU epilogue's outputs and the shape it needs (Fp8GemmRows::swiglu_a_q).
+Status check_swiglu(const Fp8GemmRows& by_index, const Fp8GemmTuning& tuning, int64_t max_rows, int N) {
+  const bool any = by_index.swiglu_a_q != nullptr || by_index.swiglu_a_s != nullptr;
+  if (!any) return Status::ok();
+  if (by_index.swiglu_a_q == nullptr || by_index.swiglu_a_s == nullptr)
+    return Status::invalid("fp8 GEMM: swiglu_a_q and swiglu_a_s go together");
+  if ((reinterpret_cast<uintptr_t>(by_index.swiglu_a_q) & 3u) != 0 ||
+      (reinterpret_cast<uintptr_t>(by_index.swiglu_a_s) & 3u) != 0)
+    return Status::invalid("fp8 GEMM: swiglu_a_q and swiglu_a_s must be 4-byte aligned");
+  if (by_index.d_fp32 == nullptr) return Status::invalid("fp8 GEMM: the SwiGLU epilogue needs d_fp32 (h)");
+  if (by_index.a_rows != nullptr) return Status::invalid("fp8 GEMM: the SwiGLU epilogue reads A through TMA (no a_rows)");
+  if (tuning.cluster_size != 1) return Status::invalid("fp8 GEMM: the SwiGLU epilogue needs cluster_size 1");
+  if (N % (2 * kKBlock) != 0)
+    return Status::invalid("fp8 GEMM: the SwiGLU epilogue needs N = 2I with I a multiple of 128, got N=" +
+                           std::to_string(N));
+  if (by_index.swiglu_a_s_pitch < max_rows)
+    return Status::invalid("fp8 GEMM: swiglu_a_s_pitch must be at least max_rows=" + std::to_string(max_rows) +
+                           ", got " + std::to_string(by_index.swiglu_a_s_pitch));
+  return Status::ok();
+}
+
 template <class Cfg>
 Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
               const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K, const Fp8GemmRows& by_index,
@@ -111,8 +132,15 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   p.max_rows = static_cast<int>(max_rows);
   p.N = N;
   p.K = K;
-  p.src.b_row_step = kBN;
-  p.src.b_half_offset = kBN / 2;
+  if constexpr (Cfg::kGateUp) {
+    // A tile's weight panel: 64 gate rows and the same channels' 64 up rows (I = N / 2 further).
+    p.src.b_row_step = kBN / 2;
+    p.src.b_half_offset = N / 2;
+    p.swiglu = device::SwigluFp8Out{by_index.swiglu_a_q, by_index.swiglu_a_s, by_index.swiglu_a_s_pitch, N / 2};
+  } else {
+    p.src.b_row_step = kBN;
+    p.src.b_half_offset = kBN / 2;
+  }
   p.b_scales = device::WeightScales{sb, K / kKBlock, (N + kKBlock - 1) / kKBlock};
   if constexpr (Cfg::kGatherA) {
     // The bf16-pair view of the e4m3 rows (K / 2 pairs a row), as the TMA path sees them.
@@ -147,6 +175,10 @@ Status launch_overlap(const Fp8GemmTuning& tuning, const uint8_t* A, const float
                       const float* sb, __nv_bfloat16* D, const int32_t* offsets, int num_groups, int64_t max_rows,
                       int N, int K, const Fp8GemmRows& by_index, cudaStream_t stream) {
   const int cap = tuning.max_ctas;
+  if (by_index.swiglu_a_q != nullptr) {
+    return launch<Fp8GemmConfig<1, false, kOverlap, true>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K,
+                                                           by_index, cap, stream);
+  }
   if (by_index.a_rows != nullptr) {
     return launch<Fp8GemmConfig<1, true, kOverlap>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index,
                                                     cap, stream);
@@ -210,6 +242,7 @@ Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, 
   if (by_index.d_rows != nullptr && by_index.d_fp32 != nullptr)
     return Status::invalid("fp8 GEMM: d_rows and d_fp32 exclude each other");
   if (by_index.d_fp32 != nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointer(by_index.d_fp32, "d_fp32"));
+  MEGAMOE_RETURN_IF_ERROR(check_swiglu(by_index, tuning, max_rows, N));
   if (by_index.d_rows == nullptr && by_index.d_fp32 == nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
   if (expert_offsets == nullptr) return Status::invalid("fp8 GEMM: expert_offsets is null");
   if (max_rows == 0) return Status::ok();  // every expert is empty (offsets are clamped into [0, max_rows])
@@ -225,6 +258,10 @@ Status fp8_gemm_preload() {
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<2, false, true>>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, true, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, false, false, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, false, true, true>>));
   return Status::ok();
 }
 

@@ -69,12 +69,21 @@ Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const fl
 //   d_rows: D row r is stored at d_rows[r] (N bf16, 16-byte aligned; nullptr drops the row); D may be null.
 //   d_fp32: D stored unrounded instead, fp32 [max_rows, N] contiguous (16-byte aligned; D may be null): the
 //     accumulator the bf16 D rounds, for a consumer that quantizes it again (the FP8 layer's h and g).
+//   swiglu_a_q (with d_fp32; GEMM1 of the FP8 layer): B is W13 [E, 2I, K], gate rows then up rows (N = 2I, I a
+//     multiple of 128); besides h (d_fp32, the same bits) the epilogue writes a = silu(gate) * up of every
+//     expert row, quantized in 1 x 128 groups along I: swiglu_a_q [max_rows, I] e4m3 (4-byte aligned) and
+//     the scales K-block-major, group (row, kb) at swiglu_a_s[kb * swiglu_a_s_pitch + row] (pitch >=
+//     max_rows), bit for bit swiglu_quantize_rows_1x128 of h (fp8_quantize.hpp). Rows outside every expert
+//     are not written. TMA A (no a_rows) and cluster_size 1.
 // Either way the output bits are those of the contiguous call on the same rows (d_fp32: before rounding).
 struct Fp8GemmRows {
   const int32_t* a_rows = nullptr;
   int64_t a_source_rows = 0;
   void* const* d_rows = nullptr;
   float* d_fp32 = nullptr;
+  uint8_t* swiglu_a_q = nullptr;
+  float* swiglu_a_s = nullptr;
+  int64_t swiglu_a_s_pitch = 0;
 };
 
 // Grouped: A [max_rows, K], sa [K / 128, fp8_scale_pitch(max_rows)], B [num_experts, N, K],

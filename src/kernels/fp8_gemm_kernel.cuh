@@ -23,6 +23,7 @@
 
 #include "device/epilogue/box_store.cuh"
 #include "device/epilogue/epilogues.cuh"
+#include "device/epilogue/swiglu_fp8.cuh"
 #include "device/gemm/block_scales.cuh"
 #include "device/gemm/fp8_mainloop.cuh"
 #include "device/gemm/operands.cuh"
@@ -51,15 +52,22 @@ struct Fp8GemmParams {
   device::EpilogueArgs epi;         // D through OutputRows (contiguous, or a pointer per row), no row scale
   float* d32;                       // non-null: D stored in fp32 instead, [max_rows, N] contiguous
   int tma_store;                    // 1: the D tensor map is valid (bf16 D, or fp32 d32 in 32-column boxes)
+  device::SwigluFp8Out swiglu;      // gate-up configurations: where a's codes and scales go
 };
 
 // kOverlap_: the consumers' loop is mma_tile_fp8_blockwise_overlapped (two partial accumulators: 232
 // registers for them, 40 for the producer) instead of mma_tile_fp8_blockwise.
-template <int kCluster, bool kGatherA_, bool kOverlap_ = false>
+// kGateUp_: GEMM1 of the FP8 layer with its SwiGLU epilogue (fp32 h and the 1 x 128-quantized a, see
+// fp8_run_gate_up_pair): a work item is a pair of gate-up tiles, B's rows taken 64 gate and 64 up at a time.
+template <int kCluster, bool kGatherA_, bool kOverlap_ = false, bool kGateUp_ = false>
 struct Fp8GemmConfig {
   static_assert(!kGatherA_ || kCluster == 1, "gathered rows are not multicast");
+  static_assert(!kGateUp_ || (kCluster == 1 && !kGatherA_), "the gate-up pair reads A through TMA, one CTA");
   static constexpr bool kGatherA = kGatherA_;
   static constexpr bool kOverlap = kOverlap_;
+  static constexpr bool kGateUp = kGateUp_;
+  // Gate-up: an item is two tiles (its two halves), each K / 128 stages.
+  static constexpr int kHalves = kGateUp ? 2 : 1;
   static constexpr int kBN = 128;
   // 5 x 32 KB stages + 2 x 2 staging boxes (TMA stores keep a warpgroup's whole 64 x 128 slice in flight)
   // + the tile numbering's tables fit in 227 KB; a sixth stage does not.
@@ -128,16 +136,111 @@ __device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const 
         st.advance();
       }
     } else {
-      for (int kt = 0; kt < tile.k_tiles; ++kt) {
-        pipe.producer_acquire(st);
-        if (tma_thread) {
-          if (kt == 0) smem.tile_slots.publish(j, tile);  // before its arrival on the stage
-          loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, rank);
-        } else {
-          device::load_block_scales(pipe, st, &smem.scales[st.index], tm_sa, tile, kt);
+      // A gate-up item's halves are the tiles of weight-panel rows 64 (2 q + half) (gate) and I + the same (up).
+      for (int half = 0; half < Cfg::kHalves; ++half) {
+        device::TileCoord panel = tile;
+        if constexpr (Cfg::kGateUp) panel.n_idx = 2 * tile.n_idx + half;
+        for (int kt = 0; kt < tile.k_tiles; ++kt) {
+          pipe.producer_acquire(st);
+          if (tma_thread) {
+            if (half == 0 && kt == 0) smem.tile_slots.publish(j, tile);  // before its arrival on the stage
+            loader.load(pipe, st, smem.stages[st.index], panel, kt, ptid, rank);
+          } else {
+            device::load_block_scales(pipe, st, &smem.scales[st.index], tm_sa, tile, kt);
+          }
+          st.advance();
         }
-        st.advance();
       }
+    }
+  }
+}
+
+// The K loop of one tile (fp8_mainloop.cuh) in the configuration's form; up_b_scales: gate-up tiles only.
+template <class Cfg, int kCwg>
+__device__ __forceinline__ void fp8_tile_mainloop(float (&acc)[Cfg::Shape::kBN / 2],
+                                                  const device::StagePipeline<Cfg::Shape::kStages>& pipe,
+                                                  device::PipeState<Cfg::Shape::kStages>& st,
+                                                  typename Cfg::SharedStorage& smem, const float* b_scales,
+                                                  const float* up_b_scales, const device::TileCoord& tile, int lt,
+                                                  int rank) {
+  using Shape = typename Cfg::Shape;
+  if constexpr (Cfg::kOverlap) {
+    device::mma_tile_fp8_blockwise_overlapped<Shape, Cfg::kGatherA, Cfg::kGateUp>(
+        acc, pipe, st, smem.stages[0], smem.scales, b_scales, tile, kCwg, lt, static_cast<uint32_t>(rank),
+        up_b_scales);
+  } else {
+    device::mma_tile_fp8_blockwise<Shape, Cfg::kGatherA, Cfg::kGateUp>(acc, pipe, st, smem.stages[0], smem.scales,
+                                                                       b_scales, tile, kCwg, lt,
+                                                                       static_cast<uint32_t>(rank), up_b_scales);
+  }
+}
+
+// fp32 D of a warpgroup's slice: a whole slice leaves through TMA; else the threads store the slice's rows
+// inside the expert (rows [slice0, slice0 + valid) of D), once the staging boxes are free of earlier TMA
+// stores (begin_tile).
+template <class Cfg, int kCwg, class Columns, class Store>
+__device__ __forceinline__ void fp8_store_fp32(const float (&acc)[Cfg::Shape::kBN / 2], const CUtensorMap* tm_d,
+                                               const Fp8GemmParams& p, typename Cfg::SharedStorage& smem,
+                                               Store& store, const device::SliceCoord& s, Columns columns) {
+  constexpr int kBN = Cfg::Shape::kBN;
+  const bool tma = p.tma_store != 0 && s.valid >= 64;
+  store.begin_tile(tma, p.epi.c, p.epi.aux, s.slice0, s.valid);
+  if (tma) {
+    device::epilogue_fp32_tma<kBN>(acc, tm_d, p.N, s.slice0, columns, store);
+  } else {
+    device::epilogue_fp32<kBN>(acc, p.d32, s.slice0 + max(s.valid, 0), p.N, s.slice0, columns, false,
+                               smem.staging[kCwg][0], 2 + kCwg, s.lt);
+  }
+}
+
+// A gate-up pair q of GEMM1 with the SwiGLU epilogue: channels 128 q + [0, 128) of h and a, one 1 x 128 group
+// of a (swiglu_fp8.cuh). Each half runs its K loop with the gate block's (row q of W13's scales) and the up
+// block's (row I / 128 + q) weight scales and stores its h columns (gate and up) in fp32; half 0's a waits in
+// the warpgroup's 16 KB of staging boxes (free between the half's h stores and the next half's: registers
+// would not hold it beside the overlapped loop's accumulators), half 1 reads it back before its own h stores
+// reuse the boxes, then quantizes the group from both halves.
+template <class Cfg, int kCwg, class Store>
+__device__ __forceinline__ void fp8_run_gate_up_pair(float (&acc)[Cfg::Shape::kBN / 2], const CUtensorMap* tm_d,
+                                                     const Fp8GemmParams& p, typename Cfg::SharedStorage& smem,
+                                                     const device::StagePipeline<Cfg::Shape::kStages>& pipe,
+                                                     device::PipeState<Cfg::Shape::kStages>& st, Store& store,
+                                                     const device::TileCoord& tile, int lt, int rank) {
+  constexpr int kBN = Cfg::Shape::kBN;
+  constexpr int kA = kBN / 4;  // values of a per thread and half
+  static_assert(sizeof(smem.staging[0]) >= sizeof(float) * kA * 128, "half 0's a fits the warpgroup's staging boxes");
+  const int q = tile.n_idx;
+  // Unrolled: with the half a run-time value, ptxas spilled (128 bytes) around half 1's epilogue under the
+  // overlapped loop. The scale pointers are worked out per half, not held across the K loop.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    fp8_tile_mainloop<Cfg, kCwg>(acc, pipe, st, smem, p.b_scales.of_block(tile, q),
+                                 p.b_scales.of_block(tile, p.swiglu.I / 128 + q), tile, lt, rank);
+    const int I = p.swiglu.I;
+    float4* const stash = reinterpret_cast<float4*>(smem.staging[kCwg][0]);  // [kA / 4][128 threads]
+    const device::SliceCoord s{tile.row0 + kCwg * 64, tile.rows - kCwg * 64, 0, q, lt, lt >> 5, lt & 31};
+    float first[kA];
+    if (half == 1) {
+#pragma unroll
+      for (int i = 0; i < kA / 4; ++i) {
+        const float4 v = stash[i * 128 + lt];
+        first[4 * i] = v.x;
+        first[4 * i + 1] = v.y;
+        first[4 * i + 2] = v.z;
+        first[4 * i + 3] = v.w;
+      }
+    }
+    const int channel0 = 128 * q + 64 * half;
+    fp8_store_fp32<Cfg, kCwg>(acc, tm_d, p, smem, store, s, device::GateUpColumns<kBN>{channel0, I + channel0});
+    float a[kA];
+    device::gate_up_activation(acc, a);
+    if (half == 0) {
+      // The h stores have read the boxes (TMA: waited for; the threads' path ends on the warpgroup's barrier).
+      if (lt == 0) device::tma_store_wait_read<0>();
+      device::named_barrier_sync(2 + kCwg, 128);
+#pragma unroll
+      for (int i = 0; i < kA / 4; ++i) stash[i * 128 + lt] = make_float4(a[4 * i], a[4 * i + 1], a[4 * i + 2], a[4 * i + 3]);
+    } else {
+      device::quantize_gate_up_pair(first, a, p.swiglu, q, s.slice0, s.valid, s.warp, s.lane);
     }
   }
 }
@@ -164,28 +267,15 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     // K / 128 >= 1 stages: check_shape in fp8_gemm.cu rejects any other K).
     pipe.consumer_wait(st);
     const device::TileCoord tile = smem.tile_slots.read(j);
-    if constexpr (Cfg::kOverlap) {
-      device::mma_tile_fp8_blockwise_overlapped<Shape, Cfg::kGatherA>(acc, pipe, st, smem.stages[0], smem.scales,
-                                                                      p.b_scales.of(tile), tile, cwg, lt,
-                                                                      static_cast<uint32_t>(rank));
-    } else {
-      device::mma_tile_fp8_blockwise<Shape, Cfg::kGatherA>(acc, pipe, st, smem.stages[0], smem.scales,
-                                                           p.b_scales.of(tile), tile, cwg, lt,
-                                                           static_cast<uint32_t>(rank));
+    if constexpr (Cfg::kGateUp) {
+      fp8_run_gate_up_pair<Cfg, cwg>(acc, tm_d, p, smem, pipe, st, store, tile, lt, rank);
+      continue;
     }
+    fp8_tile_mainloop<Cfg, cwg>(acc, pipe, st, smem, p.b_scales.of(tile), nullptr, tile, lt, rank);
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
     if (p.d32 != nullptr) {
-      // A whole slice leaves through TMA; else the threads store the slice's rows inside the expert (rows
-      // [slice0, slice0 + valid) of D), once the staging boxes are free of earlier TMA stores (begin_tile).
-      const bool tma = p.tma_store != 0 && s.valid >= 64;
-      store.begin_tile(tma, p.epi.c, p.epi.aux, s.slice0, s.valid);
-      if (tma) {
-        device::epilogue_fp32_tma<kBN>(acc, tm_d, p.N, s.slice0, s.n0, store);
-      } else {
-        device::epilogue_fp32<kBN>(acc, p.d32, s.slice0 + max(s.valid, 0), p.N, s.slice0, s.n0, false,
-                                   smem.staging[cwg][0], 2 + cwg, lt);
-      }
+      fp8_store_fp32<Cfg, cwg>(acc, tm_d, p, smem, store, s, device::TileColumns{s.n0});
       continue;
     }
     // A TMA box is clipped only at the tensor's edge, and rows past an expert belong to the next one: TMA
@@ -205,7 +295,8 @@ __global__ void __launch_bounds__(kFp8GemmThreads, 1)
   using Shape = typename Cfg::Shape;
   auto& smem = device::shared_storage<typename Cfg::SharedStorage>();
   const int tid = threadIdx.x;
-  const int n_tiles = (p.N + Shape::kBN - 1) / Shape::kBN;
+  // Gate-up: work items are the pairs of tiles, one per 128 channels of I = N / 2.
+  const int n_tiles = Cfg::kGateUp ? p.N / (2 * Shape::kBN) : (p.N + Shape::kBN - 1) / Shape::kBN;
   // The numbering's reduction length is in the bf16-pair view: K / 2 "elements", 64 per stage.
   const typename Cfg::Tiles tiles{&smem.tiles, p.group_offsets != nullptr ? p.num_groups : 1, n_tiles, 0, p.K / 2};
   if (tid == 0) {

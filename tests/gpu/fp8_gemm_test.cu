@@ -30,6 +30,7 @@
 
 #include "gpu/gpu_test_util.hpp"
 #include "kernels/fp8_gemm.hpp"
+#include "kernels/fp8_quantize.hpp"
 #include "megamoe/fp8.hpp"
 
 namespace megamoe::kernels {
@@ -504,6 +505,105 @@ TEST(Fp8Gemm, GroupedByExpert) {
   }
 }
 
+// GEMM1 of the FP8 layer with its SwiGLU epilogue (Fp8GemmRows::swiglu_a_q): W13 [E, 2I, K] of gate rows then
+// up rows. Its h must be bitwise the plain fp32 call's (itself checked against the contract above), and its a
+// codes and scales bitwise swiglu_quantize_rows_1x128 of that h (checked against the exact activation in
+// fp8_quantize_test.cu); rows outside every expert stay poisoned in h, a and the scales. Experts: empty,
+// one row, tile-straddling; I of one, three and six 128-channel groups; both K loops; CTAs that take one item
+// and CTAs that take several (staging boxes and the ring reused across items).
+TEST(Fp8Gemm, SwigluEpilogueEmitsQuantizedA) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const int K = 256;
+  const std::vector<int> sizes = {130, 0, 1, 257, 64, 300};
+  const int E = static_cast<int>(sizes.size());
+  std::vector<int32_t> offsets(E + 1, 0);
+  for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + sizes[e];
+  const int64_t rows = offsets[E];
+  const int64_t max_rows = rows + kGuardRows + 1;
+  const int64_t pitch = fp8_scale_pitch(max_rows);
+  const Quantized a = quantize_activations(random_blocks(max_rows, K, 1, 4), max_rows, K);
+  const std::vector<float> sa = k_block_major(a, max_rows, K);
+  DeviceBuffer<uint8_t> dA(a.q.size());
+  DeviceBuffer<float> dsa(sa.size());
+  DeviceBuffer<int32_t> doff(offsets.size());
+  dA.upload(a.q);
+  dsa.upload(sa);
+  doff.upload(offsets);
+  for (const int I : {128, 384, 768}) {
+    SCOPED_TRACE("I " + std::to_string(I));
+    const int N = 2 * I;
+    std::vector<uint8_t> qb;
+    std::vector<float> sb;
+    for (int e = 0; e < E; ++e) {
+      const Quantized b = quantize_weights(random_blocks(N, K, 128, 4), N, K);
+      qb.insert(qb.end(), b.q.begin(), b.q.end());
+      sb.insert(sb.end(), b.scale.begin(), b.scale.end());
+    }
+    DeviceBuffer<uint8_t> dB(qb.size());
+    DeviceBuffer<float> dsb(sb.size());
+    dB.upload(qb);
+    dsb.upload(sb);
+    // The twin: h from the plain call, a from the separate kernel over the expert rows.
+    DeviceBuffer<float> h_twin(static_cast<size_t>(max_rows * N));
+    DeviceBuffer<uint8_t> aq_twin(static_cast<size_t>(max_rows * I));
+    DeviceBuffer<float> as_twin(static_cast<size_t>(pitch * (I / 128)));
+    Fp8GemmRows plain;
+    plain.d_fp32 = h_twin.get();
+    const Status twin = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), nullptr, doff.get(), E,
+                                            max_rows, N, K, nullptr, Fp8GemmTuning{}, plain);
+    ASSERT_TRUE(twin.is_ok()) << twin.to_string();
+    ASSERT_TRUE(swiglu_quantize_rows_1x128(h_twin.get(), max_rows, I, doff.get() + E, aq_twin.get(), as_twin.get(),
+                                           pitch, nullptr)
+                    .is_ok());
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<float> h_want = h_twin.download();
+    const std::vector<uint8_t> aq_want = aq_twin.download();
+    const std::vector<float> as_want = as_twin.download();
+    int64_t zero_scales = 0;  // a scale of 1 from an all-zero group would hide a wrong group; expect none
+    for (int64_t r = 0; r < rows; ++r) zero_scales += as_want[r] == 1.0f;
+    EXPECT_EQ(zero_scales, 0);
+
+    DeviceBuffer<float> h(static_cast<size_t>(max_rows * N));
+    DeviceBuffer<uint8_t> aq(static_cast<size_t>(max_rows * I));
+    DeviceBuffer<float> as(static_cast<size_t>(pitch * (I / 128)));
+    for (const bool overlap : {false, true}) {
+      for (const int max_ctas : {0, 3}) {
+        SCOPED_TRACE(std::string(overlap ? "overlapped" : "plain") + " loop, max_ctas " + std::to_string(max_ctas));
+        h.poison();
+        aq.poison();
+        as.poison();
+        Fp8GemmTuning tuning{1, max_ctas};
+        tuning.overlap_promotion = overlap;
+        Fp8GemmRows fused;
+        fused.d_fp32 = h.get();
+        fused.swiglu_a_q = aq.get();
+        fused.swiglu_a_s = as.get();
+        fused.swiglu_a_s_pitch = pitch;
+        const Status st = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), nullptr, doff.get(), E,
+                                              max_rows, N, K, nullptr, tuning, fused);
+        ASSERT_TRUE(st.is_ok()) << st.to_string();
+        MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+        const std::vector<float> h_got = h.download();
+        const std::vector<uint8_t> aq_got = aq.download();
+        const std::vector<float> as_got = as.download();
+        int64_t h_differ = 0, h_outside = 0, aq_differ = 0, aq_outside = 0, as_differ = 0, as_outside = 0;
+        for (int64_t i = 0; i < rows * N; ++i) h_differ += bits_of(h_got[i]) != bits_of(h_want[i]);
+        for (int64_t i = rows * N; i < max_rows * N; ++i) h_outside += !std::isnan(h_got[i]);
+        for (int64_t i = 0; i < rows * I; ++i) aq_differ += aq_got[i] != aq_want[i];
+        for (int64_t i = rows * I; i < max_rows * I; ++i) aq_outside += aq_got[i] != 0xFF;
+        for (int q = 0; q < I / 128; ++q) {
+          for (int64_t r = 0; r < rows; ++r) as_differ += bits_of(as_got[q * pitch + r]) != bits_of(as_want[q * pitch + r]);
+          for (int64_t r = rows; r < pitch; ++r) as_outside += !std::isnan(as_got[q * pitch + r]);
+        }
+        EXPECT_EQ(h_differ, 0) << "h differs from the plain fp32 call";
+        EXPECT_EQ(aq_differ, 0) << "a's codes differ from swiglu_quantize_rows_1x128";
+        EXPECT_EQ(as_differ, 0) << "a's scales differ from swiglu_quantize_rows_1x128";
+        EXPECT_EQ(h_outside + aq_outside + as_outside, 0) << "rows outside every expert were written";
+      }
+    }
+  }
+}
+
 TEST(Fp8Gemm, EmptyInputsAreNoOps) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const int N = 128, K = 128;
@@ -575,6 +675,43 @@ TEST(Fp8Gemm, RejectsBadArguments) {
                  "sa must be 4-byte aligned");
   expect_invalid(fp8_grouped_gemm_nt(A, nullptr, B, sb, D, doff.get(), 1, M, N, K, nullptr, Fp8GemmTuning{}, gather),
                  "sa is null");
+  // The SwiGLU epilogue's outputs and what it needs (N = 2I below holds I = 64: not a 128-channel group).
+  DeviceBuffer<float> dh(static_cast<size_t>(M) * 2 * N);
+  DeviceBuffer<uint8_t> daq(static_cast<size_t>(M) * N);
+  DeviceBuffer<float> das(static_cast<size_t>(fp8_scale_pitch(M)) * 2);
+  Fp8GemmRows swiglu;
+  swiglu.d_fp32 = dh.get();
+  swiglu.swiglu_a_q = daq.get();
+  swiglu.swiglu_a_s = das.get();
+  swiglu.swiglu_a_s_pitch = M;
+  const int N2 = 2 * N;
+  Fp8GemmRows bad = swiglu;
+  bad.swiglu_a_s = nullptr;
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N2, K, nullptr, Fp8GemmTuning{}, bad), "go together");
+  bad = swiglu;
+  bad.d_fp32 = nullptr;
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N2, K, nullptr, Fp8GemmTuning{}, bad), "needs d_fp32");
+  bad = swiglu;
+  bad.swiglu_a_q = daq.get() + 2;
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N2, K, nullptr, Fp8GemmTuning{}, bad), "4-byte aligned");
+  bad = swiglu;
+  bad.swiglu_a_s_pitch = M - 1;
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N2, K, nullptr, Fp8GemmTuning{}, bad), "swiglu_a_s_pitch");
+  bad = swiglu;
+  bad.a_rows = doff.get();
+  bad.a_source_rows = M;
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N2, K, nullptr, Fp8GemmTuning{}, bad), "no a_rows");
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N2, K, nullptr, Fp8GemmTuning{2, 0}, swiglu),
+                 "needs cluster_size 1");
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, K, nullptr, Fp8GemmTuning{}, swiglu),
+                 "I a multiple of 128");
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  {
+    const std::vector<float> h_after = dh.download();
+    int64_t touched = 0;
+    for (const float v : h_after) touched += !std::isnan(v);
+    EXPECT_EQ(touched, 0) << "a refused SwiGLU call wrote h";
+  }
   // Nothing above may have launched anything: the poisoned output is untouched.
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_EQ(count_not_nan(dD.download(), 0, int64_t{M} * N), 0);

@@ -233,35 +233,58 @@ __device__ __forceinline__ int fp32_staged(int row, int col) {
   return box_chunk_offset(row, col >> 2) + 4 * (col & 3);
 }
 
+// Where pass `pass` (32 accumulator columns) of a tile goes in C: column n0 + 32 pass (TileColumns), or for a
+// gate-up tile of the FP8 GEMM1 (its first half gate channels, its second half the same channels' up values:
+// epilogues/swiglu_fp8.cuh) the gate half from column gate0 and the up half from column up0 (GateUpColumns).
+struct TileColumns {
+  int n0;
+  __device__ __forceinline__ int of(int pass) const { return n0 + 32 * pass; }
+};
+template <int kBN>
+struct GateUpColumns {
+  int gate0, up0;
+  __device__ __forceinline__ int of(int pass) const {
+    constexpr int kHalfPasses = kBN / 64;
+    return pass < kHalfPasses ? gate0 + 32 * pass : up0 + 32 * (pass - kHalfPasses);
+  }
+};
+
 // fp32 C through TMA (the warpgroup's whole 64-row slice inside a contiguous C): per pass of 32 columns one
 // staging box of the BoxStore (stage_fp32_pass's layout is the 128-byte swizzle of `map`, an fp32 map with
 // boxes of 32 columns x 64 rows), stored asynchronously as epilogue_plain's boxes are. Columns past N are
 // clipped by TMA; passes wholly past them are skipped. Bitwise the values epilogue_fp32 stores.
+template <int kBN, class Store, class Columns = TileColumns>
+__device__ __forceinline__ void epilogue_fp32_tma(const float (&acc)[kBN / 2], const CUtensorMap* map, int N,
+                                                  int slice0, Columns columns, Store& store) {
+#pragma unroll
+  for (int pass = 0; pass < kBN / 32; ++pass) {
+    const int col = columns.of(pass);
+    if (col >= N) break;  // uniform over the warpgroup
+    const int box = store.template reserve<1>();
+    stage_fp32_pass<kBN>(acc, pass, store.staging + (box % Store::kSlotCount) * kBoxBytes, store.lt);
+    store.commit(box, map, kOutputC, slice0, col, N);
+  }
+}
 template <int kBN, class Store>
 __device__ __forceinline__ void epilogue_fp32_tma(const float (&acc)[kBN / 2], const CUtensorMap* map, int N,
                                                   int slice0, int n0, Store& store) {
-#pragma unroll
-  for (int pass = 0; pass < kBN / 32; ++pass) {
-    if (n0 + pass * 32 >= N) break;  // uniform over the warpgroup
-    const int box = store.template reserve<1>();
-    stage_fp32_pass<kBN>(acc, pass, store.staging + (box % Store::kSlotCount) * kBoxBytes, store.lt);
-    store.commit(box, map, kOutputC, slice0, n0 + pass * 32, N);
-  }
+  epilogue_fp32_tma<kBN>(acc, map, N, slice0, TileColumns{n0}, store);
 }
 
 // fp32 output C[m, n] of a K-grouped tile (m0: first row of the warpgroup's slice of C), M x N, through one
 // staging box per pass of 32 columns; accumulate adds to the existing value (one fp32 rounding, no
 // atomics: every element has one owner).
-template <int kBN>
-__device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], float* C, int M, int N, int m0, int n0,
-                                              bool accumulate, uint8_t* staging, int bar_id, int lt) {
+template <int kBN, class Columns = TileColumns>
+__device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], float* C, int M, int N, int m0,
+                                              Columns columns, bool accumulate, uint8_t* staging, int bar_id,
+                                              int lt) {
   const int chunk = box_read_chunk(lt);
 #pragma unroll
   for (int pass = 0; pass < kBN / 32; ++pass) {
-    if (n0 + pass * 32 >= N) break;  // uniform over the warpgroup
+    if (columns.of(pass) >= N) break;  // uniform over the warpgroup
     stage_fp32_pass<kBN>(acc, pass, staging, lt);
     named_barrier_sync(bar_id, 128);
-    const int col = n0 + pass * 32 + chunk * 4;
+    const int col = columns.of(pass) + chunk * 4;
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
       const int row = box_read_row(lt) + 16 * it;
@@ -281,6 +304,11 @@ __device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], float
     }
     named_barrier_sync(bar_id, 128);
   }
+}
+template <int kBN>
+__device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], float* C, int M, int N, int m0, int n0,
+                                              bool accumulate, uint8_t* staging, int bar_id, int lt) {
+  epilogue_fp32<kBN>(acc, C, M, N, m0, TileColumns{n0}, accumulate, staging, bar_id, lt);
 }
 
 // The same tile stored transposed: C is [N, M] and gets C[n, m] = acc(m, n). A warp reads 32 consecutive

@@ -68,8 +68,10 @@ struct WeightScales {
   int n_blocks;  // ceil(N / 128)
 
   // The k_blocks scales of the weight block of `tile` (n_block = tile.n_idx: the tile is 128 columns wide).
-  __device__ __forceinline__ const float* of(const TileCoord& tile) const {
-    return sb + (static_cast<int64_t>(tile.e) * n_blocks + tile.n_idx) * k_blocks;
+  __device__ __forceinline__ const float* of(const TileCoord& tile) const { return of_block(tile, tile.n_idx); }
+  // The same of weight block row n_block of the tile's group.
+  __device__ __forceinline__ const float* of_block(const TileCoord& tile, int n_block) const {
+    return sb + (static_cast<int64_t>(tile.e) * n_blocks + n_block) * k_blocks;
   }
 };
 

@@ -102,12 +102,16 @@ __device__ __forceinline__ void release_fp8_stage(const StagePipeline<Shape::kSt
   }
 }
 
-template <class Shape, bool kGathered = false>
+// kGateUp: the tile's weight panel is a gate half and an up half from two weight blocks (GEMM1 of the FP8
+// layer with its SwiGLU epilogue); up_b_scales are the up block's scales, one per K block, and each half is
+// promoted with its own (promote_block_gate_up). Otherwise up_b_scales is not read.
+template <class Shape, bool kGathered = false, bool kGateUp = false>
 __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN / 2],
                                                        const StagePipeline<Shape::kStages>& pipe,
                                                        PipeState<Shape::kStages>& st, uint8_t* stages,
                                                        const StageScales* scales, const float* b_scales,
-                                                       const TileCoord& tile, int cwg, int lt, uint32_t cta_rank) {
+                                                       const TileCoord& tile, int cwg, int lt, uint32_t cta_rank,
+                                                       const float* up_b_scales = nullptr) {
   static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
@@ -117,6 +121,8 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
   if (k_tiles <= 0) return;
   const float* next_b_scale = b_scales + 1;
   float b_scale = __ldg(b_scales);
+  const float* next_up_scale = kGateUp ? up_b_scales + 1 : nullptr;
+  float up_scale = kGateUp ? __ldg(up_b_scales) : 0.0f;
   pipe.consumer_wait(st);
   for_each_ring_stage(st, k_tiles, [&](auto stage, uint32_t phase, bool last) {
     constexpr int s = decltype(stage)::value;
@@ -124,8 +130,12 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
     if constexpr (kGathered) fence_proxy_async_smem();
     issue_fp8_block_at<Shape, s>(partial, stages, cwg);
     const float* a_scales = tile_scales(scales[s], tile.row0);
-    const float scale[2] = {promotion_scale(a_scales, b_scale, cwg, warp, lane, 0),
-                            promotion_scale(a_scales, b_scale, cwg, warp, lane, 1)};
+    float scale[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      scale[0][h] = promotion_scale(a_scales, b_scale, cwg, warp, lane, h);
+      if constexpr (kGateUp) scale[1][h] = promotion_scale(a_scales, up_scale, cwg, warp, lane, h);
+    }
     // While the tensor cores run: the next block's stage and weight scale, so that after the promotion the
     // next wgmma can be issued at once.
     if (!last) {
@@ -133,11 +143,16 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
       next.advance();
       pipe.consumer_wait(next);
       b_scale = __ldg(next_b_scale++);
+      if constexpr (kGateUp) up_scale = __ldg(next_up_scale++);
     }
     wgmma_wait<0>();
     fence_accumulators(partial);
     release_fp8_stage<Shape, kGathered>(pipe, here, lt, cta_rank);
-    promote_block(acc, partial, scale);
+    if constexpr (kGateUp) {
+      promote_block_gate_up(acc, partial, scale);
+    } else {
+      promote_block(acc, partial, scale[0]);
+    }
   });
 }
 
@@ -197,13 +212,14 @@ __device__ __forceinline__ void run_overlapped_blocks(PipeState<kStages>& st, in
 // more registers per thread (the kernel's consumers get 232). ptxas keeps the wgmma unserialised only when it
 // sees the loop as uniform: the trip count is shuffled from lane 0 here, and the kernel's role branch is on
 // a shuffled warpgroup index.
-template <class Shape, bool kGathered = false>
+template <class Shape, bool kGathered = false, bool kGateUp = false>
 __device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[Shape::kBN / 2],
                                                                   const StagePipeline<Shape::kStages>& pipe,
                                                                   PipeState<Shape::kStages>& st, uint8_t* stages,
                                                                   const StageScales* scales, const float* b_scales,
                                                                   const TileCoord& tile, int cwg, int lt,
-                                                                  uint32_t cta_rank) {
+                                                                  uint32_t cta_rank,
+                                                                  const float* up_b_scales = nullptr) {
   static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
@@ -212,7 +228,8 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[S
   const int k_tiles = __shfl_sync(0xffffffffu, tile.k_tiles, 0);
   if (k_tiles <= 0) return;
   const float* next_b_scale = b_scales;
-  float scale[2][2];
+  const float* next_up_scale = up_b_scales;
+  float scale[2][2][2];  // [buffer][weight block: gate or the only one, up][row half]
   run_overlapped_blocks(
       st, k_tiles,
       [&](auto buffer) {
@@ -222,14 +239,23 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[S
         issue_fp8_block_on<Shape>(partial[b], stages, st.index, cwg);
         const float b_scale = __ldg(next_b_scale++);
         const float* a_scales = tile_scales(scales[st.index], tile.row0);
-        scale[b][0] = promotion_scale(a_scales, b_scale, cwg, warp, lane, 0);
-        scale[b][1] = promotion_scale(a_scales, b_scale, cwg, warp, lane, 1);
+        scale[b][0][0] = promotion_scale(a_scales, b_scale, cwg, warp, lane, 0);
+        scale[b][0][1] = promotion_scale(a_scales, b_scale, cwg, warp, lane, 1);
+        if constexpr (kGateUp) {
+          const float up_scale = __ldg(next_up_scale++);
+          scale[b][1][0] = promotion_scale(a_scales, up_scale, cwg, warp, lane, 0);
+          scale[b][1][1] = promotion_scale(a_scales, up_scale, cwg, warp, lane, 1);
+        }
       },
       [&](auto buffer, const PipeState<Shape::kStages>& done) {
         constexpr int b = decltype(buffer)::value;
         fence_accumulators(partial[b]);
         release_fp8_stage<Shape, kGathered>(pipe, done, lt, cta_rank);
-        promote_block(acc, partial[b], scale[b]);
+        if constexpr (kGateUp) {
+          promote_block_gate_up(acc, partial[b], scale[b]);
+        } else {
+          promote_block(acc, partial[b], scale[b][0]);
+        }
       });
 }
 

@@ -32,6 +32,24 @@ __device__ __forceinline__ void promote_block(float (&acc)[kN], const float (&pa
       }
 }
 
+// A gate-up tile of GEMM1 (the weight panel's first BN / 2 rows are gate rows, the rest the same channels' up
+// rows, from two different 128 x 128 weight blocks): column groups j < kN / 8 take scale[0][h], the rest
+// scale[1][h]. Each element gets the product its own weight block gives it, so the sums are bitwise those of
+// tiles that hold one weight block.
+template <int kN>
+__device__ __forceinline__ void promote_block_gate_up(float (&acc)[kN], const float (&partial)[kN],
+                                                      const float (&scale)[2][2]) {
+#pragma unroll
+  for (int j = 0; j < kN / 4; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int i = Fragment::reg(j, h, e);
+        acc[i] = __fmaf_rn(partial[i], scale[j < kN / 8 ? 0 : 1][h], acc[i]);
+      }
+}
+
 // Both operands scaled per row and K block: acc[m, n] = fma(partial[m, n], sa[m] * sb[n], acc[m, n]).
 // row_scale[h]: this thread's two row scales; col_scales: the tile's 128 column scales (shared memory),
 // read a pair per column group (one 8-byte load).
