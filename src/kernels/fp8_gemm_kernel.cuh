@@ -209,17 +209,20 @@ __device__ __forceinline__ void fp8_run_gate_up_pair(float (&acc)[Cfg::Shape::kB
   constexpr int kA = kBN / 4;  // values of a per thread and half
   static_assert(sizeof(smem.staging[0]) >= sizeof(float) * kA * 128, "half 0's a fits the warpgroup's staging boxes");
   const int q = tile.n_idx;
-  // Unrolled: with the half a run-time value, ptxas spilled (128 bytes) around half 1's epilogue under the
-  // overlapped loop. The scale pointers are worked out per half, not held across the K loop.
-#pragma unroll
+  // One copy of the K loop and of the h stores for both halves (a run-time half): unrolled, the kernel's code
+  // grew to 164 KB and GEMM1 ran 30% slower than the plain one (docs/PERF.md run 97).
+#pragma unroll 1
   for (int half = 0; half < 2; ++half) {
+    // The scale pointers are worked out per half, not held across the K loop.
     fp8_tile_mainloop<Cfg, kCwg>(acc, pipe, st, smem, p.b_scales.of_block(tile, q),
                                  p.b_scales.of_block(tile, p.swiglu.I / 128 + q), tile, lt, rank);
-    const int I = p.swiglu.I;
     float4* const stash = reinterpret_cast<float4*>(smem.staging[kCwg][0]);  // [kA / 4][128 threads]
     const device::SliceCoord s{tile.row0 + kCwg * 64, tile.rows - kCwg * 64, 0, q, lt, lt >> 5, lt & 31};
-    float first[kA];
+    float a[kA];
+    device::gate_up_activation(acc, a);
     if (half == 1) {
+      // Half 0's a, before this half's h stores reuse the boxes.
+      float first[kA];
 #pragma unroll
       for (int i = 0; i < kA / 4; ++i) {
         const float4 v = stash[i * 128 + lt];
@@ -228,19 +231,17 @@ __device__ __forceinline__ void fp8_run_gate_up_pair(float (&acc)[Cfg::Shape::kB
         first[4 * i + 2] = v.z;
         first[4 * i + 3] = v.w;
       }
+      device::quantize_gate_up_pair(first, a, p.swiglu, q, s.slice0, s.valid, s.warp, s.lane);
     }
     const int channel0 = 128 * q + 64 * half;
-    fp8_store_fp32<Cfg, kCwg>(acc, tm_d, p, smem, store, s, device::GateUpColumns<kBN>{channel0, I + channel0});
-    float a[kA];
-    device::gate_up_activation(acc, a);
+    fp8_store_fp32<Cfg, kCwg>(acc, tm_d, p, smem, store, s,
+                              device::GateUpColumns<kBN>{channel0, p.swiglu.I + channel0});
     if (half == 0) {
       // The h stores have read the boxes (TMA: waited for; the threads' path ends on the warpgroup's barrier).
       if (lt == 0) device::tma_store_wait_read<0>();
       device::named_barrier_sync(2 + kCwg, 128);
 #pragma unroll
       for (int i = 0; i < kA / 4; ++i) stash[i * 128 + lt] = make_float4(a[4 * i], a[4 * i + 1], a[4 * i + 2], a[4 * i + 3]);
-    } else {
-      device::quantize_gate_up_pair(first, a, p.swiglu, q, s.slice0, s.valid, s.warp, s.lane);
     }
   }
 }
