@@ -18,9 +18,10 @@ __device__ __forceinline__ float promotion_scale(const float* a_scales, float b_
   return a_scales[64 * cwg + Fragment::row(warp, lane, h)] * b_scale;
 }
 
-// acc += partial * scale[h], register by register (kN = BN / 2 registers per thread).
-template <int kN>
-__device__ __forceinline__ void promote_block(float (&acc)[kN], const float (&partial)[kN], const float (&scale)[2]) {
+// acc += partial * scale_of(j, h), register by register (kN = BN / 2 registers per thread): the scale of column
+// group j, row half h.
+template <int kN, class ScaleOf>
+__device__ __forceinline__ void promote_groups(float (&acc)[kN], const float (&partial)[kN], ScaleOf&& scale_of) {
 #pragma unroll
   for (int j = 0; j < kN / 4; ++j)
 #pragma unroll
@@ -28,8 +29,14 @@ __device__ __forceinline__ void promote_block(float (&acc)[kN], const float (&pa
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int i = Fragment::reg(j, h, e);
-        acc[i] = __fmaf_rn(partial[i], scale[h], acc[i]);
+        acc[i] = __fmaf_rn(partial[i], scale_of(j, h), acc[i]);
       }
+}
+
+// One weight block per tile: scale[h] for every column.
+template <int kN>
+__device__ __forceinline__ void promote_block(float (&acc)[kN], const float (&partial)[kN], const float (&scale)[2]) {
+  promote_groups(acc, partial, [&](int, int h) { return scale[h]; });
 }
 
 // A gate-up tile of GEMM1 (the weight panel's first BN / 2 rows are gate rows, the rest the same channels' up
@@ -39,15 +46,7 @@ __device__ __forceinline__ void promote_block(float (&acc)[kN], const float (&pa
 template <int kN>
 __device__ __forceinline__ void promote_block_gate_up(float (&acc)[kN], const float (&partial)[kN],
                                                       const float (&scale)[2][2]) {
-#pragma unroll
-  for (int j = 0; j < kN / 4; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int i = Fragment::reg(j, h, e);
-        acc[i] = __fmaf_rn(partial[i], scale[j < kN / 8 ? 0 : 1][h], acc[i]);
-      }
+  promote_groups(acc, partial, [&](int j, int h) { return scale[j < kN / 8 ? 0 : 1][h]; });
 }
 
 // Both operands scaled per row and K block: acc[m, n] = fma(partial[m, n], sa[m] * sb[n], acc[m, n]).
