@@ -72,9 +72,11 @@ Status check_swiglu(const Fp8GemmRows& by_index, const Fp8GemmTuning& tuning, in
   if (!any) return Status::ok();
   if (by_index.swiglu_a_q == nullptr || by_index.swiglu_a_s == nullptr)
     return Status::invalid("fp8 GEMM: swiglu_a_q and swiglu_a_s go together");
-  if ((reinterpret_cast<uintptr_t>(by_index.swiglu_a_q) & 3u) != 0 ||
-      (reinterpret_cast<uintptr_t>(by_index.swiglu_a_s) & 3u) != 0)
-    return Status::invalid("fp8 GEMM: swiglu_a_q and swiglu_a_s must be 4-byte aligned");
+  // a's codes leave as 16-byte pieces of rows (store_gate_up_codes), the scales one float at a time.
+  if ((reinterpret_cast<uintptr_t>(by_index.swiglu_a_q) & 15u) != 0)
+    return Status::invalid("fp8 GEMM: swiglu_a_q must be 16-byte aligned");
+  if ((reinterpret_cast<uintptr_t>(by_index.swiglu_a_s) & 3u) != 0)
+    return Status::invalid("fp8 GEMM: swiglu_a_s must be 4-byte aligned");
   if (by_index.d_fp32 == nullptr) return Status::invalid("fp8 GEMM: the SwiGLU epilogue needs d_fp32 (h)");
   if (by_index.a_rows != nullptr) return Status::invalid("fp8 GEMM: the SwiGLU epilogue reads A through TMA (no a_rows)");
   if (tuning.cluster_size != 1) return Status::invalid("fp8 GEMM: the SwiGLU epilogue needs cluster_size 1");

@@ -71,10 +71,10 @@ Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const fl
 //     accumulator the bf16 D rounds, for a consumer that quantizes it again (the FP8 layer's h and g).
 //   swiglu_a_q (with d_fp32; GEMM1 of the FP8 layer): B is W13 [E, 2I, K], gate rows then up rows (N = 2I, I a
 //     multiple of 128); besides h (d_fp32, the same bits) the epilogue writes a = silu(gate) * up of every
-//     expert row, quantized in 1 x 128 groups along I: swiglu_a_q [max_rows, I] e4m3 (4-byte aligned) and
-//     the scales K-block-major, group (row, kb) at swiglu_a_s[kb * swiglu_a_s_pitch + row] (pitch >=
-//     max_rows), bit for bit swiglu_quantize_rows_1x128 of h (fp8_quantize.hpp). Rows outside every expert
-//     are not written. TMA A (no a_rows) and cluster_size 1.
+//     expert row, quantized in 1 x 128 groups along I: swiglu_a_q [max_rows, I] e4m3 (16-byte aligned) and
+//     the scales K-block-major (4-byte aligned), group (row, kb) at swiglu_a_s[kb * swiglu_a_s_pitch + row]
+//     (pitch >= max_rows), bit for bit swiglu_quantize_rows_1x128 of h (fp8_quantize.hpp). Rows outside every
+//     expert are not written. TMA A (no a_rows) and cluster_size 1.
 // Either way the output bits are those of the contiguous call on the same rows (d_fp32: before rounding).
 struct Fp8GemmRows {
   const int32_t* a_rows = nullptr;

@@ -197,8 +197,9 @@ __device__ __forceinline__ void fp8_store_fp32(const float (&acc)[Cfg::Shape::kB
 // of a (swiglu_fp8.cuh). Each half runs its K loop with the gate block's (row q of W13's scales) and the up
 // block's (row I / 128 + q) weight scales and stores its h columns (gate and up) in fp32; half 0's a waits in
 // the warpgroup's 16 KB of staging boxes (free between the half's h stores and the next half's: registers
-// would not hold it beside the overlapped loop's accumulators), half 1 reads it back before its own h stores
-// reuse the boxes, then quantizes the group from both halves.
+// would not hold it beside the overlapped loop's accumulators), half 1 reads it back, quantizes the group from
+// both halves into the first box and stores the codes from there, before its own h stores reuse the boxes
+// (their begin_tile barrier orders the codes' reads before the h writes).
 template <class Cfg, int kCwg, class Store>
 __device__ __forceinline__ void fp8_run_gate_up_pair(float (&acc)[Cfg::Shape::kBN / 2], const CUtensorMap* tm_d,
                                                      const Fp8GemmParams& p, typename Cfg::SharedStorage& smem,
@@ -231,7 +232,14 @@ __device__ __forceinline__ void fp8_run_gate_up_pair(float (&acc)[Cfg::Shape::kB
         first[4 * i + 2] = v.z;
         first[4 * i + 3] = v.w;
       }
-      device::quantize_gate_up_pair(first, a, p.swiglu, q, s.slice0, s.valid, s.warp, s.lane);
+      // The codes go through the first box once every thread has read its stash out of it, and leave as
+      // whole rows (one warp store a thread per 4 rows: 4-byte stores to 16 rows a warp queued behind each
+      // other in the load-store unit, docs/PERF.md run 99).
+      uint8_t* const codes_box = smem.staging[kCwg][0];
+      device::named_barrier_sync(2 + kCwg, 128);
+      device::quantize_gate_up_pair(first, a, p.swiglu, codes_box, q, s.slice0, s.valid, s.warp, s.lane);
+      device::named_barrier_sync(2 + kCwg, 128);
+      device::store_gate_up_codes(codes_box, p.swiglu, q, s.slice0, s.valid, lt);
     }
     const int channel0 = 128 * q + 64 * half;
     fp8_store_fp32<Cfg, kCwg>(acc, tm_d, p, smem, store, s,

@@ -692,8 +692,13 @@ TEST(Fp8Gemm, RejectsBadArguments) {
   bad.d_fp32 = nullptr;
   expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N2, K, nullptr, Fp8GemmTuning{}, bad), "needs d_fp32");
   bad = swiglu;
-  bad.swiglu_a_q = daq.get() + 2;
-  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N2, K, nullptr, Fp8GemmTuning{}, bad), "4-byte aligned");
+  bad.swiglu_a_q = daq.get() + 4;
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N2, K, nullptr, Fp8GemmTuning{}, bad),
+                 "swiglu_a_q must be 16-byte aligned");
+  bad = swiglu;
+  bad.swiglu_a_s = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(das.get()) + 2);
+  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N2, K, nullptr, Fp8GemmTuning{}, bad),
+                 "swiglu_a_s must be 4-byte aligned");
   bad = swiglu;
   bad.swiglu_a_s_pitch = M - 1;
   expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N2, K, nullptr, Fp8GemmTuning{}, bad), "swiglu_a_s_pitch");

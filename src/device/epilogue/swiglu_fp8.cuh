@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "device/epilogue/box_store.cuh"
 #include "device/epilogue/transforms.cuh"
 #include "device/fp8_codes.cuh"
 #include "device/gemm/fragment.cuh"
@@ -41,16 +42,20 @@ __device__ __forceinline__ void gate_up_activation(const float (&acc)[kN], float
 }
 
 // Group q of the warpgroup's rows from the pair's two halves of a (gate_up_activation of tiles 2 q and 2 q + 1):
-// per row the quad's amax, the scale, the codes. A lane stores four codes a row and group half: it swaps one
-// pair of codes with its neighbour (lanes 2 k and 2 k + 1 hold channels 4 i .. 4 i + 1 and 4 i + 2 .. 4 i + 3 of
-// both rows), the even lane then stores the first row's four and the odd lane the second row's. Rows at or past
-// `valid` of the slice (whose first row is slice0) belong to no expert or to the next one: not written.
+// per row the quad's amax, the scale and the codes. The codes go to `box`, an 8 KB staging box of the
+// warpgroup (64 rows of 128 codes, 16-byte chunks swizzled as box_chunk_offset), for store_gate_up_codes to
+// write out as whole rows; the scales go straight to a_s (a warp's stores cover 16 consecutive rows). A lane
+// holds two codes a row, column group and half; it swaps one pair with its neighbour (lanes 2 k and 2 k + 1
+// hold channels 4 i .. 4 i + 1 and 4 i + 2 .. 4 i + 3 of both rows), the even lane then writes the first row's
+// four and the odd lane the second row's. Rows at or past `valid` of the slice (whose first row is slice0)
+// belong to no expert or to the next one: their scales are not written.
 template <int kA>
 __device__ __forceinline__ void quantize_gate_up_pair(const float (&first)[kA], const float (&second)[kA],
-                                                      const SwigluFp8Out& out, int q, int slice0, int valid, int warp,
-                                                      int lane) {
+                                                      const SwigluFp8Out& out, uint8_t* box, int q, int slice0,
+                                                      int valid, int warp, int lane) {
   constexpr int kGroups = kA / 4;  // column groups of a half: 2 rows x 2 values each
   constexpr int kRowValues = 2 * 2 * kGroups;
+  static_assert(4 * kRowValues == 128, "a quad holds one whole 1 x 128 group of each of its rows");
   uint32_t codes[2][2][kGroups];  // [row half h][tile half][group]: two codes, the even column's in the low byte
   float scale[2];
 #pragma unroll
@@ -63,12 +68,14 @@ __device__ __forceinline__ void quantize_gate_up_pair(const float (&first)[kA], 
         v[2 * j + e] = first[Fragment::reg(j, h, e)];
         v[2 * kGroups + 2 * j + e] = second[Fragment::reg(j, h, e)];
       }
-    uint32_t magnitude = 0u;
+    // fmaxf drops a NaN operand and the running amax starts at 0: the NaN-ignoring amax of fp8::amax_step
+    // (the bits' maximum of amax_bits), one instruction a value.
+    float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kRowValues; ++i) magnitude = max(magnitude, amax_bits(v[i]));
-    magnitude = max(magnitude, __shfl_xor_sync(0xffffffffu, magnitude, 1));
-    magnitude = max(magnitude, __shfl_xor_sync(0xffffffffu, magnitude, 2));
-    scale[h] = scale_from_amax(__uint_as_float(magnitude));
+    for (int i = 0; i < kRowValues; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    scale[h] = scale_from_amax(amax);
     float quotient[kRowValues];
     group_quotients(v, scale[h], quotient);
 #pragma unroll
@@ -78,20 +85,35 @@ __device__ __forceinline__ void quantize_gate_up_pair(const float (&first)[kA], 
         codes[h][t][j] = e4m3x2_of(quotient[2 * kGroups * t + 2 * j], quotient[2 * kGroups * t + 2 * j + 1]);
   }
   const bool odd = (lane & 1) != 0;
-  const int h_stored = odd ? 1 : 0;
-  const int row = Fragment::row(warp, lane, h_stored);
-  const bool store = row < valid;
-  uint8_t* const row_codes = out.a_q + static_cast<int64_t>(slice0 + row) * out.I + 128 * q + 4 * ((lane & 3) >> 1);
+  const int row = Fragment::row(warp, lane, odd ? 1 : 0);
+  const int word = (lane & 3) >> 1;  // which 4 bytes of the group's 8 columns
 #pragma unroll
   for (int t = 0; t < 2; ++t)
 #pragma unroll
     for (int j = 0; j < kGroups; ++j) {
       const uint32_t theirs = __shfl_xor_sync(0xffffffffu, odd ? codes[0][t][j] : codes[1][t][j], 1);
-      const uint32_t word = odd ? (theirs | (codes[1][t][j] << 16)) : (codes[0][t][j] | (theirs << 16));
-      if (store) *reinterpret_cast<uint32_t*>(row_codes + 64 * t + 8 * j) = word;
+      const uint32_t four = odd ? (theirs | (codes[1][t][j] << 16)) : (codes[0][t][j] | (theirs << 16));
+      const int byte = 64 * t + 8 * j + 4 * word;  // of the row's 128
+      *reinterpret_cast<uint32_t*>(box + box_chunk_offset(row, byte >> 4) + (byte & 15)) = four;
     }
   // Lanes 4 k and 4 k + 1 of a quad store the scales of its two rows.
-  if ((lane & 3) < 2 && store) out.a_s[q * out.a_s_pitch + slice0 + row] = odd ? scale[1] : scale[0];
+  if ((lane & 3) < 2 && row < valid) out.a_s[q * out.a_s_pitch + slice0 + row] = odd ? scale[1] : scale[0];
+}
+
+// The codes quantize_gate_up_pair left in `box`, once the warpgroup's writes are done: row r of the slice to
+// a_q row slice0 + r, channels 128 q + [0, 128), rows at or past `valid` left alone. Eight threads write a
+// row's 128 bytes (16 each), so that every store is a whole line.
+__device__ __forceinline__ void store_gate_up_codes(const uint8_t* box, const SwigluFp8Out& out, int q, int slice0,
+                                                    int valid, int lt) {
+  const int chunk = box_read_chunk(lt);
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {
+    const int row = box_read_row(lt) + 16 * it;
+    if (row < valid) {
+      const uint4 v = *reinterpret_cast<const uint4*>(box + box_chunk_offset(row, chunk));
+      *reinterpret_cast<uint4*>(out.a_q + static_cast<int64_t>(slice0 + row) * out.I + 128 * q + 16 * chunk) = v;
+    }
+  }
 }
 
 }  // namespace megamoe::device
