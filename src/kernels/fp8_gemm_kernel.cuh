@@ -232,9 +232,9 @@ __device__ __forceinline__ void fp8_run_gate_up_pair(float (&acc)[Cfg::Shape::kB
         first[4 * i + 2] = v.z;
         first[4 * i + 3] = v.w;
       }
-      // The codes go through the first box once every thread has read its stash out of it, and leave as
-      // whole rows (one warp store a thread per 4 rows: 4-byte stores to 16 rows a warp queued behind each
-      // other in the load-store unit, docs/PERF.md run 99).
+      // The codes go through the first box, once every thread has read its stash out of it, and leave as
+      // whole rows: stored straight from the fragment, 4 bytes to each of 16 rows a warp store, they queued
+      // in the load-store unit (docs/PERF.md run 99).
       uint8_t* const codes_box = smem.staging[kCwg][0];
       device::named_barrier_sync(2 + kCwg, 128);
       device::quantize_gate_up_pair(first, a, p.swiglu, codes_box, q, s.slice0, s.valid, s.warp, s.lane);

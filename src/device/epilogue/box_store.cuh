@@ -24,6 +24,19 @@ __device__ __forceinline__ int box_read_chunk(int lt) { return lt & 7; }
 // Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a staging box: the 128-byte swizzle of TMA.
 __device__ __forceinline__ int box_chunk_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 
+// A warpgroup's read-out of a staging box by its threads: thread lt takes chunk box_read_chunk(lt) of rows
+// box_read_row(lt) + 16 it (it < 4), so that eight threads carry a row and each row leaves as whole 128-byte
+// lines. f(row, chunk, offset of the chunk in the box).
+template <class F>
+__device__ __forceinline__ void for_each_box_chunk(int lt, F&& f) {
+  const int chunk = box_read_chunk(lt);
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {
+    const int row = box_read_row(lt) + 16 * it;
+    f(row, chunk, box_chunk_offset(row, chunk));
+  }
+}
+
 // The stmatrix.x4 address of lane `lt` of a warpgroup for column groups jj and jj + 1 (8 bf16 columns each)
 // of box `box` (rows 0-7 | 8-15 of its warp x the two groups), at staging_s.
 __device__ __forceinline__ uint32_t staged_pair_address(uint32_t staging_s, int box, int jj, int lt) {
@@ -132,18 +145,15 @@ struct BoxStore {
       }
     } else {
       barrier();
-      const int chunk = box_read_chunk(lt);
-      const int col = col0 + chunk * 8;
       const uint8_t* src = staging + slot * kBoxBytes;
-#pragma unroll
-      for (int it = 0; it < 4; ++it) {
-        const int row = box_read_row(lt) + 16 * it;
+      for_each_box_chunk(lt, [&](int row, int chunk, int offset) {
+        const int col = col0 + chunk * 8;
         __nv_bfloat16* dst = rows->row[which][row];
         if (dst != nullptr && col < ncols) {
-          const uint4 val = *reinterpret_cast<const uint4*>(src + box_chunk_offset(row, chunk));
+          const uint4 val = *reinterpret_cast<const uint4*>(src + offset);
           *reinterpret_cast<uint4*>(dst + col) = val;
         }
-      }
+      });
       barrier();
     }
   }

@@ -278,19 +278,16 @@ template <int kBN, class Columns = TileColumns>
 __device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], float* C, int M, int N, int m0,
                                               Columns columns, bool accumulate, uint8_t* staging, int bar_id,
                                               int lt) {
-  const int chunk = box_read_chunk(lt);
 #pragma unroll
   for (int pass = 0; pass < kBN / 32; ++pass) {
     if (columns.of(pass) >= N) break;  // uniform over the warpgroup
     stage_fp32_pass<kBN>(acc, pass, staging, lt);
     named_barrier_sync(bar_id, 128);
-    const int col = columns.of(pass) + chunk * 4;
-#pragma unroll
-    for (int it = 0; it < 4; ++it) {
-      const int row = box_read_row(lt) + 16 * it;
+    for_each_box_chunk(lt, [&](int row, int chunk, int offset) {
+      const int col = columns.of(pass) + chunk * 4;
       const int m = m0 + row;
       if (m < M && col < N) {
-        float4 v = *reinterpret_cast<const float4*>(staging + box_chunk_offset(row, chunk));
+        float4 v = *reinterpret_cast<const float4*>(staging + offset);
         float4* dst = reinterpret_cast<float4*>(C + static_cast<int64_t>(m) * N + col);
         if (accumulate) {
           const float4 old = *dst;
@@ -301,7 +298,7 @@ __device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], float
         }
         *dst = v;
       }
-    }
+    });
     named_barrier_sync(bar_id, 128);
   }
 }

@@ -101,19 +101,16 @@ __device__ __forceinline__ void quantize_gate_up_pair(const float (&first)[kA], 
 }
 
 // The codes quantize_gate_up_pair left in `box`, once the warpgroup's writes are done: row r of the slice to
-// a_q row slice0 + r, channels 128 q + [0, 128), rows at or past `valid` left alone. Eight threads write a
-// row's 128 bytes (16 each), so that every store is a whole line.
+// a_q row slice0 + r, channels 128 q + [0, 128), rows at or past `valid` left alone (for_each_box_chunk: whole
+// 128-byte lines).
 __device__ __forceinline__ void store_gate_up_codes(const uint8_t* box, const SwigluFp8Out& out, int q, int slice0,
                                                     int valid, int lt) {
-  const int chunk = box_read_chunk(lt);
-#pragma unroll
-  for (int it = 0; it < 4; ++it) {
-    const int row = box_read_row(lt) + 16 * it;
+  for_each_box_chunk(lt, [&](int row, int chunk, int offset) {
     if (row < valid) {
-      const uint4 v = *reinterpret_cast<const uint4*>(box + box_chunk_offset(row, chunk));
+      const uint4 v = *reinterpret_cast<const uint4*>(box + offset);
       *reinterpret_cast<uint4*>(out.a_q + static_cast<int64_t>(slice0 + row) * out.I + 128 * q + 16 * chunk) = v;
     }
-  }
+  });
 }
 
 }  // namespace megamoe::device
