@@ -119,6 +119,38 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
   }
   std::printf("  %-44s %6s %9.3f\n  %-44s %6s %9.3f\n  %-44s %6.1f\n", "GEMMs", "", gemm, "everything else", "", other,
               "kernels", double(calls) / iters);
+  // Where the GPU idles between kernels (the steps run back to back here, so the host is not what it waits
+  // for): each gap from the latest end so far to the next start, by the pair of kernels around it.
+  if (!records.empty()) {
+    std::map<std::string, std::pair<int, double>> gaps;
+    uint64_t covered = records.front().end_ns;
+    std::string last = records.front().name;
+    double idle_ms = 0;
+    for (size_t i = 1; i < records.size(); ++i) {
+      const auto& k = records[i];
+      if (k.start_ns > covered) {
+        const double ms = static_cast<double>(k.start_ns - covered) * 1e-6;
+        auto& g = gaps[last + " -> " + k.name];
+        g.first += 1;
+        g.second += ms;
+        idle_ms += ms;
+      }
+      if (k.end_ns >= covered) {
+        covered = k.end_ns;
+        last = k.name;
+      }
+    }
+    const double span_ms = static_cast<double>(covered - records.front().start_ns) * 1e-6;
+    int count = 0;
+    for (const auto& [pair, g] : gaps) count += g.first;
+    std::printf("  kernels' span %.3f ms per %s, of which idle between kernels %.3f ms (%.1f gaps, %.1f us each)\n",
+                span_ms / iters, per, idle_ms / iters, double(count) / iters, count > 0 ? idle_ms / count * 1e3 : 0.0);
+    std::vector<std::pair<double, std::string>> widest;
+    for (const auto& [pair, g] : gaps) widest.push_back({g.second / g.first * 1e3, pair});
+    std::sort(widest.rbegin(), widest.rend());
+    for (size_t i = 0; i < widest.size() && i < 6; ++i)
+      std::printf("    gap %6.1f us  %s\n", widest[i].first, widest[i].second.c_str());
+  }
   std::printf("  %-44s %9s %8s\n", "GEMM", "ms", "TFLOP/s");
   for (int g = first_gemm; g < end_gemm; ++g) {
     const double ms = gemm_ms[g] / iters;
