@@ -126,6 +126,7 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
     uint64_t covered = records.front().end_ns;
     std::string last = records.front().name;
     double idle_ms = 0;
+    int count = 0;
     for (size_t i = 1; i < records.size(); ++i) {
       const auto& k = records[i];
       if (k.start_ns > covered) {
@@ -134,6 +135,7 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
         g.first += 1;
         g.second += ms;
         idle_ms += ms;
+        ++count;
       }
       if (k.end_ns >= covered) {
         covered = k.end_ns;
@@ -141,8 +143,6 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
       }
     }
     const double span_ms = static_cast<double>(covered - records.front().start_ns) * 1e-6;
-    int count = 0;
-    for (const auto& [pair, g] : gaps) count += g.first;
     std::printf("  kernels' span %.3f ms per %s, of which idle between kernels %.3f ms (%.1f gaps, %.1f us each)\n",
                 span_ms / iters, per, idle_ms / iters, double(count) / iters, count > 0 ? idle_ms / count * 1e3 : 0.0);
     std::vector<std::pair<double, std::string>> widest;
