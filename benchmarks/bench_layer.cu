@@ -29,6 +29,7 @@
 
 #include "bench_check.hpp"
 #include "kernels/hashed_fill.hpp"
+#include "megamoe/device.hpp"
 #include "megamoe/layer.hpp"
 #if MEGAMOE_BENCH_CUPTI
 #include "kernel_profile.hpp"
@@ -47,6 +48,18 @@ float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
+
+// The process-wide dependent-launch switch (megamoe/device.hpp) held at one value for a scope.
+class DependentLaunchAs {
+ public:
+  explicit DependentLaunchAs(bool on) : saved_(megamoe::dependent_launch_enabled()) { megamoe::set_dependent_launch(on); }
+  ~DependentLaunchAs() { megamoe::set_dependent_launch(saved_); }
+  DependentLaunchAs(const DependentLaunchAs&) = delete;
+  DependentLaunchAs& operator=(const DependentLaunchAs&) = delete;
+
+ private:
+  bool saved_;
+};
 
 constexpr std::array<int, 4> kWaveLags = {1, 2, 4, 16};  // 16: every first-GEMM item first (16 experts)
 
@@ -429,8 +442,9 @@ Result run(int64_t H, int64_t I, int iters) {
       // kernels and between kernels the host enqueues late. Here: the host's time to enqueue a step (median),
       // and kBackToBack steps enqueued before one wait (per step), the GPU-bound figure a training loop whose
       // host runs ahead sees. bf16 and FP8 alternate.
+      // Then the same steps with the kernels in plain stream order (no dependent launch), step for step.
       constexpr int kBackToBack = 10;
-      std::vector<float> bf16_host, fp8_host, bf16_b2b, fp8_b2b;
+      std::vector<float> bf16_host, fp8_host, bf16_b2b, fp8_b2b, bf16_b2b_plain, fp8_b2b_plain;
       const auto host_ms = [](const std::function<void()>& body) {
         const auto t0 = std::chrono::steady_clock::now();
         body();
@@ -449,13 +463,27 @@ Result run(int64_t H, int64_t I, int iters) {
         fp8_b2b.push_back(timed(*fp8_group, [&] {
                             for (int k = 0; k < kBackToBack; ++k) BENCH_CHECK_OK(fp8_step((s + k) % kSets));
                           }) / kBackToBack);
+        const DependentLaunchAs plain(false);
+        bf16_b2b_plain.push_back(timed(*group, [&] {
+                                   for (int k = 0; k < kBackToBack; ++k) step_on(*group, (s + k) % kSets);
+                                 }) / kBackToBack);
+        fp8_b2b_plain.push_back(timed(*fp8_group, [&] {
+                                  for (int k = 0; k < kBackToBack; ++k) BENCH_CHECK_OK(fp8_step((s + k) % kSets));
+                                }) / kBackToBack);
       }
       BENCH_CHECK_OK(fp8_group->synchronize_and_check());
       std::printf("  forward + backward, %d steps back to back (per step, median of %d): bf16 %.3f ms, fp8 %.3f ms "
                   "(bf16 / fp8 %.3fx); host time to enqueue one step: bf16 %.3f ms, fp8 %.3f ms\n",
                   kBackToBack, iters, median(bf16_b2b), median(fp8_b2b), median(bf16_b2b) / median(fp8_b2b),
                   median(bf16_host), median(fp8_host));
+      std::printf("  the same in plain stream order (dependent launch %s above): bf16 %.3f ms (x %.3f of plain), "
+                  "fp8 %.3f ms (x %.3f of plain)\n",
+                  megamoe::dependent_launch_enabled() ? "on" : "off", median(bf16_b2b_plain),
+                  median(bf16_b2b) / median(bf16_b2b_plain), median(fp8_b2b_plain),
+                  median(fp8_b2b) / median(fp8_b2b_plain));
 #if MEGAMOE_BENCH_CUPTI
+      // Kernel times in plain stream order: a kernel launched early would count its wait for the one before.
+      const DependentLaunchAs plain(false);
       std::printf("  fp8 forward + backward:\n");
       Result fp8_breakdown = r;
       print_breakdown([&](int it) { BENCH_CHECK_OK(fp8_step(it % kSets)); }, fp8_group->stream(0), 10,
@@ -469,6 +497,16 @@ Result run(int64_t H, int64_t I, int iters) {
                       static_cast<double>(T * K), H, I, &plain_breakdown);
       overlap(Fp8PromotionOverlap::kTmaOperands);
       BENCH_CHECK_OK(fp8_group->synchronize_and_check());
+      {
+        // With dependent launch: the kernels' times include their early waits, the span and idle time are the
+        // step's.
+        const DependentLaunchAs dependent(true);
+        std::printf("  fp8 forward + backward, dependent launch:\n");
+        Result dependent_breakdown = r;
+        print_breakdown([&](int it) { BENCH_CHECK_OK(fp8_step(it % kSets)); }, fp8_group->stream(0), 10,
+                        static_cast<double>(T * K), H, I, &dependent_breakdown);
+        BENCH_CHECK_OK(fp8_group->synchronize_and_check());
+      }
 #endif
     }
   }
@@ -490,6 +528,7 @@ Result run(int64_t H, int64_t I, int iters) {
     r.fp8_out_distance = std::sqrt(num / std::max(den, 1e-300));
   }
 #if MEGAMOE_BENCH_CUPTI
+  const DependentLaunchAs plain(false);  // kernel times without early waits (see the FP8 breakdown above)
   print_breakdown([&](int it) { step_on(*group, it % kSets); }, stream, 10, static_cast<double>(T * K), H, I, &r);
   BENCH_CHECK_OK(group->synchronize_and_check());
   // The fused groups: their first GEMM launch of their own is the modular backward's dgrad (2), or the

@@ -18,4 +18,12 @@ struct DeviceInfo {
 // Device 0 as the CUDA runtime sees it; never fails (a build without CUDA reports "built without CUDA").
 DeviceInfo query_device();
 
+// Programmatic dependent launch of the modular path's kernels: each kernel's CTAs may be scheduled while
+// the kernel before it in the stream finishes, and wait on the GPU for its results (no host involvement,
+// the same results). On by default; MEGAMOE_DEPENDENT_LAUNCH=0 in the environment, or
+// set_dependent_launch(false), gives the ordinary stream order (for comparisons and for tools that do not
+// follow it). Process-wide, read at each launch: a change applies to the kernels launched after it.
+void set_dependent_launch(bool enabled);
+bool dependent_launch_enabled();
+
 }  // namespace megamoe

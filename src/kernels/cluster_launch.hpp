@@ -11,13 +11,14 @@
 #include <string>
 
 #include "kernels/cuda_check.hpp"
+#include "kernels/dependent_launch.hpp"
 #include "megamoe/status.hpp"
 
 namespace megamoe::kernels {
 
 struct ClusterLaunch {
   cudaLaunchConfig_t config{};  // gridDim is set by the caller from `clusters` (it may cap them further)
-  cudaLaunchAttribute attribute[1]{};
+  cudaLaunchAttribute attribute[2]{};  // the cluster shape, the dependent launch
   int clusters = 0;             // co-resident clusters, at most max_ctas / kCluster when max_ctas > 0
 
   ClusterLaunch() = default;
@@ -56,7 +57,7 @@ Status prepare_cluster_launch(Kernel kernel, int threads, int smem_bytes, cudaSt
   l->config.dynamicSmemBytes = smem_bytes;
   l->config.stream = stream;
   l->config.attrs = l->attribute;
-  l->config.numAttrs = 1;
+  l->config.numAttrs = 1;  // the occupancy query below sees the cluster shape only
   int clusters = num_sms / kCluster;
   if constexpr (kCluster > 1) {
     l->set_grid(clusters, kCluster);
@@ -69,6 +70,8 @@ Status prepare_cluster_launch(Kernel kernel, int threads, int smem_bytes, cudaSt
   if (max_ctas > 0) clusters = std::min(clusters, std::max(1, max_ctas / kCluster));
   l->clusters = clusters;
   l->set_grid(clusters, kCluster);
+  set_dependent_launch_attribute(&l->attribute[1]);
+  l->config.numAttrs = 2;
   return Status::ok();
 }
 

@@ -1,6 +1,8 @@
 // The modular combine kernels: one warp per token (ep_combine.cuh), grid-stride, after the rank barrier
 // that follows the GEMM storing the rows home.
+#include "device/ptx/grid_dependency.cuh"
 #include "kernels/cuda_check.hpp"
+#include "kernels/dependent_launch.hpp"
 #include "kernels/ep_combine.cuh"
 #include "kernels/ep_kernels.hpp"
 
@@ -10,6 +12,7 @@ namespace {
 template <bool kWeighted>
 __global__ void combine_kernel(Params p, const float* __restrict__ topk_weights, __nv_bfloat16* __restrict__ out,
                                float* __restrict__ d_topk_weights) {
+  device::begin_dependent_grid();
   const bool failed = has_error(p);
   const int lane = threadIdx.x % 32;
   const int64_t first = first_warp(), num_warps = warp_count();
@@ -22,19 +25,17 @@ __global__ void combine_kernel(Params p, const float* __restrict__ topk_weights,
 Status launch_combine_forward(const Params& p, const float* topk_weights, __nv_bfloat16* out, cudaStream_t stream,
                               int max_blocks) {
   if (p.num_tokens == 0) return Status::ok();
-  combine_kernel<true><<<row_grid(p.num_tokens, max_blocks), kRowBlockThreads, 0, stream>>>(p, topk_weights, out,
-                                                                                                nullptr);
-  MEGAMOE_CHECK_LAUNCH(stream, "combine_forward_kernel");
-  return Status::ok();
+  return kernels::launch_dependent(combine_kernel<true>, dim3(row_grid(p.num_tokens, max_blocks)),
+                                   dim3(kRowBlockThreads), 0, stream, "combine_forward_kernel", p, topk_weights, out,
+                                   static_cast<float*>(nullptr));
 }
 
 Status launch_combine_backward(const Params& p, __nv_bfloat16* d_x, float* d_topk_weights, cudaStream_t stream,
                                int max_blocks) {
   if (p.num_tokens == 0) return Status::ok();
-  combine_kernel<false><<<row_grid(p.num_tokens, max_blocks), kRowBlockThreads, 0, stream>>>(p, nullptr, d_x,
-                                                                                                 d_topk_weights);
-  MEGAMOE_CHECK_LAUNCH(stream, "combine_backward_kernel");
-  return Status::ok();
+  return kernels::launch_dependent(combine_kernel<false>, dim3(row_grid(p.num_tokens, max_blocks)),
+                                   dim3(kRowBlockThreads), 0, stream, "combine_backward_kernel", p,
+                                   static_cast<const float*>(nullptr), d_x, d_topk_weights);
 }
 
 Status load_combine_kernels() {

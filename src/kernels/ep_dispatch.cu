@@ -1,5 +1,7 @@
 // The modular dispatch kernel: one warp per token (ep_dispatch.cuh), grid-stride.
+#include "device/ptx/grid_dependency.cuh"
 #include "kernels/cuda_check.hpp"
+#include "kernels/dependent_launch.hpp"
 #include "kernels/ep_dispatch.cuh"
 #include "kernels/ep_kernels.hpp"
 
@@ -8,6 +10,7 @@ namespace {
 
 template <typename Index, class Row>
 __global__ void dispatch_kernel(Params p, Row row, const Index* __restrict__ idx, const float* __restrict__ weights) {
+  device::begin_dependent_grid();
   if (has_error(p)) return;
   const int lane = threadIdx.x % 32;
   const int64_t first = first_warp(), num_warps = warp_count();
@@ -20,13 +23,10 @@ Status launch_rows(const Params& p, const Row& row, const void* topk_idx, bool i
   if (p.num_tokens == 0) return Status::ok();
   const int blocks = row_grid(p.num_tokens, max_blocks);
   if (idx_is_int64)
-    dispatch_kernel<int64_t, Row><<<blocks, kRowBlockThreads, 0, stream>>>(p, row, static_cast<const int64_t*>(topk_idx),
-                                                                          weights);
-  else
-    dispatch_kernel<int32_t, Row><<<blocks, kRowBlockThreads, 0, stream>>>(p, row, static_cast<const int32_t*>(topk_idx),
-                                                                          weights);
-  MEGAMOE_CHECK_LAUNCH(stream, "dispatch_kernel");
-  return Status::ok();
+    return kernels::launch_dependent(dispatch_kernel<int64_t, Row>, dim3(blocks), dim3(kRowBlockThreads), 0, stream,
+                                     "dispatch_kernel", p, row, static_cast<const int64_t*>(topk_idx), weights);
+  return kernels::launch_dependent(dispatch_kernel<int32_t, Row>, dim3(blocks), dim3(kRowBlockThreads), 0, stream,
+                                   "dispatch_kernel", p, row, static_cast<const int32_t*>(topk_idx), weights);
 }
 
 }  // namespace

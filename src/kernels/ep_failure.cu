@@ -4,13 +4,16 @@
 #include <cmath>
 
 #include "comm/device_sync.cuh"
+#include "device/ptx/grid_dependency.cuh"
 #include "kernels/cuda_check.hpp"
+#include "kernels/dependent_launch.hpp"
 #include "kernels/ep_kernels.hpp"
 
 namespace megamoe::ep {
 namespace {
 
 __global__ void nan_if_failed_kernel(Params p, float* a, int64_t count_a, float* b, int64_t count_b) {
+  device::begin_dependent_grid();
   if (!has_error(p)) return;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count_a + count_b; i += stride) {
@@ -23,6 +26,7 @@ __global__ void nan_if_failed_kernel(Params p, float* a, int64_t count_a, float*
 }
 
 __global__ void record_forward_failed_kernel(Params p) {
+  device::begin_dependent_grid();
   record_error(error_record(p.local, p.layout), StatusCode::kInvalidArgument, kErrorForwardFailed, p.shape.rank, 0, 0);
 }
 
@@ -31,15 +35,13 @@ __global__ void record_forward_failed_kernel(Params p) {
 Status launch_nan_if_failed(const Params& p, float* a, int64_t count_a, float* b, int64_t count_b,
                             cudaStream_t stream, int max_blocks) {
   // Normally every block returns at once; the grid only matters when the buffers are filled.
-  nan_if_failed_kernel<<<max_blocks * 4, 256, 0, stream>>>(p, a, count_a, b, count_b);
-  MEGAMOE_CHECK_LAUNCH(stream, "nan_if_failed_kernel");
-  return Status::ok();
+  return kernels::launch_dependent(nan_if_failed_kernel, dim3(max_blocks * 4), dim3(256), 0, stream,
+                                   "nan_if_failed_kernel", p, a, count_a, b, count_b);
 }
 
 Status launch_record_forward_failed(const Params& p, cudaStream_t stream) {
-  record_forward_failed_kernel<<<1, 1, 0, stream>>>(p);
-  MEGAMOE_CHECK_LAUNCH(stream, "record_forward_failed_kernel");
-  return Status::ok();
+  return kernels::launch_dependent(record_forward_failed_kernel, dim3(1), dim3(1), 0, stream,
+                                   "record_forward_failed_kernel", p);
 }
 
 Status load_failure_kernels() {

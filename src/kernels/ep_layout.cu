@@ -1,6 +1,8 @@
 // The layout step of the modular forward: ep_layout.cuh's two phases as two kernels (the launch boundary
 // between them is the grid-wide dependency of the numbering on every CTA's counts).
+#include "device/ptx/grid_dependency.cuh"
 #include "kernels/cuda_check.hpp"
+#include "kernels/dependent_launch.hpp"
 #include "kernels/ep_kernels.hpp"
 #include "kernels/ep_layout.cuh"
 
@@ -13,12 +15,14 @@ constexpr int kLayoutThreads = kLayoutWarps * 32;
 template <typename Index>
 __global__ void layout_count_kernel(Params p, const Index* __restrict__ idx) {
   extern __shared__ int32_t counts[];
+  device::begin_dependent_grid();
   layout_count<kLayoutWarps>(p, idx, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), counts);
 }
 
 template <typename Index>
 __global__ void layout_assign_kernel(Params p, const Index* __restrict__ idx) {
   extern __shared__ int32_t smem[];
+  device::begin_dependent_grid();
   layout_assign<kLayoutWarps>(p, idx, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), smem, false);
 }
 
@@ -35,11 +39,10 @@ Status launch_layout_typed(const Params& p, const Index* idx, cudaStream_t strea
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(layout_assign_kernel<Index>,
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                     static_cast<int>(assign_smem)));
-  layout_count_kernel<Index><<<blocks, kLayoutThreads, count_smem, stream>>>(p, idx);
-  MEGAMOE_CHECK_LAUNCH(stream, "layout_count_kernel");
-  layout_assign_kernel<Index><<<blocks, kLayoutThreads, assign_smem, stream>>>(p, idx);
-  MEGAMOE_CHECK_LAUNCH(stream, "layout_assign_kernel");
-  return Status::ok();
+  MEGAMOE_RETURN_IF_ERROR(kernels::launch_dependent(layout_count_kernel<Index>, dim3(blocks), dim3(kLayoutThreads),
+                                                    count_smem, stream, "layout_count_kernel", p, idx));
+  return kernels::launch_dependent(layout_assign_kernel<Index>, dim3(blocks), dim3(kLayoutThreads), assign_smem,
+                                   stream, "layout_assign_kernel", p, idx);
 }
 
 }  // namespace

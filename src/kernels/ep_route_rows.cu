@@ -1,6 +1,8 @@
 // The modular route_rows kernel (ep_route_rows.cuh): every block derives the offsets from the counts,
 // block 0 publishes them and reports an overflow, and the blocks share the received tokens grid-stride.
+#include "device/ptx/grid_dependency.cuh"
 #include "kernels/cuda_check.hpp"
+#include "kernels/dependent_launch.hpp"
 #include "kernels/ep_kernels.hpp"
 #include "kernels/ep_route_rows.cuh"
 
@@ -11,6 +13,7 @@ constexpr int kRouteThreads = 256;
 
 __global__ void route_rows_kernel(Params p) {
   extern __shared__ int32_t smem[];
+  device::begin_dependent_grid();
   const Shape& s = p.shape;
   const RouteTables t = RouteTables::in(smem, s);
   (void)route_offsets(p, t, blockIdx.x == 0, blockIdx.x == 0);
@@ -30,9 +33,8 @@ Status launch_route_rows(const Params& p, cudaStream_t stream, int max_blocks) {
   int64_t blocks = (items + kRouteThreads - 1) / kRouteThreads;
   if (blocks > max_blocks) blocks = max_blocks;
   if (blocks < 1) blocks = 1;
-  route_rows_kernel<<<static_cast<int>(blocks), kRouteThreads, smem, stream>>>(p);
-  MEGAMOE_CHECK_LAUNCH(stream, "route_rows_kernel");
-  return Status::ok();
+  return kernels::launch_dependent(route_rows_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kRouteThreads), smem,
+                                   stream, "route_rows_kernel", p);
 }
 
 Status load_route_rows_kernels() {

@@ -4,7 +4,9 @@
 // reads and writes (docs/PERF.md run 62).
 #include <string>
 
+#include "device/ptx/grid_dependency.cuh"
 #include "kernels/cuda_check.hpp"
+#include "kernels/dependent_launch.hpp"
 #include "kernels/ep_row_copy.cuh"
 #include "kernels/fp8_gather_rows.hpp"
 #include "kernels/warp_grid.hpp"
@@ -18,6 +20,7 @@ __global__ void gather_rows_e4m3_kernel(const uint8_t* __restrict__ q, const flo
                                         int64_t source_rows, const int32_t* __restrict__ row_src, int64_t cols,
                                         const int32_t* __restrict__ rows_used, int64_t capacity,
                                         uint8_t* __restrict__ out_q, float* __restrict__ out_s, int64_t pitch) {
+  device::begin_dependent_grid();
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t rows = min(max(static_cast<int64_t>(__ldg(rows_used)), int64_t{0}), capacity);
   const int64_t groups = cols / 128;
@@ -50,10 +53,7 @@ Status gather_rows_e4m3(const uint8_t* q, const float* scales, int64_t source_ro
     return Status::invalid("gather_rows_e4m3: q and out_q must be 16-byte aligned");
   int blocks = 0;
   MEGAMOE_RETURN_IF_ERROR(warp_grid((capacity + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
-  gather_rows_e4m3_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(q, scales, source_rows, row_src, cols, rows_used,
-                                                                     capacity, out_q, out_s, scales_pitch);
-  MEGAMOE_CHECK_LAUNCH(stream, "gather_rows_e4m3_kernel");
-  return Status::ok();
+  return kernels::launch_dependent(gather_rows_e4m3_kernel, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, stream, "gather_rows_e4m3_kernel", q, scales, source_rows, row_src, cols, rows_used, capacity, out_q, out_s, scales_pitch);
 }
 
 Status gather_rows_preload() {

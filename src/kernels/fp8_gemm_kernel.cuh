@@ -29,6 +29,7 @@
 #include "device/gemm/operands.cuh"
 #include "device/gemm/shape.cuh"
 #include "device/pipeline.cuh"
+#include "device/ptx/grid_dependency.cuh"
 #include "device/ptx/sync.cuh"
 #include "device/sched/grouped_tiles.cuh"
 #include "device/sched/schedulers.cuh"
@@ -315,6 +316,7 @@ __global__ void __launch_bounds__(kFp8GemmThreads, 1)
     smem.dense_offsets[1] = p.max_rows;
     device::mbarrier_init_fence();
   }
+  device::begin_dependent_grid();  // the group offsets and both operands come from earlier kernels
   __syncthreads();  // the dense offsets are read by every thread of build()
   tiles.build(p.group_offsets != nullptr ? p.group_offsets : smem.dense_offsets, p.max_rows, false, tid,
               kFp8GemmThreads);

@@ -1,6 +1,8 @@
 #include "device/epilogue/transforms.cuh"
 #include "device/fp8_codes.cuh"
+#include "device/ptx/grid_dependency.cuh"
 #include "kernels/cuda_check.hpp"
+#include "kernels/dependent_launch.hpp"
 #include "kernels/fp8_quantize.hpp"
 #include "kernels/swiglu_backward_row.cuh"
 #include "kernels/warp_grid.hpp"
@@ -21,6 +23,7 @@ constexpr int kWarpsPerBlock = 8;
 __global__ void quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ x, int64_t num_groups,
                                            int64_t groups_per_row, int64_t pitch, uint8_t* __restrict__ q,
                                            float* __restrict__ scales) {
+  device::begin_dependent_grid();
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -46,6 +49,7 @@ __global__ void quantize_rows_1x128_kernel(const __nv_bfloat16* __restrict__ x, 
 __global__ void swiglu_quantize_rows_1x128_kernel(const float* __restrict__ h, int64_t rows, int64_t I,
                                                   const int32_t* __restrict__ rows_used, int64_t pitch,
                                                   uint8_t* __restrict__ aq, float* __restrict__ scales) {
+  device::begin_dependent_grid();
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -76,6 +80,7 @@ __global__ void swiglu_backward_quantize_rows_1x128_kernel(const float* __restri
                                                            int64_t pitch, uint8_t* __restrict__ dh_q,
                                                            float* __restrict__ dh_s, float* __restrict__ a_out,
                                                            float* const* __restrict__ dot_rows, int dot_parts) {
+  device::begin_dependent_grid();
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -106,6 +111,7 @@ __global__ void __launch_bounds__(kBlockThreads) quantize_blocks_128x128_kernel(
                                                                                int64_t rows, int64_t cols,
                                                                                uint8_t* __restrict__ q,
                                                                                float* __restrict__ scales) {
+  device::begin_dependent_grid();
   __shared__ float warp_amax[kBlockThreads / 32];
   const int64_t block_cols = cols / kGroup;
   const int64_t br = blockIdx.x / block_cols, bc = blockIdx.x % block_cols;
@@ -163,6 +169,7 @@ __global__ void __launch_bounds__(256) transpose_blocks_128x128_kernel(const uin
                                                                      const float* __restrict__ scales, int64_t N,
                                                                      int64_t K, uint8_t* __restrict__ qt,
                                                                      float* __restrict__ scales_t) {
+  device::begin_dependent_grid();
   __shared__ uint32_t tile[kTransposeBlock * kTransposeBlock / 4];
   const int64_t k_blocks = K / kTransposeBlock, n_blocks = N / kTransposeBlock;
   const int64_t e = blockIdx.z, nb = blockIdx.x / k_blocks, kb = blockIdx.x % k_blocks;
@@ -218,9 +225,7 @@ Status transpose_blocks_128x128_e4m3(const uint8_t* q, const float* scales, int6
   if (tiles >= (int64_t{1} << 31) || groups > 65535)
     return Status::invalid("transpose_blocks_128x128: too many tiles or groups");
   const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(groups));
-  transpose_blocks_128x128_kernel<<<grid, 256, 0, stream>>>(q, scales, N, K, qt, scales_t);
-  MEGAMOE_CHECK_LAUNCH(stream, "transpose_blocks_128x128_kernel");
-  return Status::ok();
+  return kernels::launch_dependent(transpose_blocks_128x128_kernel, dim3(grid), dim3(256), 0, stream, "transpose_blocks_128x128_kernel", q, scales, N, K, qt, scales_t);
 }
 
 Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t cols, uint8_t* q, float* scales,
@@ -237,10 +242,7 @@ Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t co
   const int64_t num_groups = rows * (cols / kGroup);
   int blocks = 0;
   MEGAMOE_RETURN_IF_ERROR(warp_grid((num_groups + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
-  quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(x, num_groups, cols / kGroup, scales_pitch,
-                                                                          q, scales);
-  MEGAMOE_CHECK_LAUNCH(stream, "quantize_rows_1x128_kernel");
-  return Status::ok();
+  return kernels::launch_dependent(quantize_rows_1x128_kernel, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, stream, "quantize_rows_1x128_kernel", x, num_groups, cols / kGroup, scales_pitch, q, scales);
 }
 
 Status swiglu_quantize_rows_1x128(const float* h, int64_t rows, int64_t I, const int32_t* rows_used,
@@ -259,10 +261,7 @@ Status swiglu_quantize_rows_1x128(const float* h, int64_t rows, int64_t I, const
   // Sized for every row; with rows_used the warps past the used rows find no work.
   int blocks = 0;
   MEGAMOE_RETURN_IF_ERROR(warp_grid((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
-  swiglu_quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(h, rows, I, rows_used, scales_pitch,
-                                                                                 aq, scales);
-  MEGAMOE_CHECK_LAUNCH(stream, "swiglu_quantize_rows_1x128_kernel");
-  return Status::ok();
+  return kernels::launch_dependent(swiglu_quantize_rows_1x128_kernel, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, stream, "swiglu_quantize_rows_1x128_kernel", h, rows, I, rows_used, scales_pitch, aq, scales);
 }
 
 Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const float* row_weight, int64_t rows,
@@ -285,10 +284,7 @@ Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const
     return Status::invalid("swiglu_backward_quantize_rows_1x128: g, h and a_out must be 16-byte, dh_q 4-byte aligned");
   int blocks = 0;
   MEGAMOE_RETURN_IF_ERROR(warp_grid((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
-  swiglu_backward_quantize_rows_1x128_kernel<<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
-      g, h, row_weight, rows, I, rows_used, scales_pitch, dh_q, dh_s, a_out, dot_rows, dot_parts);
-  MEGAMOE_CHECK_LAUNCH(stream, "swiglu_backward_quantize_rows_1x128_kernel");
-  return Status::ok();
+  return kernels::launch_dependent(swiglu_backward_quantize_rows_1x128_kernel, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, stream, "swiglu_backward_quantize_rows_1x128_kernel", g, h, row_weight, rows, I, rows_used, scales_pitch, dh_q, dh_s, a_out, dot_rows, dot_parts);
 }
 
 Status quantize_blocks_128x128_bf16(const __nv_bfloat16* w, int64_t rows, int64_t cols, uint8_t* q, float* scales,
@@ -303,10 +299,7 @@ Status quantize_blocks_128x128_bf16(const __nv_bfloat16* w, int64_t rows, int64_
     return Status::invalid("quantize_blocks_128x128: w must be 16-byte and q 8-byte aligned");
   const int64_t blocks = (rows + kGroup - 1) / kGroup * (cols / kGroup);
   if (blocks >= (int64_t{1} << 31)) return Status::invalid("quantize_blocks_128x128: too many blocks");
-  quantize_blocks_128x128_kernel<<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(w, rows, cols, q,
-                                                                                             scales);
-  MEGAMOE_CHECK_LAUNCH(stream, "quantize_blocks_128x128_kernel");
-  return Status::ok();
+  return kernels::launch_dependent(quantize_blocks_128x128_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kBlockThreads), 0, stream, "quantize_blocks_128x128_kernel", w, rows, cols, q, scales);
 }
 
 Status fp8_quantize_preload() {

@@ -16,7 +16,9 @@
 #include <string>
 
 #include "device/fp8_codes.cuh"
+#include "device/ptx/grid_dependency.cuh"
 #include "kernels/cuda_check.hpp"
+#include "kernels/dependent_launch.hpp"
 #include "kernels/fp8_swiglu_backward.hpp"
 #include "kernels/swiglu_backward_row.cuh"
 #include "kernels/token_major_groups.cuh"
@@ -63,6 +65,7 @@ __device__ __forceinline__ void store_float4(float* p, const float (&v)[4]) {
 
 __global__ void __launch_bounds__(kThreads, 1) swiglu_backward_fp8_kernel(const Args args) {
   extern __shared__ __align__(16) unsigned char smem[];
+  device::begin_dependent_grid();
   float* const tile = reinterpret_cast<float*>(smem);  // [kGroup][kColumns], swizzled
   float* const weights = tile + kGroup * kColumns;     // the group's routing weights
 
@@ -189,9 +192,7 @@ Status swiglu_backward_quantize_fp8(const float* g, const float* h, const float*
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(swiglu_backward_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const Args args{g, h, row_weight, I, offsets, experts, capacity, token_major_columns(capacity, experts), out};
-  swiglu_backward_fp8_kernel<<<static_cast<unsigned>(groups), kThreads, kSmemBytes, stream>>>(args);
-  MEGAMOE_CHECK_LAUNCH(stream, "swiglu_backward_fp8_kernel");
-  return Status::ok();
+  return kernels::launch_dependent(swiglu_backward_fp8_kernel, dim3(static_cast<unsigned>(groups)), dim3(kThreads), kSmemBytes, stream, "swiglu_backward_fp8_kernel", args);
 }
 
 Status swiglu_backward_fp8_preload() {

@@ -15,7 +15,9 @@
 
 #include "device/epilogue/transforms.cuh"
 #include "device/fp8_codes.cuh"
+#include "device/ptx/grid_dependency.cuh"
 #include "kernels/cuda_check.hpp"
+#include "kernels/dependent_launch.hpp"
 #include "kernels/fp8_token_major.hpp"
 #include "kernels/token_major_groups.cuh"
 
@@ -207,6 +209,7 @@ template <class Rows>
 __global__ void __launch_bounds__(kThreads, Rows::kMinBlocks)
     token_major_quantize_kernel(Rows rows, Outputs<Rows::kOutputs> out, const int32_t* __restrict__ offsets,
                                 int experts, int64_t capacity, int64_t columns, int slabs) {
+  device::begin_dependent_grid();
   constexpr int kPieces = Rows::kPieces, kWidth = 32 * kPieces, kColumns = Rows::kOutputs * kWidth;
   extern __shared__ __align__(16) unsigned char smem[];
   float* const tile = reinterpret_cast<float*>(smem);  // [kGroup][kColumns], swizzled
@@ -320,10 +323,9 @@ Status launch(const char* what, const Rows& rows, const Outputs<Rows::kOutputs>&
       static_cast<int>(kGroup * Rows::kOutputs * 32 * Rows::kPieces * sizeof(float) + kGroup * sizeof(RowRef));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(token_major_quantize_kernel<Rows>,
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  token_major_quantize_kernel<Rows><<<grid, kThreads, kSmemBytes, stream>>>(
-      rows, out, offsets, experts, capacity, token_major_columns(capacity, experts), static_cast<int>(slabs));
-  MEGAMOE_CHECK_LAUNCH(stream, what);
-  return Status::ok();
+  return kernels::launch_dependent(token_major_quantize_kernel<Rows>, grid, dim3(kThreads), kSmemBytes, stream, what,
+                                   rows, out, offsets, experts, capacity, token_major_columns(capacity, experts),
+                                   static_cast<int>(slabs));
 }
 
 Status check_swiglu_grad_inputs(const char* what, const float* g, const float* h, const float* row_weight) {

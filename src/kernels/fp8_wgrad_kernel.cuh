@@ -15,6 +15,7 @@
 #include "device/gemm/fp8_mainloop.cuh"
 #include "device/gemm/shape.cuh"
 #include "device/pipeline.cuh"
+#include "device/ptx/grid_dependency.cuh"
 #include "device/ptx/sync.cuh"
 #include "device/ptx/tma.cuh"
 #include "device/sched/grouped_tiles.cuh"
@@ -150,6 +151,7 @@ __global__ void __launch_bounds__(kFp8WgradThreads, 1)
     pipe.init(Cfg::kFullArrivals, Cfg::kEmptyArrivals);
     device::mbarrier_init_fence();
   }
+  device::begin_dependent_grid();  // the offsets and both operands come from earlier kernels
   __syncthreads();
   tiles.build(p.offsets, p.capacity, false, tid, kFp8WgradThreads);
   const device::StaticSchedule sched{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};

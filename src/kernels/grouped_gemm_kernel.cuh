@@ -17,6 +17,7 @@
 #include "device/gemm/mainloop.cuh"
 #include "device/gemm/operands.cuh"
 #include "device/pipeline.cuh"
+#include "device/ptx/grid_dependency.cuh"
 #include "device/ptx/sync.cuh"
 #include "device/sched/grouped_tiles.cuh"
 #include "device/sched/schedulers.cuh"
@@ -191,6 +192,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     }
     device::mbarrier_init_fence();
   }
+  device::begin_dependent_grid();  // the group offsets and both operands come from earlier kernels
   tiles.build(p.group_offsets, p.max_rows, p.longest_first != 0, tid, kGemmThreads);
   // In a cluster the peer multicasts into this CTA's shared memory and arrives on its barriers: both CTAs
   // must have initialised them first.

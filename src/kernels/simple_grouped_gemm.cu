@@ -21,7 +21,9 @@
 #include <string>
 #include <type_traits>
 
+#include "device/ptx/grid_dependency.cuh"
 #include "kernels/cuda_check.hpp"
+#include "kernels/dependent_launch.hpp"
 #include "kernels/simple_grouped_gemm.hpp"
 
 namespace megamoe::kernels {
@@ -183,6 +185,7 @@ __device__ __forceinline__ void store_values(void* dst, const float (&v)[4], int
 
 template <bool kAContigJ, bool kBContigJ>
 __global__ void __launch_bounds__(kThreads, 1) simple_grouped_gemm_kernel(const Params p) {
+  device::begin_dependent_grid();
   using namespace nvcuda;
   using ALayout = std::conditional_t<kAContigJ, wmma::row_major, wmma::col_major>;
   using BLayout = std::conditional_t<kBContigJ, wmma::row_major, wmma::col_major>;
@@ -398,9 +401,7 @@ Status launch(const Params& params, int blocks, size_t smem_bytes, int smem_opti
                                                  std::to_string(smem_optin) + " in all");
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
-  kernel<<<blocks, kThreads, smem_bytes, stream>>>(params);
-  MEGAMOE_CHECK_LAUNCH(stream, "simple_grouped_gemm_kernel");
-  return Status::ok();
+  return kernels::launch_dependent(kernel, dim3(blocks), dim3(kThreads), smem_bytes, stream, "simple_grouped_gemm_kernel", params);
 }
 
 std::string operand_error(const char* name, const char* what) {
