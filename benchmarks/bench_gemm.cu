@@ -312,6 +312,7 @@ int main(int argc, char** argv) {
   int32_t *off_bal, *off_skew, *off_dense;
   int* work_counter;  // dynamic scheduling (GemmTuning::work_counter)
   BENCH_CHECK_CUDA(cudaMalloc(&work_counter, sizeof(int)));
+  BENCH_CHECK_CUDA(cudaMemset(work_counter, 0, sizeof(int)));  // once: every launch leaves it zero
   // Identity gather index and C row pointers (rebuilt for each output width by row_pointers_for).
   int32_t* identity_rows;
   void** c_rows;

@@ -88,8 +88,8 @@ struct GemmTuning {
   GemmStoreMode store = GemmStoreMode::kDefault;
   // Optional device int (cluster_size 1 only): work items are then handed out dynamically by atomicAdd on
   // it, and form 3 numbers the experts with the most rows first, so uneven experts leave no long tail.
-  // The engine zeroes it (cudaMemsetAsync on the stream) before each launch; launches that can run at the
-  // same time need distinct counters. Results are bitwise the same either way (every output tile is
+  // It must be zero before its first launch, and each launch leaves it zero (its last drawing CTA resets
+  // it); launches that can run at the same time need distinct counters. Results are bitwise the same either way (every output tile is
   // computed whole by one CTA).
   int* work_counter = nullptr;
   // Tile width: 256 (default, 0) or 128 (cluster_size 1 only). The tile is 128 rows high.

@@ -83,11 +83,12 @@ __device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUte
   using Loader = typename Cfg::Loader;
   if (!Loader::kGathers && ptid != 0) return;  // one thread issues every TMA box
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
-  const typename Cfg::Schedule schedule{&smem.schedule, p.work_counter};
+  const int total = tiles.total();
+  // Every CTA draws (dynamic scheduling is for clusters of 1).
+  const typename Cfg::Schedule schedule{&smem.schedule, p.work_counter, total + static_cast<int>(gridDim.x) - 1};
   Loader loader{tm_a, tm_b, p.src, {}};
   device::PipeState<Shape::kStages> st;
   device::EpilogueStageRefill<Shape, Cfg::kEachReaderArrives> refill{smem.epilogue_read};
-  const int total = tiles.total();
   for (int j = 0;; ++j) {
     const int t = dynamic ? (ptid == 0 ? schedule.draw(j) : schedule.read(j)) : sched.item(j);
     if (t >= total) break;
@@ -223,9 +224,6 @@ Status launch_config(const GemmLaunch& l, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<kCluster>(grouped_gemm_kernel<Cfg>, kGemmThreads, Cfg::kSmemBytes,
                                                            stream, num_sms, l.tuning.max_ctas, "grouped GEMM",
                                                            &launch));
-  if (l.p.work_counter != nullptr) {
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(l.p.work_counter, 0, sizeof(int), stream));
-  }
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaLaunchKernelEx(&launch.config, grouped_gemm_kernel<Cfg>, l.a, l.b, l.c, l.aux, l.h, l.p));
   MEGAMOE_CHECK_LAUNCH(stream, "grouped_gemm_kernel");

@@ -27,7 +27,7 @@ struct GemmKernelParams {
   int accumulate;  // form 3
   int transpose_c;  // form 3: c32 is [groups, N, M] (each C[e] stored transposed)
   int tma_store;   // 1: the C (and aux) tensor maps are valid and the outputs contiguous
-  int* work_counter;  // non-null: dynamic scheduling (zeroed before the launch)
+  int* work_counter;  // non-null: dynamic scheduling (zero at the launch, left zero by it)
   int longest_first;  // form 3, dynamic: the experts with the most rows first
   device::ReadinessGate ready;
 };

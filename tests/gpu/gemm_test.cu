@@ -779,6 +779,7 @@ std::vector<GemmTuning> k_grouped_tunings(int* counter) {
 TEST(GroupedGemm, KGroupedFp32) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   DeviceBuffer<int32_t> counter(1);
+  counter.upload({0});  // zero once: every launch leaves it zero
   for (const GemmTuning& t : k_grouped_tunings(counter.get())) {
     run_k_grouped(8, 300, 200, 320, false, t);
     run_k_grouped(5, 700, 256, 512, false, t);
@@ -790,10 +791,12 @@ TEST(GroupedGemm, KGroupedFp32) {
 TEST(GroupedGemm, KGroupedAccumulate) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   DeviceBuffer<int32_t> counter(1);
+  counter.upload({0});  // zero once: every launch leaves it zero
   for (const GemmTuning& t : k_grouped_tunings(counter.get())) run_k_grouped(7, 260, 136, 264, true, t);
 }
 
-// Dynamic scheduling changes which CTA computes a tile, never its bits; the counter is reused.
+// Dynamic scheduling changes which CTA computes a tile, never its bits; the counter is reused, each launch
+// leaving it zero for the next (no memset between them).
 TEST(GroupedGemm, DynamicSchedulingAgreesBitwise) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const int E = 12, M = 264, N = 200;
@@ -808,6 +811,7 @@ TEST(GroupedGemm, DynamicSchedulingAgreesBitwise) {
   dA.upload(a);
   dB.upload(b);
   dOff.upload(off);
+  counter.upload({0});  // zero once: every launch leaves it zero
   GemmTuning dynamic;
   dynamic.work_counter = counter.get();
   ASSERT_TRUE(grouped_gemm_tn(dA.get(), dB.get(), dC.get(), dOff.get(), E, rows, M, N, false, nullptr, {}).is_ok());
@@ -819,6 +823,7 @@ TEST(GroupedGemm, DynamicSchedulingAgreesBitwise) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const auto got = dC.download();
     ASSERT_EQ(std::memcmp(ref.data(), got.data(), got.size() * sizeof(float)), 0) << "repeat " << rep;
+    EXPECT_EQ(counter.download()[0], 0) << "the launch must leave its work counter zero, repeat " << rep;
   }
   // Forms 1 and 2 take the counter too (items in increasing order).
   DeviceBuffer<bf16> dX(size_t(rows) * M), dW(size_t(E) * N * M), dY(size_t(rows) * N);

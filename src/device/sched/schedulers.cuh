@@ -29,7 +29,12 @@ struct DynamicSchedule {
     int item[kRing];
   };
   Storage* s;
-  int* counter;  // zeroed before the launch
+  int* counter;  // zero when the launch starts
+  // When >= 0, the number the last drawing CTA draws: every CTA draws until it gets a number past the end, so
+  // with G CTAs drawing from total items the draws end at total + G - 1, and that CTA, the counter's last user,
+  // leaves it zero for the next launch (no memset between two kernels, which would keep the next one from
+  // starting early: kernels/dependent_launch.hpp).
+  int last_draw = -1;
 
   // One thread, before use; `readers`: the threads that read each published number.
   __device__ void init(int readers) const {
@@ -42,6 +47,7 @@ struct DynamicSchedule {
   __device__ int draw(int j) const {
     const int slot = j % kRing;
     const int t = atomicAdd(counter, 1);
+    if (t == last_draw) atomicExch(counter, 0);
     mbarrier_wait(&s->empty[slot], ((j / kRing) & 1) ^ 1);
     reinterpret_cast<volatile int*>(s->item)[slot] = t;
     mbarrier_arrive(&s->full[slot]);
