@@ -9,7 +9,7 @@ namespace {
 
 bool enabled_by_environment() {
   const char* value = std::getenv("MEGAMOE_DEPENDENT_LAUNCH");
-  return value == nullptr || std::strcmp(value, "0") != 0;
+  return value != nullptr && std::strcmp(value, "1") == 0;
 }
 
 std::atomic<bool>& dependent_launch_flag() {
