@@ -53,7 +53,9 @@ Status gather_rows_e4m3(const uint8_t* q, const float* scales, int64_t source_ro
     return Status::invalid("gather_rows_e4m3: q and out_q must be 16-byte aligned");
   int blocks = 0;
   MEGAMOE_RETURN_IF_ERROR(warp_grid((capacity + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
-  return kernels::launch_dependent(gather_rows_e4m3_kernel, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, stream, "gather_rows_e4m3_kernel", q, scales, source_rows, row_src, cols, rows_used, capacity, out_q, out_s, scales_pitch);
+  return kernels::launch_dependent(gather_rows_e4m3_kernel, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, stream,
+                                   "gather_rows_e4m3_kernel", q, scales, source_rows, row_src, cols, rows_used,
+                                   capacity, out_q, out_s, scales_pitch);
 }
 
 Status gather_rows_preload() {

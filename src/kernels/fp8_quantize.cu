@@ -225,7 +225,8 @@ Status transpose_blocks_128x128_e4m3(const uint8_t* q, const float* scales, int6
   if (tiles >= (int64_t{1} << 31) || groups > 65535)
     return Status::invalid("transpose_blocks_128x128: too many tiles or groups");
   const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(groups));
-  return kernels::launch_dependent(transpose_blocks_128x128_kernel, dim3(grid), dim3(256), 0, stream, "transpose_blocks_128x128_kernel", q, scales, N, K, qt, scales_t);
+  return kernels::launch_dependent(transpose_blocks_128x128_kernel, grid, dim3(256), 0, stream,
+                                   "transpose_blocks_128x128_kernel", q, scales, N, K, qt, scales_t);
 }
 
 Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t cols, uint8_t* q, float* scales,
@@ -242,7 +243,8 @@ Status quantize_rows_1x128_bf16(const __nv_bfloat16* x, int64_t rows, int64_t co
   const int64_t num_groups = rows * (cols / kGroup);
   int blocks = 0;
   MEGAMOE_RETURN_IF_ERROR(warp_grid((num_groups + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
-  return kernels::launch_dependent(quantize_rows_1x128_kernel, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, stream, "quantize_rows_1x128_kernel", x, num_groups, cols / kGroup, scales_pitch, q, scales);
+  return kernels::launch_dependent(quantize_rows_1x128_kernel, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, stream,
+                                   "quantize_rows_1x128_kernel", x, num_groups, cols / kGroup, scales_pitch, q, scales);
 }
 
 Status swiglu_quantize_rows_1x128(const float* h, int64_t rows, int64_t I, const int32_t* rows_used,
@@ -261,7 +263,9 @@ Status swiglu_quantize_rows_1x128(const float* h, int64_t rows, int64_t I, const
   // Sized for every row; with rows_used the warps past the used rows find no work.
   int blocks = 0;
   MEGAMOE_RETURN_IF_ERROR(warp_grid((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
-  return kernels::launch_dependent(swiglu_quantize_rows_1x128_kernel, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, stream, "swiglu_quantize_rows_1x128_kernel", h, rows, I, rows_used, scales_pitch, aq, scales);
+  return kernels::launch_dependent(swiglu_quantize_rows_1x128_kernel, dim3(blocks), dim3(kWarpsPerBlock * 32), 0,
+                                   stream, "swiglu_quantize_rows_1x128_kernel", h, rows, I, rows_used, scales_pitch, aq,
+                                   scales);
 }
 
 Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const float* row_weight, int64_t rows,
@@ -284,7 +288,9 @@ Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const
     return Status::invalid("swiglu_backward_quantize_rows_1x128: g, h and a_out must be 16-byte, dh_q 4-byte aligned");
   int blocks = 0;
   MEGAMOE_RETURN_IF_ERROR(warp_grid((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, &blocks));
-  return kernels::launch_dependent(swiglu_backward_quantize_rows_1x128_kernel, dim3(blocks), dim3(kWarpsPerBlock * 32), 0, stream, "swiglu_backward_quantize_rows_1x128_kernel", g, h, row_weight, rows, I, rows_used, scales_pitch, dh_q, dh_s, a_out, dot_rows, dot_parts);
+  return kernels::launch_dependent(swiglu_backward_quantize_rows_1x128_kernel, dim3(blocks), dim3(kWarpsPerBlock * 32),
+                                   0, stream, "swiglu_backward_quantize_rows_1x128_kernel", g, h, row_weight, rows, I,
+                                   rows_used, scales_pitch, dh_q, dh_s, a_out, dot_rows, dot_parts);
 }
 
 Status quantize_blocks_128x128_bf16(const __nv_bfloat16* w, int64_t rows, int64_t cols, uint8_t* q, float* scales,
@@ -299,7 +305,9 @@ Status quantize_blocks_128x128_bf16(const __nv_bfloat16* w, int64_t rows, int64_
     return Status::invalid("quantize_blocks_128x128: w must be 16-byte and q 8-byte aligned");
   const int64_t blocks = (rows + kGroup - 1) / kGroup * (cols / kGroup);
   if (blocks >= (int64_t{1} << 31)) return Status::invalid("quantize_blocks_128x128: too many blocks");
-  return kernels::launch_dependent(quantize_blocks_128x128_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kBlockThreads), 0, stream, "quantize_blocks_128x128_kernel", w, rows, cols, q, scales);
+  return kernels::launch_dependent(quantize_blocks_128x128_kernel, dim3(static_cast<unsigned>(blocks)),
+                                   dim3(kBlockThreads), 0, stream, "quantize_blocks_128x128_kernel", w, rows, cols, q,
+                                   scales);
 }
 
 Status fp8_quantize_preload() {

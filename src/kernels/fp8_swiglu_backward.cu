@@ -192,7 +192,8 @@ Status swiglu_backward_quantize_fp8(const float* g, const float* h, const float*
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(swiglu_backward_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const Args args{g, h, row_weight, I, offsets, experts, capacity, token_major_columns(capacity, experts), out};
-  return kernels::launch_dependent(swiglu_backward_fp8_kernel, dim3(static_cast<unsigned>(groups)), dim3(kThreads), kSmemBytes, stream, "swiglu_backward_fp8_kernel", args);
+  return kernels::launch_dependent(swiglu_backward_fp8_kernel, dim3(static_cast<unsigned>(groups)), dim3(kThreads),
+                                   kSmemBytes, stream, "swiglu_backward_fp8_kernel", args);
 }
 
 Status swiglu_backward_fp8_preload() {

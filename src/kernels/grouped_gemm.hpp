@@ -89,8 +89,8 @@ struct GemmTuning {
   // Optional device int (cluster_size 1 only): work items are then handed out dynamically by atomicAdd on
   // it, and form 3 numbers the experts with the most rows first, so uneven experts leave no long tail.
   // It must be zero before its first launch, and each launch leaves it zero (its last drawing CTA resets
-  // it); launches that can run at the same time need distinct counters. Results are bitwise the same either way (every output tile is
-  // computed whole by one CTA).
+  // it); launches that can run at the same time need distinct counters. Results are bitwise the same either
+  // way (every output tile is computed whole by one CTA).
   int* work_counter = nullptr;
   // Tile width: 256 (default, 0) or 128 (cluster_size 1 only). The tile is 128 rows high.
   int tile_n = 0;

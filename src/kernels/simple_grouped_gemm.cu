@@ -401,7 +401,8 @@ Status launch(const Params& params, int blocks, size_t smem_bytes, int smem_opti
                                                  std::to_string(smem_optin) + " in all");
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
-  return kernels::launch_dependent(kernel, dim3(blocks), dim3(kThreads), smem_bytes, stream, "simple_grouped_gemm_kernel", params);
+  return kernels::launch_dependent(kernel, dim3(blocks), dim3(kThreads), smem_bytes, stream,
+                                   "simple_grouped_gemm_kernel", params);
 }
 
 std::string operand_error(const char* name, const char* what) {

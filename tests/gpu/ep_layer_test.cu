@@ -620,6 +620,32 @@ TEST(EpLayerFp8Test, PrequantizedWeightsGiveTheLayersOwnResults) {
   EXPECT_NE(not_fp8.message().find("fp8-blockwise"), std::string::npos) << not_fp8.message();
 }
 
+// A setting of a layer group that must not change its results, and the words that name it in a failure.
+struct SameBitsSetting {
+  std::function<void(VirtualRankGroup&)> apply;
+  std::string what;
+};
+
+// One fresh problem of `sc` run under each setting in turn (`repetitions` steps each, on one group): every run
+// after the first gives bitwise the first one's outputs and gradients.
+void expect_settings_give_the_same_bits(const Scenario& sc, int repetitions,
+                                        const std::vector<SameBitsSetting>& settings) {
+  const uint64_t seed = testing::test_seed();
+  SCOPED_TRACE(sc.name + ", seed " + std::to_string(seed));
+  const Problem p = make_problem(sc, seed);
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(p.config, scenario_options(), &group).is_ok());
+  std::vector<RankTensors> t = upload(p);
+  Outputs first;
+  for (size_t i = 0; i < settings.size(); ++i) {
+    settings[i].apply(*group);
+    Outputs out;
+    run_gpu(p, *group, t, i == 0 ? &first : &out, repetitions);
+    if (::testing::Test::HasFatalFailure()) return;
+    if (i > 0) expect_same_bits(first, out, p, settings[i].what);
+  }
+}
+
 // set_fp8_overlap_promotion: the FP8 GEMMs of the layer (the forward's two, the backward's two dgrads and two
 // weight gradients) with each K block promoted while the next one's wgmma run, on all of them and on the
 // default's share (the GEMMs with A by TMA), give bitwise the same outputs and gradients as the plain loops;
@@ -627,31 +653,22 @@ TEST(EpLayerFp8Test, PrequantizedWeightsGiveTheLayersOwnResults) {
 // three K blocks, the last partial).
 TEST(EpLayerFp8Test, OverlappedPromotionGivesTheSameBits) {
   MEGAMOE_SKIP_WITHOUT_GPU();
+  const auto overlap = [](Fp8PromotionOverlap where, const char* what) {
+    return SameBitsSetting{[where](VirtualRankGroup& g) {
+                             for (int r = 0; r < g.num_ranks(); ++r) g.layer(r).set_fp8_overlap_promotion(where);
+                           },
+                           what};
+  };
   for (const Scenario& sc : {Scenario{"Fp8_overlap_R2", kFp8ScenarioShape, 2, {131, 77}, Routing::kRandom},
                              Scenario{"Fp8_overlap_AllToOne", kFp8ScenarioShape, 2, {200, 150},
                                       Routing::kAllToOneExpert}}) {
-    const uint64_t seed = testing::test_seed();
-    SCOPED_TRACE(sc.name + ", seed " + std::to_string(seed));
-    const Problem p = make_problem(sc, seed);
-    std::unique_ptr<VirtualRankGroup> group;
-    ASSERT_TRUE(VirtualRankGroup::create(p.config, scenario_options(), &group).is_ok());
-    std::vector<RankTensors> t = upload(p);
-    const auto run_with = [&](Fp8PromotionOverlap where, Outputs* out) {
-      for (int r = 0; r < sc.ranks; ++r) group->layer(r).set_fp8_overlap_promotion(where);
-      run_gpu(p, *group, t, out);
-    };
-    Outputs plain, all, by_default, again;
-    run_with(Fp8PromotionOverlap::kNone, &plain);
+    expect_settings_give_the_same_bits(
+        sc, 1,
+        {overlap(Fp8PromotionOverlap::kNone, "the plain loops"),
+         overlap(Fp8PromotionOverlap::kAll, "the overlapped promotion on every FP8 GEMM"),
+         overlap(Fp8PromotionOverlap::kTmaOperands, "the overlapped promotion on the TMA-operand GEMMs"),
+         overlap(Fp8PromotionOverlap::kNone, "the plain loops after the overlapped ones")});
     if (::testing::Test::HasFatalFailure()) return;
-    run_with(Fp8PromotionOverlap::kAll, &all);
-    if (::testing::Test::HasFatalFailure()) return;
-    expect_same_bits(plain, all, p, "the overlapped promotion on every FP8 GEMM");
-    run_with(Fp8PromotionOverlap::kTmaOperands, &by_default);
-    if (::testing::Test::HasFatalFailure()) return;
-    expect_same_bits(plain, by_default, p, "the overlapped promotion on the TMA-operand GEMMs");
-    run_with(Fp8PromotionOverlap::kNone, &again);
-    if (::testing::Test::HasFatalFailure()) return;
-    expect_same_bits(plain, again, p, "the plain loops after the overlapped ones");
   }
 }
 
@@ -661,26 +678,19 @@ TEST(EpLayerFp8Test, OverlappedPromotionGivesTheSameBits) {
 // read its inputs poisoned or from the previous step). Three steps a run, back to back per rank.
 TEST(EpLayerLaunchTest, DependentLaunchGivesTheSameBits) {
   MEGAMOE_SKIP_WITHOUT_GPU();
-  const bool initially = dependent_launch_enabled();
+  struct Restore {  // the process-wide switch as it was, however the test ends
+    bool initially = dependent_launch_enabled();
+    ~Restore() { set_dependent_launch(initially); }
+  } restore;
+  const auto launch = [](bool dependent, const char* what) {
+    return SameBitsSetting{[dependent](VirtualRankGroup&) { set_dependent_launch(dependent); }, what};
+  };
   for (const Scenario& sc : {Scenario{"Bf16_dependent_R4", qwen(), 4, {29, 0, 17, 40}, Routing::kMaskedAndRagged},
                              Scenario{"Fp8_dependent_R2", kFp8ScenarioShape, 2, {131, 77}, Routing::kRandom}}) {
-    const uint64_t seed = testing::test_seed();
-    SCOPED_TRACE(sc.name + ", seed " + std::to_string(seed));
-    const Problem p = make_problem(sc, seed);
-    std::unique_ptr<VirtualRankGroup> group;
-    ASSERT_TRUE(VirtualRankGroup::create(p.config, scenario_options(), &group).is_ok());
-    std::vector<RankTensors> t = upload(p);
-    Outputs plain, dependent, plain_again;
-    set_dependent_launch(false);
-    run_gpu(p, *group, t, &plain, 3);
-    set_dependent_launch(true);
-    if (!::testing::Test::HasFatalFailure()) run_gpu(p, *group, t, &dependent, 3);
-    set_dependent_launch(false);
-    if (!::testing::Test::HasFatalFailure()) run_gpu(p, *group, t, &plain_again, 3);
-    set_dependent_launch(initially);
+    expect_settings_give_the_same_bits(sc, 3,
+                                       {launch(false, "plain stream order"), launch(true, "dependent launch"),
+                                        launch(false, "plain stream order after dependent launch")});
     if (::testing::Test::HasFatalFailure()) return;
-    expect_same_bits(plain, dependent, p, "dependent launch");
-    expect_same_bits(plain, plain_again, p, "plain stream order after dependent launch");
   }
 }
 
