@@ -103,25 +103,18 @@ __device__ __forceinline__ WarpGroupQuantized quantize_warp_group(const float (&
 // One group of 128 held by eight consecutive lanes (lanes 8 k .. 8 k + 7 of the warp), 16 values each: the
 // group's scale (the amax's rule as above) and the lane's 16 E4M3 bytes, value i in byte i % 4 of word i / 4.
 // Every lane of the warp calls it (the shuffles stay inside each eight).
-// The amax of the values eight consecutive lanes hold, kCount each (from 0, NaN-ignoring: fmaxf). A maximum
-// is exact, so the amax of a group split over two such octets is fmaxf of theirs.
-template <int kCount>
-__device__ __forceinline__ float octet_amax(const float (&v)[kCount]) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kCount; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-  for (int offset = 1; offset < 8; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  return amax;
-}
-
 struct OctetGroupQuantized {
   uint32_t words[4];
   float scale;
 };
 __device__ __forceinline__ OctetGroupQuantized quantize_octet_group(const float (&v)[16]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int offset = 1; offset < 8; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   OctetGroupQuantized out;
-  out.scale = scale_from_amax(octet_amax(v));
+  out.scale = scale_from_amax(amax);
   e4m3_words_of(v, out.scale, out.words);
   return out;
 }

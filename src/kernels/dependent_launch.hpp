@@ -21,33 +21,23 @@ inline void set_dependent_launch_attribute(cudaLaunchAttribute* attribute) {
   attribute->val.programmaticStreamSerializationAllowed = dependent_launch_enabled() ? 1 : 0;
 }
 
-// `name` names the kernel in a launch error; `cluster` > 1 launches clusters of that many CTAs along x.
+// `name` names the kernel in a launch error.
 template <class... Params, class... Args>
-Status launch_dependent_in_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, int cluster, size_t smem_bytes,
-                                    cudaStream_t stream, const char* name, Args&&... args) {
-  cudaLaunchAttribute attribute[2]{};
+Status launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
+                        const char* name, Args&&... args) {
+  cudaLaunchAttribute attribute[1]{};
   set_dependent_launch_attribute(&attribute[0]);
-  attribute[1].id = cudaLaunchAttributeClusterDimension;
-  attribute[1].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attribute[1].val.clusterDim.y = 1;
-  attribute[1].val.clusterDim.z = 1;
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   config.attrs = attribute;
-  config.numAttrs = cluster > 1 ? 2 : 1;
+  config.numAttrs = 1;
   MEGAMOE_RETURN_IF_ERROR(
       cuda_status(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name, __FILE__, __LINE__));
   MEGAMOE_CHECK_LAUNCH(stream, name);
   return Status::ok();
-}
-
-template <class... Params, class... Args>
-Status launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
-                        const char* name, Args&&... args) {
-  return launch_dependent_in_clusters(kernel, grid, block, 1, smem_bytes, stream, name, std::forward<Args>(args)...);
 }
 
 }  // namespace megamoe::kernels

@@ -41,15 +41,9 @@ struct SwigluBackwardFp8Outputs {
   float* dht_s = nullptr;
 };
 
-// How the blocks share a group of 128 routed rows: one block of 512 threads a group (one block an SM: its
-// 192 KB tile), or a 2-CTA cluster a group, 256 threads and 64 rows a CTA (two blocks an SM), whose halves
-// exchange each token-major channel's maximum through distributed shared memory. The same bits either way.
-enum class SwigluBackwardBlocks { kOnePerGroup, kPairPerGroup };
-
 Status swiglu_backward_quantize_fp8(const float* g, const float* h, const float* row_weight, int64_t I,
                                     const int32_t* offsets, int experts, int64_t capacity,
-                                    const SwigluBackwardFp8Outputs& out, cudaStream_t stream,
-                                    SwigluBackwardBlocks blocks = SwigluBackwardBlocks::kPairPerGroup);
+                                    const SwigluBackwardFp8Outputs& out, cudaStream_t stream);
 
 // Loads the kernel now (see fp8_quantize_preload).
 Status swiglu_backward_fp8_preload();

@@ -2,7 +2,7 @@
 // quantizer swiglu_backward_quantize_rows_1x128 and the token-major pair token_major_quantize_swiglu_pair
 // (each checked against the CPU rule in its own test): every output byte equal, the untouched ones included
 // (all buffers start as 0xFF poison), on layouts with partial, empty and one-row experts and several 128-channel
-// blocks of I; both ways of sharing a group of rows out to blocks (one block, a 2-CTA cluster).
+// blocks of I.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -93,7 +93,10 @@ void check_against_twins(const std::vector<int32_t>& offsets, int64_t capacity, 
   d_w.upload(w);
   d_offsets.upload(offsets);
 
-  StepOutputs twins(capacity, I, experts);
+  StepOutputs one(capacity, I, experts), twins(capacity, I, experts);
+  ASSERT_TRUE(kernels::swiglu_backward_quantize_fp8(d_g.get(), d_h.get(), d_w.get(), I, d_offsets.get(), experts,
+                                                    capacity, one.view(true), nullptr)
+                  .is_ok());
   ASSERT_TRUE(kernels::swiglu_backward_quantize_rows_1x128(
                   d_g.get(), d_h.get(), d_w.get(), capacity, I, d_offsets.get() + experts, twins.dh_q.get(),
                   twins.dh_s.get(), twins.pitch, nullptr, twins.dot_rows.get(), kDotParts, nullptr)
@@ -102,44 +105,27 @@ void check_against_twins(const std::vector<int32_t>& offsets, int64_t capacity, 
                                                         capacity, twins.at_q.get(), twins.at_s.get(),
                                                         twins.dht_q.get(), twins.dht_s.get(), nullptr)
                   .is_ok());
-  for (const kernels::SwigluBackwardBlocks blocks :
-       {kernels::SwigluBackwardBlocks::kOnePerGroup, kernels::SwigluBackwardBlocks::kPairPerGroup}) {
-    SCOPED_TRACE(blocks == kernels::SwigluBackwardBlocks::kPairPerGroup ? "a 2-CTA cluster a group"
-                                                                       : "one block a group");
-    StepOutputs one(capacity, I, experts);
-    ASSERT_TRUE(kernels::swiglu_backward_quantize_fp8(d_g.get(), d_h.get(), d_w.get(), I, d_offsets.get(), experts,
-                                                      capacity, one.view(true), nullptr, blocks)
-                    .is_ok());
-    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
 
-    EXPECT_EQ(differing_bytes(one.dh_q, twins.dh_q), 0);
-    EXPECT_EQ(differing_bytes(one.dh_s, twins.dh_s), 0);
-    EXPECT_EQ(differing_bytes(one.dots, twins.dots), 0);
-    EXPECT_EQ(differing_bytes(one.at_q, twins.at_q), 0);
-    EXPECT_EQ(differing_bytes(one.at_s, twins.at_s), 0);
-    EXPECT_EQ(differing_bytes(one.dht_q, twins.dht_q), 0);
-    EXPECT_EQ(differing_bytes(one.dht_s, twins.dht_s), 0);
+  EXPECT_EQ(differing_bytes(one.dh_q, twins.dh_q), 0);
+  EXPECT_EQ(differing_bytes(one.dh_s, twins.dh_s), 0);
+  EXPECT_EQ(differing_bytes(one.dots, twins.dots), 0);
+  EXPECT_EQ(differing_bytes(one.at_q, twins.at_q), 0);
+  EXPECT_EQ(differing_bytes(one.at_s, twins.at_s), 0);
+  EXPECT_EQ(differing_bytes(one.dht_q, twins.dht_q), 0);
+  EXPECT_EQ(differing_bytes(one.dht_s, twins.dht_s), 0);
 
-    // Equal bytes could be two kernels that wrote nothing: every row of the experts has codes (0xFF, the
-    // poison, is no code of a finite value) and a finite dot unless it has no destination; so has every
-    // channel of the token-major copies in the experts' groups (their padding rows are zeros, code 0).
-    const std::vector<uint8_t> q = one.dh_q.download(), at = one.at_q.download();
-    const std::vector<float> dots = one.dots.download();
-    int64_t unwritten = 0;
-    for (int64_t r = 0; r < used; ++r) {
-      for (int64_t c = 0; c < 2 * I; ++c) unwritten += q[r * 2 * I + c] == 0xFF;
-      if (r != 5) unwritten += !std::isfinite(dots[r * kDotParts]) || dots[r * kDotParts + 1] != 0.0f;
-    }
-    const int64_t columns = kernels::token_major_columns(capacity, experts);
-    for (int e = 0; e < experts; ++e) {
-      const int64_t first = kernels::token_major_start(offsets[e], e);
-      const int64_t padded = (offsets[e + 1] - offsets[e] + 127) / 128 * 128;
-      for (int64_t c = 0; c < I; ++c)
-        for (int64_t k = first; k < first + padded; ++k) unwritten += at[c * columns + k] == 0xFF;
-    }
-    EXPECT_EQ(unwritten, 0);
-    EXPECT_TRUE(std::isnan(dots[5 * kDotParts])) << "row 5 has no destination";
+  // Equal bytes could be two kernels that wrote nothing: every row of the experts has codes (0xFF, the poison,
+  // is no code of a finite value) and a finite dot unless it has no destination.
+  const std::vector<uint8_t> q = one.dh_q.download();
+  const std::vector<float> dots = one.dots.download();
+  int64_t unwritten = 0;
+  for (int64_t r = 0; r < used; ++r) {
+    for (int64_t c = 0; c < 2 * I; ++c) unwritten += q[r * 2 * I + c] == 0xFF;
+    if (r != 5) unwritten += !std::isfinite(dots[r * kDotParts]) || dots[r * kDotParts + 1] != 0.0f;
   }
+  EXPECT_EQ(unwritten, 0);
+  EXPECT_TRUE(std::isnan(dots[5 * kDotParts])) << "row 5 has no destination";
 }
 
 TEST(Fp8SwigluBackwardGpuTest, OnePassIsBothTwinsBitExactly) {

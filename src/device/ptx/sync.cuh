@@ -52,20 +52,6 @@ __device__ __forceinline__ void cluster_sync() {
   cuda::ptx::barrier_cluster_wait(cuda::ptx::sem_acquire);
 }
 
-// A float into the same place of CTA `peer`'s shared memory (its copy of the variable `local` points to), through
-// distributed shared memory; a cluster barrier's release / acquire makes it visible there.
-__device__ __forceinline__ void store_peer_shared(float* local, uint32_t peer, float value) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(local));
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "st.shared::cluster.f32 [remote], %2;\n"
-      "}\n" ::"r"(address),
-      "r"(peer), "f"(value)
-      : "memory");
-}
-
 __device__ __forceinline__ uint32_t cluster_cta_rank() { return cuda::ptx::get_sreg_cluster_ctarank(); }
 __device__ __forceinline__ uint32_t cluster_id_x() { return cuda::ptx::get_sreg_clusterid_x(); }
 
