@@ -8,8 +8,9 @@
 // rank (E = 128, T = 16384), both paths.
 // The PyTorch baseline of the same configs (benchmarks/bench_layer_torch.py) runs just before in the same
 // gpu-check call; its CSV, given with --baseline, is printed next to ours with the ratios.
-//   bench_layer [--out PATH.json] [--baseline PATH.csv] [--iters N] [--no-ep]
-// --no-ep leaves out the expert-parallel comparison.
+//   bench_layer [--out PATH.json] [--baseline PATH.csv] [--iters N] [--no-ep] [--fp8]
+// --no-ep leaves out the expert-parallel comparison; --fp8 times only the blockwise FP8 layer against the bf16
+// modular one (no fused kernels, no settings that earlier runs settled), for a short device call.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -231,6 +232,8 @@ constexpr const char* kBackwardPhases[kPhases] = {
     "entry", "(the forward's layout)", "d_out dispatched", "offsets, work numbered",
     "arrivals counted", "dgrad items done", "d_x combined", "end"};
 
+bool g_fp8_only = false;  // --fp8
+
 Result run(int64_t H, int64_t I, int iters) {
   megamoe::LayerConfig c;
   c.hidden = H;
@@ -242,13 +245,15 @@ Result run(int64_t H, int64_t I, int iters) {
   const int64_t T = c.max_tokens_per_rank, K = c.top_k, E = c.num_experts;
   std::unique_ptr<megamoe::VirtualRankGroup> group, fused_group, half_group, recompute_group;
   BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, megamoe::LayerOptions{}, &group));
-  megamoe::LayerOptions fused_options;
-  fused_options.forward_path = megamoe::ForwardPath::kFused;
-  BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &half_group));
-  fused_options.backward_path = megamoe::BackwardPath::kFused;
-  BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &fused_group));
-  fused_options.recompute_h = true;
-  BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &recompute_group));
+  if (!g_fp8_only) {
+    megamoe::LayerOptions fused_options;
+    fused_options.forward_path = megamoe::ForwardPath::kFused;
+    BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &half_group));
+    fused_options.backward_path = megamoe::BackwardPath::kFused;
+    BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &fused_group));
+    fused_options.recompute_h = true;
+    BENCH_CHECK_OK(megamoe::VirtualRankGroup::create(c, fused_options, &recompute_group));
+  }
   std::unique_ptr<megamoe::VirtualRankGroup> fp8_group;  // the blockwise FP8 layer (modular)
   megamoe::LayerConfig c8 = c;
   c8.precision = megamoe::Precision::kFP8Blockwise;
@@ -340,8 +345,15 @@ Result run(int64_t H, int64_t I, int iters) {
     const int s = (it + 3) % kSets;
     const float f_mod = timed(*group, [&] { forward_on(*group, s); });
     const float f_fp8 = timed(*fp8_group, [&] { forward_on(*fp8_group, s); });
-    const float f_fus = timed(*fused_group, [&] { forward_on(*fused_group, s); });
     const float t_mod = timed(*group, [&] { step_on(*group, s); });
+    if (g_fp8_only) {
+      if (it < 0) continue;
+      fwd.push_back(f_mod);
+      total.push_back(t_mod);
+      fp8_fwd.push_back(f_fp8);
+      continue;
+    }
+    const float f_fus = timed(*fused_group, [&] { forward_on(*fused_group, s); });
     const float t_fus = timed(*fused_group, [&] { step_on(*fused_group, s); });
     const float t_half = timed(*half_group, [&] { step_on(*half_group, s); });
     const float t_rec = timed(*recompute_group, [&] { step_on(*recompute_group, s); });
@@ -355,45 +367,47 @@ Result run(int64_t H, int64_t I, int iters) {
     fused_total.push_back(t_fus);
   }
   BENCH_CHECK_OK(group->synchronize_and_check());
-  BENCH_CHECK_OK(fused_group->synchronize_and_check());
-  BENCH_CHECK_OK(half_group->synchronize_and_check());
-  BENCH_CHECK_OK(recompute_group->synchronize_and_check());
   BENCH_CHECK_OK(fp8_group->synchronize_and_check());
-  print_fused_timeline(fused_group->layer(0), [&] { forward_on(*fused_group, 0); }, fused_group->stream(0),
-                       c.forward_flops(T * K), "forward", kForwardPhases);
-  // dgrad1 (H I per row) and dgrad2 (2 H I per row): 6 H I flops per routed row.
-  print_fused_timeline(
-      fused_group->layer(0), [&] { step_on(*fused_group, 0); }, fused_group->stream(0),
-      6.0 * static_cast<double>(T * K) * static_cast<double>(H * I), "backward", kBackwardPhases);
-  BENCH_CHECK_OK(fused_group->synchronize_and_check());
   Result r{H, I, median(fwd), median(total), 0, 0};
-  r.fused_forward_ms = median(fused_fwd);
-  r.fused_total_ms = median(fused_total);
-  r.fused_forward_modular_backward_ms = median(half_total);
-  r.fused_recompute_total_ms = median(recompute_total);
   r.fp8_forward_ms = median(fp8_fwd);
-  {
-    // The order of the expert waves (issue: is the fused GEMM window's loss in how GEMM1 and GEMM2 items share
-    // the L2?): each lag in turn, run for run.
-    std::array<std::vector<float>, kWaveLags.size()> lag_fwd, lag_total;
-    for (int it = -1; it < iters; ++it) {
-      const int s = (it + 1) % kSets;
+  if (!g_fp8_only) {
+    BENCH_CHECK_OK(fused_group->synchronize_and_check());
+    BENCH_CHECK_OK(half_group->synchronize_and_check());
+    BENCH_CHECK_OK(recompute_group->synchronize_and_check());
+    print_fused_timeline(fused_group->layer(0), [&] { forward_on(*fused_group, 0); }, fused_group->stream(0),
+                         c.forward_flops(T * K), "forward", kForwardPhases);
+    // dgrad1 (H I per row) and dgrad2 (2 H I per row): 6 H I flops per routed row.
+    print_fused_timeline(
+        fused_group->layer(0), [&] { step_on(*fused_group, 0); }, fused_group->stream(0),
+        6.0 * static_cast<double>(T * K) * static_cast<double>(H * I), "backward", kBackwardPhases);
+    BENCH_CHECK_OK(fused_group->synchronize_and_check());
+    r.fused_forward_ms = median(fused_fwd);
+    r.fused_total_ms = median(fused_total);
+    r.fused_forward_modular_backward_ms = median(half_total);
+    r.fused_recompute_total_ms = median(recompute_total);
+    {
+      // The order of the expert waves (issue: is the fused GEMM window's loss in how GEMM1 and GEMM2 items share
+      // the L2?): each lag in turn, run for run.
+      std::array<std::vector<float>, kWaveLags.size()> lag_fwd, lag_total;
+      for (int it = -1; it < iters; ++it) {
+        const int s = (it + 1) % kSets;
+        for (size_t l = 0; l < kWaveLags.size(); ++l) {
+          BENCH_CHECK_OK(fused_group->layer(0).set_fused_wave_lag(kWaveLags[l]));
+          const float f = timed(*fused_group, [&] { forward_on(*fused_group, s); });
+          const float t = timed(*fused_group, [&] { step_on(*fused_group, s); });
+          if (it < 0) continue;
+          lag_fwd[l].push_back(f);
+          lag_total[l].push_back(t);
+        }
+      }
+      BENCH_CHECK_OK(fused_group->layer(0).set_fused_wave_lag(1));
+      BENCH_CHECK_OK(fused_group->synchronize_and_check());
       for (size_t l = 0; l < kWaveLags.size(); ++l) {
-        BENCH_CHECK_OK(fused_group->layer(0).set_fused_wave_lag(kWaveLags[l]));
-        const float f = timed(*fused_group, [&] { forward_on(*fused_group, s); });
-        const float t = timed(*fused_group, [&] { step_on(*fused_group, s); });
-        if (it < 0) continue;
-        lag_fwd[l].push_back(f);
-        lag_total[l].push_back(t);
+        r.lag_forward_ms[l] = median(lag_fwd[l]);
+        r.lag_total_ms[l] = median(lag_total[l]);
       }
     }
-    BENCH_CHECK_OK(fused_group->layer(0).set_fused_wave_lag(1));
-    BENCH_CHECK_OK(fused_group->synchronize_and_check());
-    for (size_t l = 0; l < kWaveLags.size(); ++l) {
-      r.lag_forward_ms[l] = median(lag_fwd[l]);
-      r.lag_total_ms[l] = median(lag_total[l]);
-    }
-  }
+  }  // !g_fp8_only
   {
     // The FP8 forward + backward after the bf16 modular step, run for run. Its backward is the newest code
     // here: one trial step first, and an error leaves fp8_total_ms at -1 instead of ending the benchmark.
@@ -425,7 +439,7 @@ Result run(int64_t H, int64_t I, int iters) {
       const auto overlap = [&](Fp8PromotionOverlap where) {
         for (int rank = 0; rank < fp8_group->num_ranks(); ++rank) fp8_group->layer(rank).set_fp8_overlap_promotion(where);
       };
-      for (int it = 0; it < iters; ++it) {
+      for (int it = 0; it < (g_fp8_only ? 0 : iters); ++it) {
         const int s = it % kSets;
         overlap(Fp8PromotionOverlap::kNone);
         plain_total.push_back(timed(*fp8_group, [&] { BENCH_CHECK_OK(fp8_step(s)); }));
@@ -436,14 +450,16 @@ Result run(int64_t H, int64_t I, int iters) {
       }
       overlap(Fp8PromotionOverlap::kTmaOperands);
       BENCH_CHECK_OK(fp8_group->synchronize_and_check());
-      std::printf("  fp8 forward + backward, overlapped promotion on the TMA-operand GEMMs (default): %.3f ms, on "
+      if (!g_fp8_only)
+        std::printf("  fp8 forward + backward, overlapped promotion on the TMA-operand GEMMs (default): %.3f ms, on "
                   "none: %.3f (default x %.3f), on all: %.3f (default x %.3f)\n",
                   median(default_total), median(plain_total), median(plain_total) / median(default_total),
                   median(all_total), median(all_total) / median(default_total));
       // Where the FP8 backward's SwiGLU step runs (ExpertParallelLayer::set_fp8_swiglu_in_dgrad): in the first
       // dgrad's epilogue (the default) against its own kernel after a dgrad that stores g, step for step.
       const auto swiglu_in_dgrad = [&](bool in_epilogue) {
-        for (int rank = 0; rank < fp8_group->num_ranks(); ++rank) fp8_group->layer(rank).set_fp8_swiglu_in_dgrad(in_epilogue);
+        for (int rank = 0; rank < fp8_group->num_ranks(); ++rank)
+          fp8_group->layer(rank).set_fp8_swiglu_in_dgrad(in_epilogue);
       };
       std::vector<float> epilogue_total, separate_total;
       for (int it = 0; it < iters; ++it) {
@@ -486,9 +502,11 @@ Result run(int64_t H, int64_t I, int iters) {
         bf16_host.push_back(h);
         timed(*fp8_group, [&] { h = host_ms([&] { BENCH_CHECK_OK(fp8_step(s)); }); });
         fp8_host.push_back(h);
-        const DependentLaunchAs dependent(true);
-        bf16_b2b.push_back(bf16_steps(s));
-        fp8_b2b.push_back(fp8_steps(s));
+        if (!g_fp8_only) {
+          const DependentLaunchAs dependent(true);
+          bf16_b2b.push_back(bf16_steps(s));
+          fp8_b2b.push_back(fp8_steps(s));
+        }
         const DependentLaunchAs plain(false);
         bf16_b2b_plain.push_back(bf16_steps(s));
         fp8_b2b_plain.push_back(fp8_steps(s));
@@ -497,11 +515,16 @@ Result run(int64_t H, int64_t I, int iters) {
         swiglu_in_dgrad(true);
       }
       BENCH_CHECK_OK(fp8_group->synchronize_and_check());
+      if (g_fp8_only) {
+        bf16_b2b = bf16_b2b_plain;  // plain stream order only
+        fp8_b2b = fp8_b2b_plain;
+      }
       std::printf("  forward + backward, %d steps back to back (per step, median of %d): bf16 %.3f ms, fp8 %.3f ms "
                   "(bf16 / fp8 %.3fx); host time to enqueue one step: bf16 %.3f ms, fp8 %.3f ms\n",
                   kBackToBack, iters, median(bf16_b2b), median(fp8_b2b), median(bf16_b2b) / median(fp8_b2b),
                   median(bf16_host), median(fp8_host));
-      std::printf("  the same in plain stream order (dependent launch on above): bf16 %.3f ms (x %.3f of plain), "
+      if (!g_fp8_only)
+        std::printf("  the same in plain stream order (dependent launch on above): bf16 %.3f ms (x %.3f of plain), "
                   "fp8 %.3f ms (x %.3f of plain)\n",
                   median(bf16_b2b_plain), median(bf16_b2b) / median(bf16_b2b_plain), median(fp8_b2b_plain),
                   median(fp8_b2b) / median(fp8_b2b_plain));
@@ -525,23 +548,25 @@ Result run(int64_t H, int64_t I, int iters) {
                       static_cast<double>(T * K), H, I, &separate_breakdown);
       swiglu_in_dgrad(true);
       BENCH_CHECK_OK(fp8_group->synchronize_and_check());
-      // The same with the plain loops everywhere: what the overlapped promotion gains GEMM by GEMM.
-      std::printf("  fp8 forward + backward, plain loops:\n");
-      overlap(Fp8PromotionOverlap::kNone);
-      Result plain_breakdown = r;
-      print_breakdown([&](int it) { BENCH_CHECK_OK(fp8_step(it % kSets)); }, fp8_group->stream(0), 10,
-                      static_cast<double>(T * K), H, I, &plain_breakdown);
-      overlap(Fp8PromotionOverlap::kTmaOperands);
-      BENCH_CHECK_OK(fp8_group->synchronize_and_check());
-      {
-        // With dependent launch: the kernels' times include their early waits, the span and idle time are the
-        // step's.
-        const DependentLaunchAs dependent(true);
-        std::printf("  fp8 forward + backward, dependent launch:\n");
-        Result dependent_breakdown = r;
+      if (!g_fp8_only) {
+        // The same with the plain loops everywhere: what the overlapped promotion gains GEMM by GEMM.
+        std::printf("  fp8 forward + backward, plain loops:\n");
+        overlap(Fp8PromotionOverlap::kNone);
+        Result plain_breakdown = r;
         print_breakdown([&](int it) { BENCH_CHECK_OK(fp8_step(it % kSets)); }, fp8_group->stream(0), 10,
-                        static_cast<double>(T * K), H, I, &dependent_breakdown);
+                        static_cast<double>(T * K), H, I, &plain_breakdown);
+        overlap(Fp8PromotionOverlap::kTmaOperands);
         BENCH_CHECK_OK(fp8_group->synchronize_and_check());
+        {
+          // With dependent launch: the kernels' times include their early waits, the span and idle time are the
+          // step's.
+          const DependentLaunchAs dependent(true);
+          std::printf("  fp8 forward + backward, dependent launch:\n");
+          Result dependent_breakdown = r;
+          print_breakdown([&](int it) { BENCH_CHECK_OK(fp8_step(it % kSets)); }, fp8_group->stream(0), 10,
+                          static_cast<double>(T * K), H, I, &dependent_breakdown);
+          BENCH_CHECK_OK(fp8_group->synchronize_and_check());
+        }
       }
 #endif
     }
@@ -750,6 +775,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--baseline") && i + 1 < argc) baseline_path = argv[++i];
     else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--no-ep")) with_ep = false;
+    else if (!std::strcmp(argv[i], "--fp8")) g_fp8_only = true, with_ep = false;
   }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
@@ -772,28 +798,30 @@ int main(int argc, char** argv) {
       std::fclose(f);
     }
   }
-  std::printf("fused forward vs modular (interleaved, median of %d):\n", iters);
-  std::printf("| layer H, I (bf16) | modular fwd ms | fused fwd ms | TFLOP/s | fused / modular | modular fwd+bwd ms | "
-              "fused fwd + modular bwd ms | fused fwd+bwd ms | TFLOP/s | fused / modular | "
-              "fused fwd+bwd, recompute h ms |\n");
-  for (const Result& r : results) {
-    const double fused_tflops = r.forward_tflops * r.forward_ms / r.fused_forward_ms;
-    const double fused_total_tflops = r.total_tflops * r.total_ms / r.fused_total_ms;
-    std::printf("| %lld, %lld | %.3f | %.3f | %.1f | %.3fx | %.3f | %.3f | %.3f | %.1f | %.3fx | %.3f |\n",
-                static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate), r.forward_ms,
-                r.fused_forward_ms, fused_tflops, r.fused_forward_ms / r.forward_ms, r.total_ms,
-                r.fused_forward_modular_backward_ms, r.fused_total_ms, fused_total_tflops,
-                r.fused_total_ms / r.total_ms, r.fused_recompute_total_ms);
-  }
-  std::printf("both fused kernels by wave lag (GEMM2 of expert e after GEMM1 of e + lag; interleaved, median of %d):\n",
-              iters);
-  std::printf("| layer H, I | lag | fused fwd ms | fused fwd+bwd ms |\n");
-  for (const Result& r : results) {
-    for (size_t l = 0; l < kWaveLags.size(); ++l) {
-      std::printf("| %lld, %lld | %d | %.3f | %.3f |\n", static_cast<long long>(r.hidden),
-                  static_cast<long long>(r.intermediate), kWaveLags[l], r.lag_forward_ms[l], r.lag_total_ms[l]);
+  if (!g_fp8_only) {
+    std::printf("fused forward vs modular (interleaved, median of %d):\n", iters);
+    std::printf("| layer H, I (bf16) | modular fwd ms | fused fwd ms | TFLOP/s | fused / modular | modular fwd+bwd ms | "
+                "fused fwd + modular bwd ms | fused fwd+bwd ms | TFLOP/s | fused / modular | "
+                "fused fwd+bwd, recompute h ms |\n");
+    for (const Result& r : results) {
+      const double fused_tflops = r.forward_tflops * r.forward_ms / r.fused_forward_ms;
+      const double fused_total_tflops = r.total_tflops * r.total_ms / r.fused_total_ms;
+      std::printf("| %lld, %lld | %.3f | %.3f | %.1f | %.3fx | %.3f | %.3f | %.3f | %.1f | %.3fx | %.3f |\n",
+                  static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate), r.forward_ms,
+                  r.fused_forward_ms, fused_tflops, r.fused_forward_ms / r.forward_ms, r.total_ms,
+                  r.fused_forward_modular_backward_ms, r.fused_total_ms, fused_total_tflops,
+                  r.fused_total_ms / r.total_ms, r.fused_recompute_total_ms);
     }
-  }
+    std::printf("both fused kernels by wave lag (GEMM2 of expert e after GEMM1 of e + lag; interleaved, median of %d):\n",
+                iters);
+    std::printf("| layer H, I | lag | fused fwd ms | fused fwd+bwd ms |\n");
+    for (const Result& r : results) {
+      for (size_t l = 0; l < kWaveLags.size(); ++l) {
+        std::printf("| %lld, %lld | %d | %.3f | %.3f |\n", static_cast<long long>(r.hidden),
+                    static_cast<long long>(r.intermediate), kWaveLags[l], r.lag_forward_ms[l], r.lag_total_ms[l]);
+      }
+    }
+  }  // !g_fp8_only
   std::printf("blockwise FP8 forward (modular) vs bf16 modular forward (interleaved, median of %d):\n", iters);
   std::printf("| layer H, I | bf16 fwd ms | fp8 fwd ms | TFLOP/s | bf16 / fp8 | "
               "||out_fp8 - out_bf16|| / ||out_bf16|| |\n");
