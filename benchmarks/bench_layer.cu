@@ -456,7 +456,7 @@ Result run(int64_t H, int64_t I, int iters) {
                   median(default_total), median(plain_total), median(plain_total) / median(default_total),
                   median(all_total), median(all_total) / median(default_total));
       // Where the FP8 backward's SwiGLU step runs (ExpertParallelLayer::set_fp8_swiglu_in_dgrad): in the first
-      // dgrad's epilogue (the default) against its own kernel after a dgrad that stores g, step for step.
+      // dgrad's epilogue against its own kernel (the default) after a dgrad that stores g, step for step.
       const auto swiglu_in_dgrad = [&](bool in_epilogue) {
         for (int rank = 0; rank < fp8_group->num_ranks(); ++rank)
           fp8_group->layer(rank).set_fp8_swiglu_in_dgrad(in_epilogue);
@@ -470,8 +470,8 @@ Result run(int64_t H, int64_t I, int iters) {
         epilogue_total.push_back(timed(*fp8_group, [&] { BENCH_CHECK_OK(fp8_step(s)); }));
       }
       BENCH_CHECK_OK(fp8_group->synchronize_and_check());
-      std::printf("  fp8 forward + backward, SwiGLU backward in the dgrad's epilogue (default): %.3f ms, in its own "
-                  "kernel: %.3f (epilogue / own kernel x %.3f)\n",
+      std::printf("  fp8 forward + backward, SwiGLU backward in the dgrad's epilogue: %.3f ms, in its own "
+                  "kernel (default): %.3f (epilogue / own kernel x %.3f)\n",
                   median(epilogue_total), median(separate_total), median(epilogue_total) / median(separate_total));
       // The timings above wait for each step, so the GPU idles while the host enqueues the next one's first
       // kernels and between kernels the host enqueues late. Here: the host's time to enqueue a step (median),

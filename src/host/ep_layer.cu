@@ -190,7 +190,7 @@ struct ExpertParallelLayer::Impl {
   uint64_t* fused_timeline = nullptr;
   int fused_wave_lag = 1;
   Fp8PromotionOverlap fp8_overlap = Fp8PromotionOverlap::kTmaOperands;  // set_fp8_overlap_promotion
-  bool fp8_swiglu_in_dgrad = true;                                       // set_fp8_swiglu_in_dgrad
+  bool fp8_swiglu_in_dgrad = false;                                      // set_fp8_swiglu_in_dgrad
   // fp8-blockwise: which weights the workspace's quantized copies hold (ForwardArgs::weights_version).
   const void* quantized_w13 = nullptr;
   const void* quantized_w2 = nullptr;
