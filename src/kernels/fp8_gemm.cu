@@ -94,22 +94,13 @@ Status check_swiglu_backward(const Fp8GemmRows& by_index, const Fp8GemmTuning& t
   const Fp8SwigluBackward* step = by_index.swiglu_backward;
   if (step == nullptr) return Status::ok();
   const SwigluBackwardFp8Outputs& out = step->out;
-  if (step->h == nullptr || step->row_weight == nullptr || out.dh_q == nullptr || out.dh_s == nullptr ||
-      out.at_q == nullptr || out.at_s == nullptr || out.dht_q == nullptr || out.dht_s == nullptr)
-    return Status::invalid("fp8 GEMM: the SwiGLU-backward epilogue needs h, row_weight, dh_q, dh_s, at_q, at_s, "
-                           "dht_q and dht_s");
-  // h is read 8 bytes at a time, the codes leave 16 bytes at a time, the scales one float at a time.
-  const auto misaligned = [](const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) != 0; };
-  if (misaligned(step->h, 16) || misaligned(out.dh_q, 16) || misaligned(out.at_q, 16) || misaligned(out.dht_q, 16))
-    return Status::invalid("fp8 GEMM: the SwiGLU-backward epilogue needs h, dh_q, at_q and dht_q 16-byte aligned");
-  if (misaligned(step->row_weight, 4) || misaligned(out.dh_s, 4) || misaligned(out.at_s, 4) || misaligned(out.dht_s, 4))
-    return Status::invalid("fp8 GEMM: the SwiGLU-backward epilogue needs row_weight and the scales 4-byte aligned");
+  // The separate step's checks, and what the epilogue adds: dh's codes leave as 16-byte pieces of rows.
+  MEGAMOE_RETURN_IF_ERROR(check_swiglu_backward_outputs("fp8 GEMM, SwiGLU-backward epilogue", step->h,
+                                                        step->row_weight, max_rows, out));
+  if (!aligned16(out.dh_q)) return Status::invalid("fp8 GEMM: the SwiGLU-backward epilogue needs dh_q 16-byte aligned");
   if (N % kKBlock != 0)
     return Status::invalid("fp8 GEMM: the SwiGLU-backward epilogue needs N = I a multiple of 128, got N=" +
                            std::to_string(N));
-  if (out.dh_scales_pitch < max_rows)
-    return Status::invalid("fp8 GEMM: dh_scales_pitch must be at least max_rows=" + std::to_string(max_rows) +
-                           ", got " + std::to_string(out.dh_scales_pitch));
   if (out.dot_rows != nullptr && out.dot_parts != N / kKBlock)
     return Status::invalid("fp8 GEMM: the SwiGLU-backward epilogue writes I / 128 = " + std::to_string(N / kKBlock) +
                            " partials a row, but dot_parts is " + std::to_string(out.dot_parts));

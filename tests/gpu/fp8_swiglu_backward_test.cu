@@ -75,6 +75,17 @@ int64_t differing_bytes(const DeviceBuffer<T>& x, const DeviceBuffer<T>& y) {
   return testing::differing_bytes(x.download(), y.download());
 }
 
+// Every output but the dots byte for byte equal (untouched bytes included); with_dots: the dots too.
+void expect_same_step_bytes(const StepOutputs& got, const StepOutputs& want, bool with_dots) {
+  EXPECT_EQ(differing_bytes(got.dh_q, want.dh_q), 0);
+  EXPECT_EQ(differing_bytes(got.dh_s, want.dh_s), 0);
+  if (with_dots) EXPECT_EQ(differing_bytes(got.dots, want.dots), 0);
+  EXPECT_EQ(differing_bytes(got.at_q, want.at_q), 0);
+  EXPECT_EQ(differing_bytes(got.at_s, want.at_s), 0);
+  EXPECT_EQ(differing_bytes(got.dht_q, want.dht_q), 0);
+  EXPECT_EQ(differing_bytes(got.dht_s, want.dht_s), 0);
+}
+
 void check_against_twins(const std::vector<int32_t>& offsets, int64_t capacity, int64_t I) {
   const int experts = static_cast<int>(offsets.size()) - 1;
   const int64_t used = offsets.back();
@@ -111,13 +122,7 @@ void check_against_twins(const std::vector<int32_t>& offsets, int64_t capacity, 
                   .is_ok());
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
 
-  EXPECT_EQ(differing_bytes(one.dh_q, twins.dh_q), 0);
-  EXPECT_EQ(differing_bytes(one.dh_s, twins.dh_s), 0);
-  EXPECT_EQ(differing_bytes(one.dots, twins.dots), 0);
-  EXPECT_EQ(differing_bytes(one.at_q, twins.at_q), 0);
-  EXPECT_EQ(differing_bytes(one.at_s, twins.at_s), 0);
-  EXPECT_EQ(differing_bytes(one.dht_q, twins.dht_q), 0);
-  EXPECT_EQ(differing_bytes(one.dht_s, twins.dht_s), 0);
+  expect_same_step_bytes(one, twins, /*with_dots=*/true);
 
   // Equal bytes could be two kernels that wrote nothing: every row of the experts has codes (0xFF, the poison,
   // is no code of a finite value) and a finite dot unless it has no destination.
@@ -236,9 +241,9 @@ void check_dgrad_epilogue(const std::vector<int32_t>& offsets, int64_t capacity,
   tuning.overlap_promotion = true;
   kernels::Fp8GemmRows plain;
   plain.d_fp32 = g.get();
-  const Status st = kernels::fp8_grouped_gemm_nt(d_qa.get(), d_sa.get(), d_qb.get(), d_sb.get(), nullptr, d_offsets.get(),
-                                           experts, capacity, static_cast<int>(I), static_cast<int>(H), nullptr, tuning,
-                                           plain);
+  const Status st =
+      kernels::fp8_grouped_gemm_nt(d_qa.get(), d_sa.get(), d_qb.get(), d_sb.get(), nullptr, d_offsets.get(), experts,
+                                   capacity, static_cast<int>(I), static_cast<int>(H), nullptr, tuning, plain);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   const Status step_status = kernels::swiglu_backward_quantize_fp8(g.get(), d_h.get(), d_w.get(), I, d_offsets.get(),
                                                                    experts, capacity, twin.view(true), nullptr);
@@ -271,12 +276,7 @@ void check_dgrad_epilogue(const std::vector<int32_t>& offsets, int64_t capacity,
                                      capacity, static_cast<int>(I), static_cast<int>(H), nullptr, capped, rows);
     ASSERT_TRUE(fused_status.is_ok()) << fused_status.to_string();
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-    EXPECT_EQ(differing_bytes(fused.dh_q, twin.dh_q), 0);
-    EXPECT_EQ(differing_bytes(fused.dh_s, twin.dh_s), 0);
-    EXPECT_EQ(differing_bytes(fused.at_q, twin.at_q), 0);
-    EXPECT_EQ(differing_bytes(fused.at_s, twin.at_s), 0);
-    EXPECT_EQ(differing_bytes(fused.dht_q, twin.dht_q), 0);
-    EXPECT_EQ(differing_bytes(fused.dht_s, twin.dht_s), 0);
+    expect_same_step_bytes(fused, twin, /*with_dots=*/false);  // the dots below, against their sums
 
     const std::vector<float> dots = fused.dots.download();
     int64_t off_bar = 0, poisoned_written = 0, unwritten = 0;

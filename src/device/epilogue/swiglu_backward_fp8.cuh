@@ -112,7 +112,9 @@ __device__ __forceinline__ void thread_column_max(const TileValues& v, uint32_t 
 
 // Byte offset in a warpgroup's token-major staging box (128 channels x 64 rows) of the 16-byte chunk of
 // channel c holding rows 16 chunk .. 16 chunk + 15, swizzled so that a warp's word stores spread over the banks.
-__device__ __forceinline__ int channel_chunk_offset(int c, int chunk) { return c * 64 + ((chunk ^ ((c >> 1) & 3)) << 4); }
+__device__ __forceinline__ int channel_chunk_offset(int c, int chunk) {
+  return c * 64 + ((chunk ^ ((c >> 1) & 3)) << 4);
+}
 
 // One output's token-major codes of the warpgroup's 64 rows, by each channel's scale (from its amax bits in
 // channel_max), into `box`. Per block of four list entries and row half, a quad's four lanes hold one row each
