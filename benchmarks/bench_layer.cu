@@ -455,31 +455,13 @@ Result run(int64_t H, int64_t I, int iters) {
                   "none: %.3f (default x %.3f), on all: %.3f (default x %.3f)\n",
                   median(default_total), median(plain_total), median(plain_total) / median(default_total),
                   median(all_total), median(all_total) / median(default_total));
-      // Where the FP8 backward's SwiGLU step runs (ExpertParallelLayer::set_fp8_swiglu_in_dgrad): in the first
-      // dgrad's epilogue against its own kernel (the default) after a dgrad that stores g, step for step.
-      const auto swiglu_in_dgrad = [&](bool in_epilogue) {
-        for (int rank = 0; rank < fp8_group->num_ranks(); ++rank)
-          fp8_group->layer(rank).set_fp8_swiglu_in_dgrad(in_epilogue);
-      };
-      std::vector<float> epilogue_total, separate_total;
-      for (int it = 0; it < iters; ++it) {
-        const int s = it % kSets;
-        separate_total.push_back(timed(*fp8_group, [&] { BENCH_CHECK_OK(fp8_step(s)); }));
-        swiglu_in_dgrad(true);
-        epilogue_total.push_back(timed(*fp8_group, [&] { BENCH_CHECK_OK(fp8_step(s)); }));
-        swiglu_in_dgrad(false);  // the default, for everything below
-      }
-      BENCH_CHECK_OK(fp8_group->synchronize_and_check());
-      std::printf("  fp8 forward + backward, SwiGLU backward in the dgrad's epilogue: %.3f ms, in its own "
-                  "kernel (default): %.3f (epilogue / own kernel x %.3f)\n",
-                  median(epilogue_total), median(separate_total), median(epilogue_total) / median(separate_total));
       // The timings above wait for each step, so the GPU idles while the host enqueues the next one's first
       // kernels and between kernels the host enqueues late. Here: the host's time to enqueue a step (median),
       // and kBackToBack steps enqueued before one wait (per step), the GPU-bound figure a training loop whose
       // host runs ahead sees. bf16 and FP8 alternate.
       // Then the same steps with the kernels in plain stream order (no dependent launch), step for step.
       constexpr int kBackToBack = 10;
-      std::vector<float> bf16_host, fp8_host, bf16_b2b, fp8_b2b, bf16_b2b_plain, fp8_b2b_plain, fp8_b2b_epilogue;
+      std::vector<float> bf16_host, fp8_host, bf16_b2b, fp8_b2b, bf16_b2b_plain, fp8_b2b_plain;
       const auto host_ms = [](const std::function<void()>& body) {
         const auto t0 = std::chrono::steady_clock::now();
         body();
@@ -510,9 +492,6 @@ Result run(int64_t H, int64_t I, int iters) {
         const DependentLaunchAs plain(false);
         bf16_b2b_plain.push_back(bf16_steps(s));
         fp8_b2b_plain.push_back(fp8_steps(s));
-        swiglu_in_dgrad(true);
-        fp8_b2b_epilogue.push_back(fp8_steps(s));
-        swiglu_in_dgrad(false);
       }
       BENCH_CHECK_OK(fp8_group->synchronize_and_check());
       if (g_fp8_only) {
@@ -528,10 +507,6 @@ Result run(int64_t H, int64_t I, int iters) {
                   "fp8 %.3f ms (x %.3f of plain)\n",
                   median(bf16_b2b_plain), median(bf16_b2b) / median(bf16_b2b_plain), median(fp8_b2b_plain),
                   median(fp8_b2b) / median(fp8_b2b_plain));
-      std::printf("  fp8 in plain stream order with the SwiGLU backward in the dgrad's epilogue: %.3f ms (bf16 / fp8 "
-                  "%.3fx; x %.3f of the default, its own kernel)\n",
-                  median(fp8_b2b_epilogue), median(bf16_b2b_plain) / median(fp8_b2b_epilogue),
-                  median(fp8_b2b_epilogue) / median(fp8_b2b_plain));
 #if MEGAMOE_BENCH_CUPTI
       // Kernel times in plain stream order: a kernel launched early would count its wait for the one before.
       const DependentLaunchAs plain(false);
@@ -543,9 +518,6 @@ Result run(int64_t H, int64_t I, int iters) {
         BENCH_CHECK_OK(fp8_group->synchronize_and_check());
       };
       breakdown("");
-      swiglu_in_dgrad(true);
-      breakdown(", SwiGLU backward in the dgrad's epilogue");
-      swiglu_in_dgrad(false);
       if (!g_fp8_only) {
         // The plain loops everywhere: what the overlapped promotion gains GEMM by GEMM.
         overlap(Fp8PromotionOverlap::kNone);
@@ -585,6 +557,7 @@ Result run(int64_t H, int64_t I, int iters) {
   Result fused_breakdown = r;
   for (auto [g, what, first_gemm] : {std::tuple{half_group.get(), "fused forward + modular backward", 2},
                                      std::tuple{fused_group.get(), "fused forward + fused backward", 4}}) {
+    if (g == nullptr) continue;  // --fp8 makes no fused groups
     std::printf("  %s:\n", what);
     print_breakdown([&, g = g](int it) { step_on(*g, it % kSets); }, g->stream(0), 10, static_cast<double>(T * K), H,
                     I, &fused_breakdown, first_gemm);

@@ -181,12 +181,6 @@ class ExpertParallelLayer {
   // block's promotion overlapped with the next block's tensor-core work (two partial sums per thread), on
   // the GEMMs that Fp8PromotionOverlap names. Default kTmaOperands; takes effect at the next call.
   void set_fp8_overlap_promotion(Fp8PromotionOverlap where);
-  // Where the fp8-blockwise backward's SwiGLU step runs (measurements): true in the epilogue of its first
-  // dgrad GEMM, which then never stores g (opt-in: not yet run on a GPU, docs/FP8.md); false (the default) in
-  // a kernel of its own after that GEMM, which stores g in fp32 for it. Every output's bytes are the same
-  // either way except d_topk_weights: its sum over the intermediate channels is added in another order (fp32
-  // rounding apart). Takes effect at the next call.
-  void set_fp8_swiglu_in_dgrad(bool in_epilogue);
 
   const LayerConfig& config() const;
   int64_t expert_row_capacity() const;

@@ -51,38 +51,6 @@ __device__ __forceinline__ void group_quotients(const float (&v)[kCount], float 
   }
 }
 
-// A group's divisor for quotient_of: the quotients of group_quotients for any scale, without the division's
-// call (a call inside an unrolled epilogue makes ptxas save the live registers around it). v / s is unchanged
-// when both are multiplied by a power of two; a scale outside [2^-64, 2^64] is brought inside by 2^100 or
-// 2^-100, and so are the values (at most 448 scales: no overflow; the products are exact, except values below
-// 2^-26 by a scale above 2^64, whose codes are +-0 either way). The scales no factor brings inside give what
-// the division gives: by an infinite scale (an infinite element in the group) +-0 for finite values and NaN
-// for the others; by a zero scale (an amax below 448 times the smallest denormal) +-infinity for nonzero values
-// and NaN for zeros and NaN.
-struct QuotientDivisor {
-  float scale, reciprocal, factor;
-  int special;  // 0, kInfiniteScale or kZeroScale
-};
-inline constexpr int kInfiniteScale = 1;
-inline constexpr int kZeroScale = 2;
-__device__ __forceinline__ QuotientDivisor divisor_of(float scale) {
-  QuotientDivisor d;
-  d.special = isinf(scale) ? kInfiniteScale : (scale == 0.0f ? kZeroScale : 0);
-  d.factor = scale < kReciprocalScaleMin ? 0x1p100f : (scale > kReciprocalScaleMax ? 0x1p-100f : 1.0f);
-  d.scale = d.special != 0 ? 1.0f : scale * d.factor;
-  d.reciprocal = refined_reciprocal(d.scale);
-  return d;
-}
-__device__ __forceinline__ float quotient_of(float v, const QuotientDivisor& d) {
-  if (d.special != 0) {
-    const uint32_t sign = __float_as_uint(v) & 0x80000000u;
-    constexpr uint32_t kNaN = 0x7fffffffu, kInfinity = 0x7f800000u;
-    if (d.special == kInfiniteScale) return __uint_as_float(isfinite(v) ? sign : kNaN);
-    return __uint_as_float(v == 0.0f || isnan(v) ? kNaN : (sign | kInfinity));
-  }
-  return quotient_by_reciprocal(v * d.factor, d.scale, d.reciprocal);
-}
-
 // fp8::float_to_e4m3 of two values (saturating to +-448, NaN -> 0x7F), the first in the low byte: one paired
 // conversion.
 __device__ __forceinline__ uint32_t e4m3x2_of(float v0, float v1) {

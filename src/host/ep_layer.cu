@@ -110,11 +110,7 @@ ep::Shape make_shape(const LayerConfig& c, int rank, int64_t capacity) {
   s.rank = rank;
   s.max_tokens = static_cast<int32_t>(c.max_tokens_per_rank);
   s.row_capacity = capacity;
-  // The partials of d_topk_weights a routed row sends home: one per n-tile of the dgrad whose epilogue makes
-  // them (the FP8 one's tiles are 128 channels wide).
-  s.dot_parts = c.precision == Precision::kFP8Blockwise
-                    ? static_cast<int32_t>(c.intermediate / 128)
-                    : kernels::grouped_gemm_n_tiles(static_cast<int>(c.intermediate), dgrad_tuning());
+  s.dot_parts = kernels::grouped_gemm_n_tiles(static_cast<int>(c.intermediate), dgrad_tuning());
   s.recompute_h = 0;
   s.fp8 = c.precision == Precision::kFP8Blockwise ? 1 : 0;
   return s;
@@ -190,7 +186,6 @@ struct ExpertParallelLayer::Impl {
   uint64_t* fused_timeline = nullptr;
   int fused_wave_lag = 1;
   Fp8PromotionOverlap fp8_overlap = Fp8PromotionOverlap::kTmaOperands;  // set_fp8_overlap_promotion
-  bool fp8_swiglu_in_dgrad = false;                                      // set_fp8_swiglu_in_dgrad
   // fp8-blockwise: which weights the workspace's quantized copies hold (ForwardArgs::weights_version).
   const void* quantized_w13 = nullptr;
   const void* quantized_w2 = nullptr;
@@ -416,11 +411,15 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
                                                                    2 * I, H, buffer<uint8_t>(l.w13t_q),
                                                                    buffer<float>(l.w13t_s), stream));
   }
+  auto* g = buffer<float>(l.g_f32);
   MEGAMOE_RETURN_IF_ERROR(fp8_rows_in_expert_order(p, buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts)));
+  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(l.rows_q), buffer<float>(l.rows_s),
+                                                       buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s), nullptr,
+                                                       expert_offsets(), EL, C, static_cast<int>(I),
+                                                       static_cast<int>(H), stream, fp8_tuning(), fp32_rows(g)));
   auto* dh_q = buffer<uint8_t>(l.dh_q);
   auto* dh_s = buffer<float>(l.dh_s);
-  // The SwiGLU step's outputs: dh (row-major, the next GEMM's operand), <g, a> and the weight gradients' a^T
-  // and dh^T, from g and h.
+  // One pass over g and h for dh (row-major, this GEMM's operand), <g, a> and the weight gradients' a^T and dh^T.
   kernels::SwigluBackwardFp8Outputs swiglu_out;
   swiglu_out.dh_q = dh_q;
   swiglu_out.dh_s = dh_s;
@@ -431,29 +430,8 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
   swiglu_out.at_s = buffer<float>(l.at_s);
   swiglu_out.dht_q = buffer<uint8_t>(l.dht_q);
   swiglu_out.dht_s = buffer<float>(l.dht_s);
-  const auto* h = buffer<float>(l.h_f32);
-  const auto* row_weight = buffer<float>(l.row_weight);
-  if (fp8_swiglu_in_dgrad) {
-    // In the epilogue of g = q(dOut) W2q: g never leaves the registers.
-    kernels::Fp8SwigluBackward step;
-    step.h = h;
-    step.row_weight = row_weight;
-    step.out = swiglu_out;
-    kernels::Fp8GemmRows rows;
-    rows.swiglu_backward = &step;
-    MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(l.rows_q), buffer<float>(l.rows_s),
-                                                         buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s), nullptr,
-                                                         expert_offsets(), EL, C, static_cast<int>(I),
-                                                         static_cast<int>(H), stream, fp8_tuning(), rows));
-  } else {
-    auto* g = buffer<float>(l.g_f32);
-    MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(l.rows_q), buffer<float>(l.rows_s),
-                                                         buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s), nullptr,
-                                                         expert_offsets(), EL, C, static_cast<int>(I),
-                                                         static_cast<int>(H), stream, fp8_tuning(), fp32_rows(g)));
-    MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_backward_quantize_fp8(g, h, row_weight, I, expert_offsets(), EL, C,
-                                                                  swiglu_out, stream));
-  }
+  MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_backward_quantize_fp8(g, buffer<float>(l.h_f32), buffer<float>(l.row_weight),
+                                                                I, expert_offsets(), EL, C, swiglu_out, stream));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(dh_q, dh_s, buffer<uint8_t>(l.w13t_q), buffer<float>(l.w13t_s),
                                                        nullptr, expert_offsets(), EL, C, static_cast<int>(H),
                                                        static_cast<int>(2 * I), stream, fp8_tuning(),
@@ -507,7 +485,6 @@ Status ExpertParallelLayer::set_fused_wave_lag(int lag) {
 }
 
 void ExpertParallelLayer::set_fp8_overlap_promotion(Fp8PromotionOverlap where) { impl_->fp8_overlap = where; }
-void ExpertParallelLayer::set_fp8_swiglu_in_dgrad(bool in_epilogue) { impl_->fp8_swiglu_in_dgrad = in_epilogue; }
 
 int ExpertParallelLayer::fused_forward_ctas() const { return std::max(1, impl_->max_blocks); }
 int64_t ExpertParallelLayer::expert_row_capacity() const { return impl_->params.shape.row_capacity; }

@@ -89,28 +89,6 @@ Status check_swiglu(const Fp8GemmRows& by_index, const Fp8GemmTuning& tuning, in
   return Status::ok();
 }
 
-// The SwiGLU-backward epilogue's inputs, outputs and the shape it needs (Fp8GemmRows::swiglu_backward).
-Status check_swiglu_backward(const Fp8GemmRows& by_index, const Fp8GemmTuning& tuning, int64_t max_rows, int N) {
-  const Fp8SwigluBackward* step = by_index.swiglu_backward;
-  if (step == nullptr) return Status::ok();
-  const SwigluBackwardFp8Outputs& out = step->out;
-  // The separate step's checks, and what the epilogue adds: dh's codes leave as 16-byte pieces of rows.
-  MEGAMOE_RETURN_IF_ERROR(check_swiglu_backward_outputs("fp8 GEMM, SwiGLU-backward epilogue", step->h,
-                                                        step->row_weight, max_rows, out));
-  if (!aligned16(out.dh_q)) return Status::invalid("fp8 GEMM: the SwiGLU-backward epilogue needs dh_q 16-byte aligned");
-  if (N % kKBlock != 0)
-    return Status::invalid("fp8 GEMM: the SwiGLU-backward epilogue needs N = I a multiple of 128, got N=" +
-                           std::to_string(N));
-  if (out.dot_rows != nullptr && out.dot_parts != N / kKBlock)
-    return Status::invalid("fp8 GEMM: the SwiGLU-backward epilogue writes I / 128 = " + std::to_string(N / kKBlock) +
-                           " partials a row, but dot_parts is " + std::to_string(out.dot_parts));
-  if (by_index.a_rows != nullptr || by_index.d_rows != nullptr || by_index.d_fp32 != nullptr ||
-      by_index.swiglu_a_q != nullptr)
-    return Status::invalid("fp8 GEMM: the SwiGLU-backward epilogue reads A through TMA and has no other output");
-  if (tuning.cluster_size != 1) return Status::invalid("fp8 GEMM: the SwiGLU-backward epilogue needs cluster_size 1");
-  return Status::ok();
-}
-
 template <class Cfg>
 Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* sb, __nv_bfloat16* D,
               const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K, const Fp8GemmRows& by_index,
@@ -145,7 +123,7 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
     const uint32_t box[2] = {32, 64};
     MEGAMOE_RETURN_IF_ERROR(make_fp32_tensor_map_2d(&tm_d, by_index.d_fp32, dims, static_cast<uint64_t>(N), box,
                                                     /*swizzle_128b=*/true));
-  } else if (!d_by_row && !Cfg::kSwigluBackward) {
+  } else if (!d_by_row) {
     const uint64_t dims[2] = {static_cast<uint64_t>(N), rows};
     const uint32_t box[2] = {64, 64};
     MEGAMOE_RETURN_IF_ERROR(make_bf16_tensor_map(&tm_d, D, 2, dims, box));
@@ -178,13 +156,6 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   p.epi.aux_cols = N;
   p.tma_store = d_by_row ? 0 : 1;  // rows stored through their pointers take the thread path
   p.d32 = by_index.d_fp32;
-  if constexpr (Cfg::kSwigluBackward) {
-    const Fp8SwigluBackward& step = *by_index.swiglu_backward;
-    const SwigluBackwardFp8Outputs& out = step.out;
-    p.swiglu_bwd = device::SwigluBackwardFp8Epi{step.h,      step.row_weight, N,          out.dh_q,  out.dh_s,
-                                                out.dh_scales_pitch, out.dot_rows, out.at_q, out.at_s, out.dht_q,
-                                                out.dht_s,  token_major_columns(max_rows, num_groups)};
-  }
 
   ClusterLaunch launch;
   MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<kCluster>(fp8_gemm_kernel<Cfg>, kFp8GemmThreads, Cfg::kSmemBytes,
@@ -206,12 +177,6 @@ Status launch_overlap(const Fp8GemmTuning& tuning, const uint8_t* A, const float
                       const float* sb, __nv_bfloat16* D, const int32_t* offsets, int num_groups, int64_t max_rows,
                       int N, int K, const Fp8GemmRows& by_index, cudaStream_t stream) {
   const int cap = tuning.max_ctas;
-  if constexpr (kOverlap) {
-    if (by_index.swiglu_backward != nullptr) {
-      return launch<Fp8GemmConfig<1, false, true, false, true>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K,
-                                                                by_index, cap, stream);
-    }
-  }
   if (by_index.swiglu_a_q != nullptr) {
     return launch<Fp8GemmConfig<1, false, kOverlap, true>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K,
                                                            by_index, cap, stream);
@@ -231,9 +196,7 @@ Status launch_overlap(const Fp8GemmTuning& tuning, const uint8_t* A, const float
 Status launch_for(const Fp8GemmTuning& tuning, const uint8_t* A, const float* sa, const uint8_t* B, const float* sb,
                   __nv_bfloat16* D, const int32_t* offsets, int num_groups, int64_t max_rows, int N, int K,
                   const Fp8GemmRows& by_index, cudaStream_t stream) {
-  // The SwiGLU-backward epilogue exists with the overlapped loop only: with the plain loop's 224 registers its
-  // values spill.
-  if (tuning.overlap_promotion || by_index.swiglu_backward != nullptr) {
+  if (tuning.overlap_promotion) {
     return launch_overlap<true>(tuning, A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, stream);
   }
   return launch_overlap<false>(tuning, A, sa, B, sb, D, offsets, num_groups, max_rows, N, K, by_index, stream);
@@ -282,9 +245,7 @@ Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, 
     return Status::invalid("fp8 GEMM: d_rows and d_fp32 exclude each other");
   if (by_index.d_fp32 != nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointer(by_index.d_fp32, "d_fp32"));
   MEGAMOE_RETURN_IF_ERROR(check_swiglu(by_index, tuning, max_rows, N));
-  MEGAMOE_RETURN_IF_ERROR(check_swiglu_backward(by_index, tuning, max_rows, N));
-  if (by_index.d_rows == nullptr && by_index.d_fp32 == nullptr && by_index.swiglu_backward == nullptr)
-    MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
+  if (by_index.d_rows == nullptr && by_index.d_fp32 == nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
   if (expert_offsets == nullptr) return Status::invalid("fp8 GEMM: expert_offsets is null");
   if (max_rows == 0) return Status::ok();  // every expert is empty (offsets are clamped into [0, max_rows])
   return launch_for(tuning, A, sa, B, sb, D, expert_offsets, num_experts, max_rows, N, K, by_index, stream);
@@ -303,8 +264,6 @@ Status fp8_gemm_preload() {
       cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, false, false, true>>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, false, true, true>>));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, false, true, false, true>>));
   return Status::ok();
 }
 

@@ -43,7 +43,6 @@
 #include <cstdint>
 
 #include "kernels/fp8_layout.hpp"
-#include "kernels/fp8_swiglu_backward.hpp"
 #include "megamoe/status.hpp"
 
 namespace megamoe::kernels {
@@ -76,21 +75,7 @@ Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const fl
 //     the scales K-block-major (4-byte aligned), group (row, kb) at swiglu_a_s[kb * swiglu_a_s_pitch + row]
 //     (pitch >= max_rows), bit for bit swiglu_quantize_rows_1x128 of h (fp8_quantize.hpp). Rows outside every
 //     expert are not written. TMA A (no a_rows) and cluster_size 1.
-//   swiglu_backward (the FP8 backward's first dgrad: A = the d_out rows in expert order, B = W2's transposed
-//     copy, N = I a multiple of 128): D is not written (it may be null) and g = A B^T never leaves the
-//     registers; the epilogue writes what swiglu_backward_quantize_fp8 (fp8_swiglu_backward.hpp) writes from
-//     that g, h and the routing weights, with experts = num_experts and capacity = max_rows: the same bytes
-//     of dh, its scales and the token-major a and dh, except the routing-weight gradient, whose partial over
-//     each 128 channels q goes to dot_rows[r][q] (dot_parts must be I / 128; the sum of the parts in order is
-//     the gradient, in another order than the separate kernel's). The expert offsets must be nondecreasing
-//     from 0 (the token-major groups are numbered from them). TMA A (no a_rows), cluster_size 1; it runs the
-//     overlapped promotion whatever the tuning asks (with the plain loop's registers its values would spill).
 // Either way the output bits are those of the contiguous call on the same rows (d_fp32: before rounding).
-struct Fp8SwigluBackward {
-  const float* h = nullptr;           // [max_rows, 2I] fp32
-  const float* row_weight = nullptr;  // [max_rows]
-  SwigluBackwardFp8Outputs out;
-};
 struct Fp8GemmRows {
   const int32_t* a_rows = nullptr;
   int64_t a_source_rows = 0;
@@ -99,7 +84,6 @@ struct Fp8GemmRows {
   uint8_t* swiglu_a_q = nullptr;
   float* swiglu_a_s = nullptr;
   int64_t swiglu_a_s_pitch = 0;
-  const Fp8SwigluBackward* swiglu_backward = nullptr;
 };
 
 // Grouped: A [max_rows, K], sa [K / 128, fp8_scale_pitch(max_rows)], B [num_experts, N, K],

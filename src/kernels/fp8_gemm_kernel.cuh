@@ -20,11 +20,9 @@
 #pragma once
 
 #include <algorithm>
-#include <type_traits>
 
 #include "device/epilogue/box_store.cuh"
 #include "device/epilogue/epilogues.cuh"
-#include "device/epilogue/swiglu_backward_fp8.cuh"
 #include "device/epilogue/swiglu_fp8.cuh"
 #include "device/gemm/block_scales.cuh"
 #include "device/gemm/fp8_mainloop.cuh"
@@ -37,7 +35,6 @@
 #include "device/sched/schedulers.cuh"
 #include "device/sched/tile_slots.cuh"
 #include "device/shared_storage.cuh"
-#include "kernels/fp8_layout.hpp"
 
 namespace megamoe::kernels {
 
@@ -57,25 +54,19 @@ struct Fp8GemmParams {
   float* d32;                       // non-null: D stored in fp32 instead, [max_rows, N] contiguous
   int tma_store;                    // 1: the D tensor map is valid (bf16 D, or fp32 d32 in 32-column boxes)
   device::SwigluFp8Out swiglu;      // gate-up configurations: where a's codes and scales go
-  device::SwigluBackwardFp8Epi swiglu_bwd;  // SwiGLU-backward configurations: h, the weights and the outputs
 };
 
 // kOverlap_: the consumers' loop is mma_tile_fp8_blockwise_overlapped (two partial accumulators: 232
 // registers for them, 40 for the producer) instead of mma_tile_fp8_blockwise.
 // kGateUp_: GEMM1 of the FP8 layer with its SwiGLU epilogue (fp32 h and the 1 x 128-quantized a, see
 // fp8_run_gate_up_pair): a work item is a pair of gate-up tiles, B's rows taken 64 gate and 64 up at a time.
-// kSwigluBackward_: the FP8 backward's first dgrad (g = dOut W2) with the SwiGLU step as its epilogue
-// (swiglu_backward_fp8.cuh): g is not stored.
-template <int kCluster, bool kGatherA_, bool kOverlap_ = false, bool kGateUp_ = false, bool kSwigluBackward_ = false>
+template <int kCluster, bool kGatherA_, bool kOverlap_ = false, bool kGateUp_ = false>
 struct Fp8GemmConfig {
   static_assert(!kGatherA_ || kCluster == 1, "gathered rows are not multicast");
   static_assert(!kGateUp_ || (kCluster == 1 && !kGatherA_), "the gate-up pair reads A through TMA, one CTA");
-  static_assert(!kSwigluBackward_ || (kCluster == 1 && !kGatherA_ && !kGateUp_ && kOverlap_),
-                "the SwiGLU-backward epilogue reads A through TMA, one CTA, after the overlapped loop");
   static constexpr bool kGatherA = kGatherA_;
   static constexpr bool kOverlap = kOverlap_;
   static constexpr bool kGateUp = kGateUp_;
-  static constexpr bool kSwigluBackward = kSwigluBackward_;
   // Gate-up: an item is two tiles (its two halves), each K / 128 stages.
   static constexpr int kHalves = kGateUp ? 2 : 1;
   static constexpr int kBN = 128;
@@ -110,8 +101,6 @@ struct Fp8GemmConfig {
     int dense_offsets[2];
     device::TileSlots<8> tile_slots;  // decoded tiles, producer to consumers (at least kStages slots)
     typename Tiles::Storage tiles;
-    struct None {};
-    std::conditional_t<kSwigluBackward, device::SwigluBwdColumnMax, None> swiglu_max;
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + slack to align the base
   static_assert(sizeof(SharedStorage::tile_slots.tile) / sizeof(device::TileCoord) >= kStages,
@@ -292,15 +281,6 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
       fp8_run_gate_up_pair<Cfg, cwg>(acc, tm_d, p, smem, pipe, st, store, tile, lt, rank);
       continue;
     }
-    if constexpr (Cfg::kSwigluBackward) {
-      fp8_tile_mainloop<Cfg, cwg>(acc, pipe, st, smem, p.b_scales.of(tile), nullptr, tile, lt, rank);
-      // The tile is group m_idx of its expert's token-major columns (kernels/fp8_layout.hpp).
-      const int expert_first = tile.row0 - tile.m_idx * Shape::kBM;
-      const int64_t column0 = token_major_start(expert_first, tile.e) + int64_t{128} * tile.m_idx;
-      device::swiglu_backward_fp8_epilogue<cwg>(acc, p.swiglu_bwd, smem.swiglu_max, smem.staging[cwg][0], tile.n_idx,
-                                                tile.row0 + cwg * 64, tile.rows - cwg * 64, column0, j, lt);
-      continue;
-    }
     fp8_tile_mainloop<Cfg, cwg>(acc, pipe, st, smem, p.b_scales.of(tile), nullptr, tile, lt, rank);
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
@@ -335,12 +315,6 @@ __global__ void __launch_bounds__(kFp8GemmThreads, 1)
     smem.dense_offsets[0] = 0;
     smem.dense_offsets[1] = p.max_rows;
     device::mbarrier_init_fence();
-  }
-  if constexpr (Cfg::kSwigluBackward) {
-    // The first tiles' channel-maxima buffers start cleared (swiglu_backward_fp8.cuh clears the later ones).
-    uint32_t* const words = &smem.swiglu_max.bits[0][0][0];
-    for (int i = tid; i < static_cast<int>(sizeof(smem.swiglu_max.bits) / sizeof(uint32_t)); i += kFp8GemmThreads)
-      words[i] = 0u;
   }
   device::begin_dependent_grid();  // the group offsets and both operands come from earlier kernels
   __syncthreads();  // the dense offsets are read by every thread of build()

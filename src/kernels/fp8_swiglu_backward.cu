@@ -166,22 +166,6 @@ bool misaligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintp
 
 }  // namespace
 
-Status check_swiglu_backward_outputs(const char* what, const float* h, const float* row_weight, int64_t capacity,
-                                     const SwigluBackwardFp8Outputs& out) {
-  if (out.dh_scales_pitch < capacity)
-    return Status::invalid(std::string(what) + ": dh_scales_pitch must be at least capacity=" +
-                           std::to_string(capacity) + ", got " + std::to_string(out.dh_scales_pitch));
-  if (out.dot_rows != nullptr && out.dot_parts < 1)
-    return Status::invalid(std::string(what) + ": dot_parts must be >= 1 with dot_rows");
-  if (capacity == 0) return Status::ok();  // nothing is read or written
-  if (h == nullptr || row_weight == nullptr || out.dh_q == nullptr || out.dh_s == nullptr || out.at_q == nullptr ||
-      out.at_s == nullptr || out.dht_q == nullptr || out.dht_s == nullptr)
-    return Status::invalid(std::string(what) + ": null pointer");
-  if (misaligned(h, 16) || misaligned(out.at_q, 16) || misaligned(out.dht_q, 16) || misaligned(out.dh_q, 4))
-    return Status::invalid(std::string(what) + ": h, at_q and dht_q must be 16-byte aligned, dh_q 4-byte aligned");
-  return Status::ok();
-}
-
 Status swiglu_backward_quantize_fp8(const float* g, const float* h, const float* row_weight, int64_t I,
                                     const int32_t* offsets, int experts, int64_t capacity,
                                     const SwigluBackwardFp8Outputs& out, cudaStream_t stream) {
@@ -190,12 +174,21 @@ Status swiglu_backward_quantize_fp8(const float* g, const float* h, const float*
     return Status::invalid(what + ": I must be a positive multiple of 128, experts >= 1 and capacity >= 0, got I=" +
                            std::to_string(I) + " experts=" + std::to_string(experts) +
                            " capacity=" + std::to_string(capacity));
+  if (out.dh_scales_pitch < capacity)
+    return Status::invalid(what + ": dh_scales_pitch must be at least capacity=" + std::to_string(capacity) +
+                           ", got " + std::to_string(out.dh_scales_pitch));
+  if (out.dot_rows != nullptr && out.dot_parts < 1)
+    return Status::invalid(what + ": dot_parts must be >= 1 with dot_rows");
   const int64_t groups = (capacity + kGroup - 1) / kGroup + experts;
   if (groups >= (int64_t{1} << 31)) return Status::invalid(what + ": too many row groups");
-  MEGAMOE_RETURN_IF_ERROR(check_swiglu_backward_outputs(what.c_str(), h, row_weight, capacity, out));
   if (capacity == 0) return Status::ok();
-  if (g == nullptr || offsets == nullptr) return Status::invalid(what + ": null pointer");
-  if (misaligned(g, 16)) return Status::invalid(what + ": g must be 16-byte aligned");
+  if (g == nullptr || h == nullptr || row_weight == nullptr || offsets == nullptr || out.dh_q == nullptr ||
+      out.dh_s == nullptr || out.at_q == nullptr || out.at_s == nullptr || out.dht_q == nullptr ||
+      out.dht_s == nullptr)
+    return Status::invalid(what + ": null pointer");
+  if (misaligned(g, 16) || misaligned(h, 16) || misaligned(out.at_q, 16) || misaligned(out.dht_q, 16) ||
+      misaligned(out.dh_q, 4))
+    return Status::invalid(what + ": g, h, at_q and dht_q must be 16-byte aligned, dh_q 4-byte aligned");
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(swiglu_backward_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const Args args{g, h, row_weight, I, offsets, experts, capacity, token_major_columns(capacity, experts), out};

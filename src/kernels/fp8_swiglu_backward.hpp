@@ -45,12 +45,6 @@ Status swiglu_backward_quantize_fp8(const float* g, const float* h, const float*
                                     const int32_t* offsets, int experts, int64_t capacity,
                                     const SwigluBackwardFp8Outputs& out, cudaStream_t stream);
 
-// The checks every form of the step makes of h, the routing weights and the outputs (as above:
-// dh_scales_pitch >= capacity, dot_parts >= 1 with dot_rows; unless capacity is 0, no null pointer but
-// dot_rows, h, at_q and dht_q 16-byte aligned, dh_q 4-byte aligned); `what` names the caller in the message.
-Status check_swiglu_backward_outputs(const char* what, const float* h, const float* row_weight, int64_t capacity,
-                                     const SwigluBackwardFp8Outputs& out);
-
 // Loads the kernel now (see fp8_quantize_preload).
 Status swiglu_backward_fp8_preload();
 

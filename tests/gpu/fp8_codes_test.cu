@@ -44,25 +44,19 @@ __device__ void record(Disagreements* out, float value, float scale) {
 // One thread: four values by one scale, through group_quotients and e4m3_words_of, against one IEEE division
 // and one conversion per value. Codes must be the same bytes; quotients the same bits (any NaN equals any NaN:
 // the conversion makes every NaN 0x7F) wherever the division's is at least 2^-11 in magnitude or NaN (below,
-// the last bits of a denormal quotient may differ; its code is +-0 either way, which the codes check). The
-// division-free quotient_of (by divisor_of the scale) is held to the same rule.
+// the last bits of a denormal quotient may differ; its code is +-0 either way, which the codes check).
 __device__ void check_group(const float (&v)[4], float scale, Disagreements* quotients, Disagreements* codes) {
   float q[4];
   device::group_quotients(v, scale, q);
   uint32_t words[1];
   device::e4m3_words_of(v, scale, words);
-  const device::QuotientDivisor divisor = device::divisor_of(scale);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const float expected = __fdiv_rn(v[k], scale);
+    const bool same = __float_as_uint(q[k]) == __float_as_uint(expected) || (isnan(q[k]) && isnan(expected));
+    if (!same && !(fabsf(expected) < 0x1p-11f)) record(quotients, v[k], scale);
     const uint32_t code = __nv_cvt_float_to_fp8(expected, __NV_SATFINITE, __NV_E4M3);
-    const float free_of_calls = device::quotient_of(v[k], divisor);
-    for (const float got : {q[k], free_of_calls}) {
-      const bool same = __float_as_uint(got) == __float_as_uint(expected) || (isnan(got) && isnan(expected));
-      if (!same && !(fabsf(expected) < 0x1p-11f)) record(quotients, v[k], scale);
-    }
     if (((words[0] >> (8 * k)) & 0xffu) != code) record(codes, v[k], scale);
-    if (__nv_cvt_float_to_fp8(free_of_calls, __NV_SATFINITE, __NV_E4M3) != code) record(codes, v[k], scale);
   }
 }
 

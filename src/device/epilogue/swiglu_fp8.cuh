@@ -48,9 +48,8 @@ __device__ __forceinline__ void gate_up_activation(const float (&acc)[kN], float
 // holds two codes a row, column group and half; it swaps one pair with its neighbour (lanes 2 k and 2 k + 1
 // hold channels 4 i .. 4 i + 1 and 4 i + 2 .. 4 i + 3 of both rows), the even lane then writes the first row's
 // four and the odd lane the second row's. Rows at or past `valid` of the slice (whose first row is slice0)
-// belong to no expert or to the next one: their scales are not written. kCallFree: the quotients by
-// quotient_of (the same codes, no division call: for epilogues that hold many more live registers).
-template <int kA, bool kCallFree = false>
+// belong to no expert or to the next one: their scales are not written.
+template <int kA>
 __device__ __forceinline__ void quantize_gate_up_pair(const float (&first)[kA], const float (&second)[kA],
                                                       const SwigluFp8Out& out, uint8_t* box, int q, int slice0,
                                                       int valid, int warp, int lane) {
@@ -78,13 +77,7 @@ __device__ __forceinline__ void quantize_gate_up_pair(const float (&first)[kA], 
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     scale[h] = scale_from_amax(amax);
     float quotient[kRowValues];
-    if constexpr (kCallFree) {
-      const QuotientDivisor divisor = divisor_of(scale[h]);
-#pragma unroll
-      for (int i = 0; i < kRowValues; ++i) quotient[i] = quotient_of(v[i], divisor);
-    } else {
-      group_quotients(v, scale[h], quotient);
-    }
+    group_quotients(v, scale[h], quotient);
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
