@@ -822,10 +822,23 @@ int main(int argc, char** argv) {
     for (const auto& b : baseline)
       if (static_cast<int64_t>(b[0]) == r.hidden && static_cast<int64_t>(b[1]) == r.intermediate)
         torch_fwd = b[2], torch_total = b[3];
-    std::printf("| %lld, %lld | %.3f | %.1f | %.3f | %.2fx | %.3f | %.1f | %.3f | %.2fx |\n",
+    // Without a baseline row (no --baseline, or none of this shape) the torch columns say so, not 0.
+    const auto ms = [](double torch) {
+      if (!(torch > 0)) return std::string("-");
+      char text[32];
+      std::snprintf(text, sizeof(text), "%.3f", torch);
+      return std::string(text);
+    };
+    const auto ratio = [](double torch, double ours) {
+      if (!(torch > 0)) return std::string("-");
+      char text[32];
+      std::snprintf(text, sizeof(text), "%.2fx", torch / ours);
+      return std::string(text);
+    };
+    std::printf("| %lld, %lld | %.3f | %.1f | %s | %s | %.3f | %.1f | %s | %s |\n",
                 static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate), r.forward_ms,
-                r.forward_tflops, torch_fwd, torch_fwd > 0 ? torch_fwd / r.forward_ms : 0.0, r.total_ms,
-                r.total_tflops, torch_total, torch_total > 0 ? torch_total / r.total_ms : 0.0);
+                r.forward_tflops, ms(torch_fwd).c_str(), ratio(torch_fwd, r.forward_ms).c_str(), r.total_ms,
+                r.total_tflops, ms(torch_total).c_str(), ratio(torch_total, r.total_ms).c_str());
   }
   if (json_path != nullptr) {
     FILE* f = std::fopen(json_path, "w");
