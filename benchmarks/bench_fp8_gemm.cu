@@ -22,6 +22,7 @@
 // order of the earlier runs, docs/PERF.md run 23), to compare the two orders.
 //   bench_fp8_gemm [--interleaved | --sequential]
 //   bench_fp8_gemm --k-sweep   (the grouped form's rate against K: the tile's fixed cost, see k_sweep)
+//   bench_fp8_gemm --wgrad     (the layer's weight-gradient GEMMs, plain and overlapped loops, see wgrad_shapes)
 //   bench_fp8_gemm --k-sweep-pairs   (the same for the overlapped loop, single CTAs against 2-CTA pairs)
 // (--out / --baseline, which scripts/gpu-check.sh gives every benchmark, are accepted and ignored: cuBLASLt
 // is timed in the same run)
@@ -42,6 +43,8 @@
 
 #include "bench_check.hpp"
 #include "kernels/fp8_gemm.hpp"
+#include "kernels/fp8_layout.hpp"
+#include "kernels/fp8_wgrad.hpp"
 
 using bf16 = __nv_bfloat16;
 
@@ -536,6 +539,102 @@ void k_sweep(int cluster) {
   BENCH_CHECK_CUDA(cudaFree(offsets));
 }
 
+
+// The FP8 layer's weight gradients (kernels/fp8_wgrad.hpp) at the benchmark configuration: 16 experts of 8192
+// routed rows (K of the GEMM), dW13 = dh^T x (M = 2I, N = H) and dW2 = dy^T a (M = H, N = I) for (H, I) =
+// (2048, 768) and (4096, 1536). Scales 1, so that the plain and the overlapped loop must agree bit for bit.
+// Each shape also against the data GEMM of the same FLOPs (8192 rows an expert, N = M, K = N), whose
+// promotion is one scale a row (overlapped, as in the layer): what the weight gradient's two scales a value
+// cost, at equal work.
+void wgrad_shapes() {
+  constexpr int E = 16;
+  constexpr int64_t rows_per_expert = 8192, capacity = rows_per_expert * E;
+  const int64_t columns = megamoe::kernels::token_major_columns(capacity, E);
+  std::vector<int32_t> off(E + 1);
+  for (int e = 0; e <= E; ++e) off[e] = static_cast<int32_t>(e * rows_per_expert);
+  int32_t* offsets;
+  BENCH_CHECK_CUDA(cudaMalloc(&offsets, (E + 1) * sizeof(int32_t)));
+  BENCH_CHECK_CUDA(cudaMemcpy(offsets, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  std::printf("FP8 weight gradients: 16 experts x 8192 routed rows, interleaved (median of 30), TFLOP/s\n");
+  std::printf("| gradient (H, I) | M | N | plain | overlapped | overlapped / plain | data GEMM, same FLOPs | "
+              "plain / data GEMM | bitwise |\n|---|---|---|---|---|---|---|---|---|\n");
+  const int64_t layer_shapes[2][2] = {{2048, 768}, {4096, 1536}};
+  for (const auto& hi : layer_shapes) {
+    const int64_t H = hi[0], I = hi[1];
+    const struct {
+      const char* name;
+      int64_t M, N;
+    } grads[2] = {{"dW13", 2 * I, H}, {"dW2", H, I}};
+    for (const auto& g : grads) {
+      const int64_t M = g.M, N = g.N;
+      uint8_t *qa, *qb, *A, *B;
+      float *sa, *sb, *D_plain, *D_over, *sa_rows, *sb_blocks;
+      bf16* D_data;
+      const size_t scale_rows = size_t(columns / 128);
+      BENCH_CHECK_CUDA(cudaMalloc(&qa, size_t(M) * columns));
+      BENCH_CHECK_CUDA(cudaMalloc(&qb, size_t(N) * columns));
+      BENCH_CHECK_CUDA(cudaMalloc(&sa, scale_rows * M * sizeof(float)));
+      BENCH_CHECK_CUDA(cudaMalloc(&sb, scale_rows * N * sizeof(float)));
+      BENCH_CHECK_CUDA(cudaMalloc(&D_plain, size_t(E) * M * N * sizeof(float)));
+      BENCH_CHECK_CUDA(cudaMalloc(&D_over, size_t(E) * M * N * sizeof(float)));
+      fill(qa, size_t(M) * columns, 11);
+      fill(qb, size_t(N) * columns, 12);
+      fill(sa, scale_rows * M, 1.0f);
+      fill(sb, scale_rows * N, 1.0f);
+      // The data GEMM of the same FLOPs: A [capacity, K = N] rows, B [E, N' = M, K].
+      const size_t sa_rows_count = size_t(megamoe::kernels::fp8_scale_pitch(capacity)) * (N / 128);
+      const size_t sb_blocks_count = size_t(E) * (M / 128) * (N / 128);
+      BENCH_CHECK_CUDA(cudaMalloc(&A, size_t(capacity) * N));
+      BENCH_CHECK_CUDA(cudaMalloc(&B, size_t(E) * M * N));
+      BENCH_CHECK_CUDA(cudaMalloc(&sa_rows, sa_rows_count * sizeof(float)));
+      BENCH_CHECK_CUDA(cudaMalloc(&sb_blocks, sb_blocks_count * sizeof(float)));
+      BENCH_CHECK_CUDA(cudaMalloc(&D_data, size_t(capacity) * M * sizeof(bf16)));
+      fill(A, size_t(capacity) * N, 13);
+      fill(B, size_t(E) * M * N, 14);
+      fill(sa_rows, sa_rows_count, 1.0f);
+      fill(sb_blocks, sb_blocks_count, 1.0f);
+      megamoe::kernels::Fp8GemmTuning data_tuning{};
+      data_tuning.overlap_promotion = true;  // as the layer's data GEMMs whose A comes by TMA
+      const std::vector<double> t = interleaved_median_ms({
+          [=] {
+            BENCH_CHECK_OK(megamoe::kernels::fp8_wgrad_gemm(qa, sa, M, qb, sb, N, offsets, E, capacity, D_plain,
+                                                            false, nullptr, 0, false));
+          },
+          [=] {
+            BENCH_CHECK_OK(megamoe::kernels::fp8_wgrad_gemm(qa, sa, M, qb, sb, N, offsets, E, capacity, D_over,
+                                                            false, nullptr, 0, true));
+          },
+          [=] {
+            BENCH_CHECK_OK(megamoe::kernels::fp8_grouped_gemm_nt(A, sa_rows, B, sb_blocks, D_data, offsets, E,
+                                                                 capacity, static_cast<int>(M), static_cast<int>(N),
+                                                                 nullptr, data_tuning));
+          },
+      });
+      BENCH_CHECK_CUDA(cudaDeviceSynchronize());
+      const size_t count = size_t(E) * M * N;
+      std::vector<float> plain(count), over(count);
+      BENCH_CHECK_CUDA(cudaMemcpy(plain.data(), D_plain, count * sizeof(float), cudaMemcpyDeviceToHost));
+      BENCH_CHECK_CUDA(cudaMemcpy(over.data(), D_over, count * sizeof(float), cudaMemcpyDeviceToHost));
+      const bool same = std::memcmp(plain.data(), over.data(), count * sizeof(float)) == 0;
+      const double flops = 2.0 * double(capacity) * double(M) * double(N);
+      const auto rate = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
+      std::printf("| %s (%lld, %lld) | %lld | %lld | %.1f | %.1f | x %.3f | %.1f | x %.3f | %s |\n", g.name,
+                  static_cast<long long>(H), static_cast<long long>(I), static_cast<long long>(M),
+                  static_cast<long long>(N), rate(t[0]), rate(t[1]), t[0] / t[1], rate(t[2]), t[2] / t[0],
+                  same ? "yes" : "NO");
+      for (void* p : {static_cast<void*>(qa), static_cast<void*>(qb), static_cast<void*>(sa), static_cast<void*>(sb),
+                      static_cast<void*>(D_plain), static_cast<void*>(D_over), static_cast<void*>(A),
+                      static_cast<void*>(B), static_cast<void*>(sa_rows), static_cast<void*>(sb_blocks),
+                      static_cast<void*>(D_data)})
+        BENCH_CHECK_CUDA(cudaFree(p));
+      if (!same) {
+        std::fprintf(stderr, "bench_fp8_gemm --wgrad: the overlapped loop's D differs from the plain loop's\n");
+        std::exit(1);
+      }
+    }
+  }
+  BENCH_CHECK_CUDA(cudaFree(offsets));
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -551,6 +650,10 @@ int main(int argc, char** argv) {
       k_sweep(2);
       return 0;
     }
+    if (!std::strcmp(argv[i], "--wgrad")) {  // the layer's weight gradients (wgrad_shapes above)
+      wgrad_shapes();
+      return 0;
+    }
     if (!std::strcmp(argv[i], "--dense-only")) {  // the 8192^3 GEMM alone (scripts/profile-fp8-gemm.sh)
       dense_only = true;
     } else if (!std::strcmp(argv[i], "--gathered-only")) {  // the gathered-rows GEMM at N=3072 K=4096 alone
@@ -564,7 +667,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: bench_fp8_gemm [--interleaved | --sequential] [--dense-only | --gathered-only] "
-                   "[--out IGNORED] [--baseline IGNORED] | --k-sweep | --k-sweep-pairs\n");
+                   "[--out IGNORED] [--baseline IGNORED] | --k-sweep | --k-sweep-pairs | --wgrad\n");
       return 2;
     }
   }
