@@ -5,6 +5,8 @@
 # the SASS lines of ours where the warps' stall samples fall, so that the gap between the two can be traced.
 # MEGAMOE_PROFILE_GATHERED=1: instead the grouped GEMM with A's rows gathered by index (the layer's GEMM1
 # form, N=3072 K=4096: bench_fp8_gemm --gathered-only), alone.
+# MEGAMOE_PROFILE_WGRAD=1: instead the weight-gradient GEMM (bench_fp8_gemm --wgrad: dW13 at H = 2048,
+# I = 768, plain and overlapped loops) next to the data GEMM of the same FLOPs; the SASS lines of its plain loop.
 #   scripts/profile-fp8-gemm.sh OUTDIR [BUILD_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -20,16 +22,22 @@ limit=${MEGAMOE_PROFILE_TIMEOUT:-300}
 # One interleaved round launches ours (single CTAs), ours (2-CTA pairs), cuBLASLt: the first round's three.
 which=(--dense-only)
 launches=3
+kernels='fp8_gemm_kernel|nvjet'
+ours=fp8_gemm_kernel
 if [ "${MEGAMOE_PROFILE_GATHERED:-0}" = 1 ]; then
   which=(--gathered-only)  # its first launches are the gathered call's
   launches=1
+elif [ "${MEGAMOE_PROFILE_WGRAD:-0}" = 1 ]; then
+  which=(--wgrad)  # its first round: plain, overlapped, the data GEMM of the same FLOPs
+  kernels='fp8_wgrad_kernel|fp8_gemm_kernel'
+  ours=fp8_wgrad_kernel
 fi
-timeout "$limit" ncu --kernel-name regex:'fp8_gemm_kernel|nvjet' --launch-count "$launches" --section WarpStateStats \
+timeout "$limit" ncu --kernel-name regex:"$kernels" --launch-count "$launches" --section WarpStateStats \
   --section ComputeWorkloadAnalysis --section SpeedOfLight --page raw --csv "$bench" --interleaved "${which[@]}" \
   >"$out/raw.csv" 2>"$out/raw.log"
 echo "ncu (raw metrics) rc $?"
-# Stall samples per SASS instruction of ours (single CTAs).
-timeout "$limit" ncu --kernel-name regex:fp8_gemm_kernel --launch-count 1 --section SourceCounters --page source \
+# Stall samples per SASS instruction of ours (single CTAs; the weight gradient's plain loop).
+timeout "$limit" ncu --kernel-name regex:"$ours" --launch-count 1 --section SourceCounters --page source \
   --print-source sass --csv "$bench" --interleaved "${which[@]}" >"$out/source.csv" 2>"$out/source.log"
 echo "ncu (source) rc $?"
 
