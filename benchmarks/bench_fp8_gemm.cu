@@ -230,6 +230,16 @@ void fill(float* p, size_t n, float v) {
   BENCH_CHECK_CUDA(cudaGetLastError());
 }
 
+// Device expert offsets [experts + 1] of a balanced split: expert e's rows from e * rows_per_expert.
+int32_t* balanced_offsets(int experts, int64_t rows_per_expert) {
+  std::vector<int32_t> off(experts + 1);
+  for (int e = 0; e <= experts; ++e) off[e] = static_cast<int32_t>(e * rows_per_expert);
+  int32_t* offsets;
+  BENCH_CHECK_CUDA(cudaMalloc(&offsets, off.size() * sizeof(int32_t)));
+  BENCH_CHECK_CUDA(cudaMemcpy(offsets, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  return offsets;
+}
+
 // The grouped GEMM with A's rows gathered by index (the layer's GEMM1 and d_a forms: the producer threads'
 // cp.async instead of TMA boxes, and a proxy fence per K block in the consumers): A's rows scattered by a
 // random permutation and gathered back through it, so the output must be bitwise that of the plain call.
@@ -359,17 +369,13 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
   uint8_t *A, *B;
   float *sa, *sb;
   bf16 *D, *D_ref;
-  int32_t* offsets;
   BENCH_CHECK_CUDA(cudaMalloc(&A, a_bytes));
   BENCH_CHECK_CUDA(cudaMalloc(&B, b_bytes));
   BENCH_CHECK_CUDA(cudaMalloc(&sa, sa_count * sizeof(float)));
   BENCH_CHECK_CUDA(cudaMalloc(&sb, sb_count * sizeof(float)));
   BENCH_CHECK_CUDA(cudaMalloc(&D, size_t(M) * N * sizeof(bf16)));
   BENCH_CHECK_CUDA(cudaMalloc(&D_ref, size_t(M) * N * sizeof(bf16)));
-  BENCH_CHECK_CUDA(cudaMalloc(&offsets, (E + 1) * sizeof(int32_t)));
-  std::vector<int32_t> off(E + 1);
-  for (int e = 0; e <= E; ++e) off[e] = static_cast<int32_t>(e * rows_per_group);
-  BENCH_CHECK_CUDA(cudaMemcpy(offsets, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  int32_t* const offsets = balanced_offsets(E, rows_per_group);
   fill(A, a_bytes, 1);
   fill(B, b_bytes, 2);
   fill(sa, sa_count, 1.0f);
@@ -470,7 +476,6 @@ void k_sweep(int cluster) {
   uint8_t *A, *B;
   float *sa, *sb;
   bf16* D;
-  int32_t* offsets;
   const size_t sa_count = size_t(megamoe::kernels::fp8_scale_pitch(M)) * (kMaxK / 128);
   const size_t sb_count = size_t(E) * (N / 128) * (kMaxK / 128);
   BENCH_CHECK_CUDA(cudaMalloc(&A, size_t(M) * kMaxK));
@@ -478,10 +483,7 @@ void k_sweep(int cluster) {
   BENCH_CHECK_CUDA(cudaMalloc(&sa, sa_count * sizeof(float)));
   BENCH_CHECK_CUDA(cudaMalloc(&sb, sb_count * sizeof(float)));
   BENCH_CHECK_CUDA(cudaMalloc(&D, size_t(M) * N * sizeof(bf16)));
-  BENCH_CHECK_CUDA(cudaMalloc(&offsets, (E + 1) * sizeof(int32_t)));
-  std::vector<int32_t> off(E + 1);
-  for (int e = 0; e <= E; ++e) off[e] = static_cast<int32_t>(e * rows_per_group);
-  BENCH_CHECK_CUDA(cudaMemcpy(offsets, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  int32_t* const offsets = balanced_offsets(E, rows_per_group);
   fill(A, size_t(M) * kMaxK, 1);
   fill(B, size_t(E) * N * kMaxK, 2);
   fill(sa, sa_count, 1.0f);
@@ -550,11 +552,7 @@ void wgrad_shapes() {
   constexpr int E = 16;
   constexpr int64_t rows_per_expert = 8192, capacity = rows_per_expert * E;
   const int64_t columns = megamoe::kernels::token_major_columns(capacity, E);
-  std::vector<int32_t> off(E + 1);
-  for (int e = 0; e <= E; ++e) off[e] = static_cast<int32_t>(e * rows_per_expert);
-  int32_t* offsets;
-  BENCH_CHECK_CUDA(cudaMalloc(&offsets, (E + 1) * sizeof(int32_t)));
-  BENCH_CHECK_CUDA(cudaMemcpy(offsets, off.data(), off.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  int32_t* const offsets = balanced_offsets(E, rows_per_expert);
   std::printf("FP8 weight gradients: 16 experts x 8192 routed rows, interleaved (median of 30), TFLOP/s\n");
   std::printf("| gradient (H, I) | M | N | plain | overlapped | overlapped / plain | data GEMM, same FLOPs | "
               "plain / data GEMM | bitwise |\n|---|---|---|---|---|---|---|---|---|\n");
@@ -581,6 +579,9 @@ void wgrad_shapes() {
       fill(qb, size_t(N) * columns, 12);
       fill(sa, scale_rows * M, 1.0f);
       fill(sb, scale_rows * N, 1.0f);
+      // Poisoned unlike each other, so that an output one loop leaves unwritten cannot compare equal.
+      BENCH_CHECK_CUDA(cudaMemset(D_plain, 0xFF, size_t(E) * M * N * sizeof(float)));
+      BENCH_CHECK_CUDA(cudaMemset(D_over, 0xFE, size_t(E) * M * N * sizeof(float)));
       // The data GEMM of the same FLOPs: A [capacity, K = N] rows, B [E, N' = M, K].
       const size_t sa_rows_count = size_t(megamoe::kernels::fp8_scale_pitch(capacity)) * (N / 128);
       const size_t sb_blocks_count = size_t(E) * (M / 128) * (N / 128);

@@ -823,22 +823,18 @@ int main(int argc, char** argv) {
       if (static_cast<int64_t>(b[0]) == r.hidden && static_cast<int64_t>(b[1]) == r.intermediate)
         torch_fwd = b[2], torch_total = b[3];
     // Without a baseline row (no --baseline, or none of this shape) the torch columns say so, not 0.
-    const auto ms = [](double torch) {
+    const auto torch_cell = [](double torch, const char* format, double value) {
       if (!(torch > 0)) return std::string("-");
       char text[32];
-      std::snprintf(text, sizeof(text), "%.3f", torch);
-      return std::string(text);
-    };
-    const auto ratio = [](double torch, double ours) {
-      if (!(torch > 0)) return std::string("-");
-      char text[32];
-      std::snprintf(text, sizeof(text), "%.2fx", torch / ours);
+      std::snprintf(text, sizeof(text), format, value);
       return std::string(text);
     };
     std::printf("| %lld, %lld | %.3f | %.1f | %s | %s | %.3f | %.1f | %s | %s |\n",
                 static_cast<long long>(r.hidden), static_cast<long long>(r.intermediate), r.forward_ms,
-                r.forward_tflops, ms(torch_fwd).c_str(), ratio(torch_fwd, r.forward_ms).c_str(), r.total_ms,
-                r.total_tflops, ms(torch_total).c_str(), ratio(torch_total, r.total_ms).c_str());
+                r.forward_tflops, torch_cell(torch_fwd, "%.3f", torch_fwd).c_str(),
+                torch_cell(torch_fwd, "%.2fx", torch_fwd / r.forward_ms).c_str(), r.total_ms, r.total_tflops,
+                torch_cell(torch_total, "%.3f", torch_total).c_str(),
+                torch_cell(torch_total, "%.2fx", torch_total / r.total_ms).c_str());
   }
   if (json_path != nullptr) {
     FILE* f = std::fopen(json_path, "w");
