@@ -32,10 +32,10 @@ Status check(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, c
   return Status::ok();
 }
 
-// An e4m3 matrix [rows, columns] as bf16 pairs, boxes of 128 e4m3 (64 pairs) x 128 rows.
-Status operand_map(CUtensorMap* map, const uint8_t* q, int64_t rows, int64_t columns) {
+// An e4m3 matrix [rows, columns] as bf16 pairs, boxes of 128 e4m3 (64 pairs) x box_rows rows.
+Status operand_map(CUtensorMap* map, const uint8_t* q, int64_t rows, int64_t columns, uint32_t box_rows) {
   const uint64_t dims[2] = {static_cast<uint64_t>(columns / 2), static_cast<uint64_t>(rows)};
-  const uint32_t box[2] = {64, 128};
+  const uint32_t box[2] = {64, box_rows};
   return make_bf16_tensor_map(map, q, 2, dims, box);
 }
 
@@ -50,10 +50,12 @@ template <class Cfg>
 Status launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_sa, const CUtensorMap& tm_sb,
               const Fp8WgradParams& p, int64_t tiles, int num_sms, int max_ctas, cudaStream_t stream) {
   ClusterLaunch launch;
-  MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<1>(fp8_wgrad_kernel<Cfg>, kFp8WgradThreads, Cfg::kSmemBytes, stream,
-                                                    num_sms, max_ctas, "fp8 wgrad GEMM", &launch));
-  // No more CTAs than tiles.
-  launch.set_grid(static_cast<int>(tiles < launch.clusters ? tiles : launch.clusters), 1);
+  MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<Cfg::kCluster>(fp8_wgrad_kernel<Cfg>, kFp8WgradThreads,
+                                                                Cfg::kSmemBytes, stream, num_sms, max_ctas,
+                                                                "fp8 wgrad GEMM", &launch));
+  // No more clusters than work items (a cluster's item is kCluster tiles).
+  const int64_t items = tiles / Cfg::kCluster;
+  launch.set_grid(static_cast<int>(items < launch.clusters ? items : launch.clusters), Cfg::kCluster);
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&launch.config, fp8_wgrad_kernel<Cfg>, tm_a, tm_b, tm_sa, tm_sb, p));
   MEGAMOE_CHECK_LAUNCH(stream, "fp8_wgrad_kernel");
   return Status::ok();
@@ -63,15 +65,21 @@ Status launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMa
 
 Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, const float* sb, int64_t N,
                       const int32_t* offsets, int experts, int64_t capacity, float* D, bool accumulate,
-                      cudaStream_t stream, int max_ctas, bool overlap_promotion) {
+                      cudaStream_t stream, int max_ctas, bool overlap_promotion, int cluster) {
   MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));
   if (max_ctas < 0) return Status::invalid("fp8 wgrad GEMM: max_ctas must be >= 0, got " + std::to_string(max_ctas));
+  if (cluster < 0 || cluster > 2)
+    return Status::invalid("fp8 wgrad GEMM: cluster must be 0 (automatic), 1 or 2, got " + std::to_string(cluster));
+  if (cluster == 2 && M % 256 != 0)
+    return Status::invalid("fp8 wgrad GEMM: 2-CTA clusters pair m-tiles, so M must be a multiple of 256, got M=" +
+                           std::to_string(M));
+  const int pair = cluster == 0 ? (M % 256 == 0 ? 2 : 1) : cluster;
   int num_sms = 0;
   MEGAMOE_RETURN_IF_ERROR(hopper_device_sms("fp8 wgrad GEMM", &num_sms));
   const int64_t columns = token_major_columns(capacity, experts);
   CUtensorMap tm_a{}, tm_b{}, tm_sa{}, tm_sb{};
-  MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_a, qa, M, columns));
-  MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_b, qb, N, columns));
+  MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_a, qa, M, columns, 128));
+  MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_b, qb, N, columns, static_cast<uint32_t>(128 / pair)));
   MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sa, sa, M, columns));
   MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sb, sb, N, columns));
   Fp8WgradParams p{};
@@ -83,6 +91,12 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8
   p.D = D;
   p.accumulate = accumulate ? 1 : 0;
   const int64_t tiles = static_cast<int64_t>(experts) * (M / 128) * (N / 128);
+  if (pair == 2) {
+    if (overlap_promotion) {
+      return launch<Fp8WgradConfig<true, 2>>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
+    }
+    return launch<Fp8WgradConfig<false, 2>>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
+  }
   if (overlap_promotion) {
     return launch<Fp8WgradConfig<true>>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
   }
@@ -93,6 +107,8 @@ Status fp8_wgrad_preload() {
   cudaFuncAttributes attributes{};
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false>>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 2>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<true, 2>>));
   return Status::ok();
 }
 

@@ -1,9 +1,13 @@
 // The FP8 weight-gradient GEMM kernel (fp8_wgrad.hpp), composed like the FP8 GEMM (fp8_gemm_kernel.cuh): one
 // persistent, warp-specialised CTA of 384 threads per SM, tile 128 x 128 of one expert's [M, N] output, one
-// 128-deep K block (128 routed rows) per stage. The reduction is K-grouped: an expert's K blocks are its
-// segment of the token-major copies (kernels/fp8_token_major.hpp), which starts at a multiple of 128 columns.
+// 128-deep K block (128 routed rows) per stage; alone or in 2-CTA clusters, where a work item is a pair of
+// vertically adjacent tiles sharing their B panel (each CTA loads one half of it and multicasts it to both,
+// so a stage costs the L2 three quarters of its operand bytes, as in the FP8 GEMM). The reduction is
+// K-grouped: an expert's K blocks are its segment of the token-major copies (kernels/fp8_token_major.hpp),
+// which starts at a multiple of 128 columns.
 //   warpgroup 0, the producer: thread 0 loads a stage's A box (the tile's 128 rows of qa) and B box (its 128
-//     rows of qb) with TMA; thread 32 the stage's 128 + 128 scales (load_channel_scales);
+//     rows of qb, or in a cluster its half of them, multicast) with TMA; thread 32 the stage's 128 + 128
+//     scales (load_channel_scales: each CTA its own);
 //   warpgroups 1 and 2, the consumers: 64 rows each, mma_tile_fp8_channel_scaled, then the fp32 epilogue
 //     (stored, or added to what D holds).
 // An expert without rows still has its tiles: they store zeros (or add nothing).
@@ -13,6 +17,7 @@
 #include "device/epilogue/epilogues.cuh"
 #include "device/gemm/block_scales.cuh"
 #include "device/gemm/fp8_mainloop.cuh"
+#include "device/gemm/operands.cuh"
 #include "device/gemm/shape.cuh"
 #include "device/pipeline.cuh"
 #include "device/ptx/grid_dependency.cuh"
@@ -37,17 +42,20 @@ struct Fp8WgradParams {
 };
 
 // kOverlap_: the consumers' loop is mma_tile_fp8_channel_scaled_overlapped (232 registers for them, 40 for
-// the producer).
-template <bool kOverlap_ = false>
+// the producer). kCluster_: 1, or 2 for the pairs of m-tiles sharing B (M a multiple of 256, fp8_wgrad.cu).
+template <bool kOverlap_ = false, int kCluster_ = 1>
 struct Fp8WgradConfig {
   static constexpr bool kOverlap = kOverlap_;
+  static constexpr int kCluster = kCluster_;
   static constexpr int kBN = 128;
   // 5 x 32 KB stages + their scale slots + two 8 KB fp32 staging boxes + the numbering's tables.
   static constexpr int kStages = 5;
   // The bf16-pair view of the e4m3 operands: kBK = 64 "bf16" = 128 e4m3 = one K block (fp8_mainloop.cuh).
-  using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, 1>;
+  using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, kCluster>;
   // Numbered over routed rows: one stage = 128 of them.
-  using Tiles = device::GroupedTiles<Shape::kBM, kBN, 128, 1, true>;
+  using Tiles = device::GroupedTiles<Shape::kBM, kBN, 128, kCluster, true>;
+  // Rows of B one CTA loads per stage (the tensor map's box, fp8_wgrad.cu).
+  static constexpr int kBRowsLoaded = kBN / kCluster;
   static constexpr int kFullArrivals = 2;  // the operand thread's transaction count, the scale thread's
   static constexpr int kEmptyArrivals = device::kFp8ChannelEmptyArrivals<Shape>;
   static constexpr int kScaleThread = 32;
@@ -77,7 +85,7 @@ __device__ __forceinline__ void fp8_wgrad_producer(const CUtensorMap* tm_a, cons
                                                    const CUtensorMap* tm_sa, const CUtensorMap* tm_sb,
                                                    typename Cfg::SharedStorage& smem,
                                                    const typename Cfg::Tiles& tiles,
-                                                   const device::StaticSchedule& sched, int ptid) {
+                                                   const device::StaticSchedule& sched, int rank, int ptid) {
   using Shape = typename Cfg::Shape;
   if (ptid != 0 && ptid != Cfg::kScaleThread) return;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
@@ -86,7 +94,7 @@ __device__ __forceinline__ void fp8_wgrad_producer(const CUtensorMap* tm_a, cons
   for (int j = 0;; ++j) {
     const int t = sched.item(j);
     if (t >= total) break;
-    const device::TileCoord tile = tiles.decode(t, 0);
+    const device::TileCoord tile = tiles.decode(t, rank);
     const int m0 = tile.m_idx * Shape::kBM, n0 = tile.n_idx * Shape::kBN;
     for (int kt = 0; kt < tile.k_tiles; ++kt) {
       pipe.producer_acquire(st);
@@ -94,10 +102,19 @@ __device__ __forceinline__ void fp8_wgrad_producer(const CUtensorMap* tm_a, cons
       if (ptid == 0) {
         uint64_t* bar = pipe.full_barrier(st);
         uint8_t* stage = smem.stages[st.index];
+        // The whole B panel lands here: in a cluster, half of it from the peer's multicast.
         pipe.producer_expect_tx(st, static_cast<uint32_t>(Shape::kABytes + Shape::kBBytes));
         // Coordinates in bf16 pairs along K (two e4m3 each), rows as they are.
         device::tma_load_2d(stage, tm_a, k / 2, m0, bar);
-        device::tma_load_2d(stage + Shape::kABytes, tm_b, k / 2, n0, bar);
+        if constexpr (Cfg::kCluster == 1) {
+          device::tma_load_2d(stage + Shape::kABytes, tm_b, k / 2, n0, bar);
+        } else {
+          // Rows n0 + 64 rank ..: 8 KB on, a multiple of the swizzle's 1 KB period, so the halves together are
+          // laid out as one whole box.
+          constexpr int kHalfBytes = Shape::kBBytes / 2;
+          device::tma_load_2d_multicast(stage + Shape::kABytes + rank * kHalfBytes, tm_b, k / 2,
+                                        n0 + rank * Cfg::kBRowsLoaded, bar, device::kClusterPairMask);
+        }
       } else {
         device::load_channel_scales(pipe, st, &smem.scales[st.index], tm_sa, tm_sb, m0, n0, k / 128);
       }
@@ -111,7 +128,7 @@ __device__ __forceinline__ void fp8_wgrad_producer(const CUtensorMap* tm_a, cons
 template <class Cfg, int kCwg>
 __device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, typename Cfg::SharedStorage& smem,
                                                    const typename Cfg::Tiles& tiles,
-                                                   const device::StaticSchedule& sched, int tid) {
+                                                   const device::StaticSchedule& sched, int rank, int tid) {
   using Shape = typename Cfg::Shape;
   constexpr int kBN = Shape::kBN;
   constexpr int cwg = kCwg;
@@ -122,13 +139,13 @@ __device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, type
   for (int j = 0;; ++j) {
     const int t = sched.item(j);
     if (t >= tiles.total_now()) break;
-    const device::TileCoord tile = tiles.decode(t, 0);
+    const device::TileCoord tile = tiles.decode(t, rank);
     if constexpr (Cfg::kOverlap) {
       device::mma_tile_fp8_channel_scaled_overlapped<Shape>(acc, pipe, st, smem.stages[0], smem.scales,
-                                                            max(tile.k_tiles, 0), cwg, lt);
+                                                            max(tile.k_tiles, 0), cwg, lt, rank);
     } else {
       device::mma_tile_fp8_channel_scaled<Shape>(acc, pipe, st, smem.stages[0], smem.scales, max(tile.k_tiles, 0),
-                                                 cwg, lt);
+                                                 cwg, lt, rank);
     }
     float* d = p.D + static_cast<int64_t>(tile.e) * p.M * p.N;
     device::epilogue_fp32<kBN>(acc, d, p.M, p.N, tile.m_idx * Shape::kBM + 64 * cwg, tile.n_idx * kBN,
@@ -154,20 +171,27 @@ __global__ void __launch_bounds__(kFp8WgradThreads, 1)
   device::begin_dependent_grid();  // the offsets and both operands come from earlier kernels
   __syncthreads();
   tiles.build(p.offsets, p.capacity, false, tid, kFp8WgradThreads);
-  const device::StaticSchedule sched{static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x)};
+  // In a cluster the peer multicasts into this CTA's shared memory and arrives on its barriers: both CTAs
+  // must have initialised them first. Both walk the same items (same experts, so the same stages).
+  if constexpr (Shape::kCluster > 1) device::cluster_sync();
+  const int rank = Shape::kCluster == 1 ? 0 : static_cast<int>(device::cluster_cta_rank());
+  const int cluster = Shape::kCluster == 1 ? static_cast<int>(blockIdx.x) : static_cast<int>(device::cluster_id_x());
+  const device::StaticSchedule sched{cluster, static_cast<int>(gridDim.x) / Shape::kCluster};
   // Overlapped, the role branch must be uniform to ptxas (fp8_gemm_kernel.cuh): a shuffled warpgroup index.
   const int warpgroup = Cfg::kOverlap ? __shfl_sync(0xffffffffu, tid / 128, 0) : tid / 128;
   if (warpgroup == 0) {
     device::setmaxnreg_dec<Cfg::kProducerRegs>();
-    fp8_wgrad_producer<Cfg>(&tm_a, &tm_b, &tm_sa, &tm_sb, smem, tiles, sched, tid);
+    fp8_wgrad_producer<Cfg>(&tm_a, &tm_b, &tm_sa, &tm_sb, smem, tiles, sched, rank, tid);
   } else {
     device::setmaxnreg_inc<Cfg::kConsumerRegs>();
     if (warpgroup == 1) {
-      fp8_wgrad_consumer<Cfg, 0>(p, smem, tiles, sched, tid);
+      fp8_wgrad_consumer<Cfg, 0>(p, smem, tiles, sched, rank, tid);
     } else {
-      fp8_wgrad_consumer<Cfg, 1>(p, smem, tiles, sched, tid);
+      fp8_wgrad_consumer<Cfg, 1>(p, smem, tiles, sched, rank, tid);
     }
   }
+  // No CTA may exit while its peer can still arrive on its barriers or multicast into its memory.
+  if constexpr (Shape::kCluster > 1) device::cluster_sync();
 #endif
 }
 

@@ -143,10 +143,10 @@ TEST(Fp8WgradGemmGpuTest, MatchesTheContractOnTokenMajorOperands) {
   EXPECT_EQ(differ, 0) << "accumulate must be the stored result added to D";
 }
 
-// The overlapped promotion (each K block promoted while the next one's wgmma run) against the plain loop on
-// experts of 0 to 6 K blocks (odd and even counts, the loop's pairs and its tail): bitwise the same D, stored
-// and accumulated.
-TEST(Fp8WgradGemmGpuTest, OverlappedPromotionIsBitwiseThePlainLoop) {
+// The overlapped promotion (each K block promoted while the next one's wgmma run) and the 2-CTA cluster pairs
+// (B multicast) against the plain loop in single CTAs, on experts of 0 to 6 K blocks (odd and even counts,
+// the overlapped loop's pairs and its tail): bitwise the same D, stored and accumulated.
+TEST(Fp8WgradGemmGpuTest, OverlappedPromotionAndClusterPairsAreBitwiseThePlainLoop) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const uint32_t seed = std::random_device{}();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -154,7 +154,7 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionIsBitwiseThePlainLoop) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const std::vector<int32_t> offsets = {0, 300, 300, 1000, 1513, 1641, 1642};  // 3, 0, 6, 5, 1, 1 blocks
   const int experts = 6;
-  const int64_t capacity = 1700, M = 256, N = 128;
+  const int64_t capacity = 1700, M = 512, N = 256;  // two m-tile pairs, two n-tiles
   std::vector<float> a_rows(capacity * M), b_rows(capacity * N);
   for (float& v : a_rows) v = normal(rng);
   for (float& v : b_rows) v = normal(rng);
@@ -166,30 +166,41 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionIsBitwiseThePlainLoop) {
   auto &sa = ops.sa, &sb = ops.sb;
   std::vector<float> start(experts * M * N);
   for (size_t i = 0; i < start.size(); ++i) start[i] = 0.125f * static_cast<float>(i % 9) - 0.5f;
-  // max_ctas 1 and 3: CTAs that take several tiles, each starting where the previous one left the ring.
+  struct Form {
+    bool overlap;
+    int cluster;
+  };
+  // max_ctas 1..3: CTAs (and clusters) that take several tiles, each starting where the previous one left the
+  // ring; a cluster of 2 is the least a paired launch runs.
   for (const int max_ctas : {0, 1, 3})
-  for (const bool accumulate : {false, true}) {
-    SCOPED_TRACE(std::string(accumulate ? "accumulating" : "storing") + ", max_ctas " + std::to_string(max_ctas));
-    DeviceBuffer<float> plain(start.size()), overlapped(start.size());  // poisoned unless accumulating
+  for (const bool accumulate : {false, true})
+  for (const Form form : {Form{false, 2}, Form{true, 1}, Form{true, 2}}) {
+    SCOPED_TRACE(std::string(accumulate ? "accumulating" : "storing") + ", max_ctas " + std::to_string(max_ctas) +
+                 (form.overlap ? ", overlapped" : ", plain") + ", cluster " + std::to_string(form.cluster));
+    // Poisoned unless accumulating, each its own way, so that an unwritten output cannot compare equal.
+    DeviceBuffer<float> plain(start.size()), other(start.size());
     if (accumulate) {
       plain.upload(start);
-      overlapped.upload(start);
+      other.upload(start);
+    } else {
+      MEGAMOE_ASSERT_CUDA(cudaMemset(other.get(), 0xFE, start.size() * sizeof(float)));
     }
     ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
-                                        capacity, plain.get(), accumulate, nullptr)
+                                        capacity, plain.get(), accumulate, nullptr, max_ctas, false, 1)
                     .is_ok());
     ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
-                                        capacity, overlapped.get(), accumulate, nullptr, max_ctas, true)
+                                        capacity, other.get(), accumulate, nullptr, max_ctas, form.overlap,
+                                        form.cluster)
                     .is_ok());
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-    const std::vector<float> want = plain.download(), got = overlapped.download();
+    const std::vector<float> want = plain.download(), got = other.download();
     int64_t differ = 0, unwritten = 0;
     for (size_t i = 0; i < want.size(); ++i) {
       differ += std::memcmp(&want[i], &got[i], sizeof(float)) != 0;
-      unwritten += std::isnan(got[i]);
+      unwritten += std::isnan(got[i]) || std::isnan(want[i]);
     }
     EXPECT_EQ(unwritten, 0) << "unwritten outputs";
-    EXPECT_EQ(differ, 0) << "the overlapped promotion differs from the plain loop";
+    EXPECT_EQ(differ, 0) << "differs from the plain loop in single CTAs";
   }
 }
 
@@ -214,6 +225,15 @@ TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {
             StatusCode::kInvalidArgument);  // D must be 16-byte aligned (the epilogue stores 16 bytes at a time)
   EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 128, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
                                     nullptr, -1)
+                .code(),
+            StatusCode::kInvalidArgument);
+  // Cluster pairs need an even number of m-tiles; only 0, 1 and 2 are cluster sizes.
+  EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 128, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
+                                    nullptr, 0, false, 2)
+                .code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 256, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
+                                    nullptr, 0, false, 3)
                 .code(),
             StatusCode::kInvalidArgument);
 }

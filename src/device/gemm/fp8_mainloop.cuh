@@ -262,18 +262,19 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[S
 // The same loop with both operands scaled per row and K block (the weight gradients; block_scales.cuh's
 // StageChannelScales): acc = sum over the tile's K blocks of (sa[m] sb[n]) * (the block's wgmma sum). The
 // stage is released after the promotion, which reads the column scales from the stage's slot; every consumer
-// warp releases for its lanes (the slots are refilled through TMA), so the empty barrier counts consumer warps
-// (kFp8ChannelEmptyArrivals).
+// warp releases for its lanes (the slots are refilled through TMA), and in a 2-CTA cluster one thread per
+// warpgroup the peer's copy too (release_fp8_stage), so the empty barrier counts the consumer warps and the
+// peer's consumer warpgroups (kFp8ChannelEmptyArrivals, which equals kFp8EmptyArrivals of the TMA path).
 template <class Shape>
-inline constexpr int kFp8ChannelEmptyArrivals = 4 * Shape::kConsumerGroups;
+inline constexpr int kFp8ChannelEmptyArrivals = kFp8EmptyArrivals<Shape, false>;
 
 template <class Shape>
 __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::kBN / 2],
                                                             const StagePipeline<Shape::kStages>& pipe,
                                                             PipeState<Shape::kStages>& st, uint8_t* stages,
                                                             const StageChannelScales* scales, int k_tiles, int cwg,
-                                                            int lt) {
-  static_assert(Shape::kBN == 128 && Shape::kBM == 128 && Shape::kCluster == 1, "128 x 128 tiles, single CTAs");
+                                                            int lt, uint32_t cta_rank) {
+  static_assert(Shape::kBN == 128 && Shape::kBM == 128, "128 x 128 tiles");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
   float partial[kN];  // overwritten by each block's first wgmma; zeroed so that it is never read undefined
@@ -296,7 +297,7 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
     wgmma_wait<0>();
     fence_accumulators(partial);
     promote_block_channels(acc, partial, row_scale, slot.b, lane);
-    pipe.consumer_release_warp(here, lane);
+    release_fp8_stage<Shape, false>(pipe, here, lt, cta_rank);
   });
 }
 
@@ -310,8 +311,9 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled_overlapped(float (&a
                                                                        PipeState<Shape::kStages>& st,
                                                                        uint8_t* stages,
                                                                        const StageChannelScales* scales,
-                                                                       int k_tiles_in, int cwg, int lt) {
-  static_assert(Shape::kBN == 128 && Shape::kBM == 128 && Shape::kCluster == 1, "128 x 128 tiles, single CTAs");
+                                                                       int k_tiles_in, int cwg, int lt,
+                                                                       uint32_t cta_rank) {
+  static_assert(Shape::kBN == 128 && Shape::kBM == 128, "128 x 128 tiles");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
   float partial[2][kN];
@@ -333,7 +335,7 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled_overlapped(float (&a
         constexpr int b = decltype(buffer)::value;
         fence_accumulators(partial[b]);
         promote_block_channels(acc, partial[b], row_scale[b], scales[done.index].b, lane);
-        pipe.consumer_release_warp(done, lane);
+        release_fp8_stage<Shape, false>(pipe, done, lt, cta_rank);
       });
 }
 
