@@ -6,7 +6,8 @@
 # MEGAMOE_PROFILE_GATHERED=1: instead the grouped GEMM with A's rows gathered by index (the layer's GEMM1
 # form, N=3072 K=4096: bench_fp8_gemm --gathered-only), alone.
 # MEGAMOE_PROFILE_WGRAD=1: instead the weight-gradient GEMM (bench_fp8_gemm --wgrad: dW13 at H = 2048,
-# I = 768, plain and overlapped loops) next to the data GEMM of the same FLOPs; the SASS lines of its plain loop.
+# I = 768, plain and overlapped loops, single CTAs and cluster pairs) next to the data GEMM of the same FLOPs;
+# the SASS lines of its plain loop in single CTAs.
 #   scripts/profile-fp8-gemm.sh OUTDIR [BUILD_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -28,7 +29,8 @@ if [ "${MEGAMOE_PROFILE_GATHERED:-0}" = 1 ]; then
   which=(--gathered-only)  # its first launches are the gathered call's
   launches=1
 elif [ "${MEGAMOE_PROFILE_WGRAD:-0}" = 1 ]; then
-  which=(--wgrad)  # its first round: plain, overlapped, the data GEMM of the same FLOPs
+  which=(--wgrad)  # its first round: the four forms (wgrad_shapes), the data GEMM of the same FLOPs
+  launches=5
   kernels='fp8_wgrad_kernel|fp8_gemm_kernel'
   ours=fp8_wgrad_kernel
 fi
@@ -67,7 +69,9 @@ for r in rows[1:]:
     print(f"== {d.get('Kernel Name', '')[:90]}")
     print(f"   duration {d.get('gpu__time_duration.sum')} ns; tensor pipe active "
           f"{d.get('sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active', '-')}%; issue active "
-          f"{d.get('smsp__issue_active.sum.per_cycle_active', '-')} per SM cycle")
+          f"{d.get('smsp__issue_active.sum.per_cycle_active', '-')} per SM cycle; L2 "
+          f"{d.get('lts__throughput.avg.pct_of_peak_sustained_elapsed', '-')}%, DRAM "
+          f"{d.get('gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed', '-')}% of peak")
     stalls = [(number(v), k) for k, v in d.items() if "issue_stalled" in k and k.endswith("per_issue_active.ratio")]
     stalls = sorted((s for s in stalls if s[0] is not None), reverse=True)[:8]
     print("   stalls per issued instruction: " + ", ".join(
