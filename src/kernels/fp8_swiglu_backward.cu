@@ -102,11 +102,12 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_backward_fp8_kernel(const 
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int local = first_local + kBatch * batch + j;
-      // Rows past the group's are zeros in the tile (the token-major copy's padding) and are not written.
-      SwigluRowValues v{};
-      if (local < group.rows)  // uniform over the warp
-        v = swiglu_backward_row_block(weights[local], set[j].g, set[j].gate, set[j].up, group.first + local, kb, I,
-                                      out.dh_q, out.dh_s, out.dh_scales_pitch, lane, dot[kBatch * batch + j]);
+      // Rows past the group's are zeros in the tile (the token-major copy's padding) and are not written: their
+      // loads are zeros (fetch), from which the arithmetic gives +0 everywhere, so only the stores branch.
+      const SwigluRowValues v =
+          swiglu_backward_row_block(weights[local], set[j].g, set[j].gate, set[j].up, group.first + local, kb, I,
+                                    out.dh_q, out.dh_s, out.dh_scales_pitch, lane, dot[kBatch * batch + j],
+                                    local < group.rows);
       float* const tile_row = tile + local * kColumns + lane_run;
       store_float4(tile_row, v.a);
       store_float4(tile_row + kGroup, v.dg);

@@ -19,11 +19,14 @@ struct SwigluRowValues {
 // Block kb of routed row `row` (w its routing weight; g, gate and up the lane's channels kb 128 + 4 lane .. + 3):
 // a = silu(gate) up, dh = SwiGLU'(w g); dh's two 1 x 128 groups (gate, up) quantized across the warp into
 // dh_q [rows, 2I] and the K-block-major scales dh_s (gate group kb at row kb, up group at row I / 128 + kb of
-// pitch `pitch`); g a added into the lane's `dot` value by value. Every lane of the warp calls it.
+// pitch `pitch`); g a added into the lane's `dot` value by value. Every lane of the warp calls it. With
+// store false (uniform over the warp: a padding row past its group, whose inputs are zeros) nothing is
+// stored and the values are +0, so callers need not branch around the arithmetic.
 __device__ __forceinline__ SwigluRowValues swiglu_backward_row_block(float w, const float4& g, const float4& gate,
                                                                      const float4& up, int64_t row, int64_t kb,
                                                                      int64_t I, uint8_t* dh_q, float* dh_s,
-                                                                     int64_t pitch, int lane, float& dot) {
+                                                                     int64_t pitch, int lane, float& dot,
+                                                                     bool store = true) {
   const float gs[4] = {g.x, g.y, g.z, g.w}, gates[4] = {gate.x, gate.y, gate.z, gate.w},
               ups[4] = {up.x, up.y, up.z, up.w};
   SwigluRowValues v;
@@ -36,6 +39,7 @@ __device__ __forceinline__ SwigluRowValues swiglu_backward_row_block(float w, co
     dot += gs[i] * d.a;
   }
   const device::WarpGroupQuantized qg = device::quantize_warp_group(v.dg), qu = device::quantize_warp_group(v.du);
+  if (!store) return v;
   uint8_t* const codes = dh_q + row * 2 * I + kb * 128 + 4 * lane;
   *reinterpret_cast<uint32_t*>(codes) = qg.bytes;
   *reinterpret_cast<uint32_t*>(codes + I) = qu.bytes;
