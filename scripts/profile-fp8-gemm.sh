@@ -29,8 +29,8 @@ if [ "${MEGAMOE_PROFILE_GATHERED:-0}" = 1 ]; then
   which=(--gathered-only)  # its first launches are the gathered call's
   launches=1
 elif [ "${MEGAMOE_PROFILE_WGRAD:-0}" = 1 ]; then
-  which=(--wgrad)  # its first round: the four forms (wgrad_shapes), the data GEMM of the same FLOPs
-  launches=5
+  which=(--wgrad)  # its first round: the four forms (wgrad_shapes), the data GEMM of the same FLOPs (overlapped, plain)
+  launches=6
   kernels='fp8_wgrad_kernel|fp8_gemm_kernel'
   ours=fp8_wgrad_kernel
 fi

@@ -68,12 +68,12 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8
                       cudaStream_t stream, int max_ctas, bool overlap_promotion, int cluster) {
   MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));
   if (max_ctas < 0) return Status::invalid("fp8 wgrad GEMM: max_ctas must be >= 0, got " + std::to_string(max_ctas));
-  if (cluster < 0 || cluster > 2)
-    return Status::invalid("fp8 wgrad GEMM: cluster must be 0 (automatic), 1 or 2, got " + std::to_string(cluster));
+  if (cluster != 1 && cluster != 2)
+    return Status::invalid("fp8 wgrad GEMM: cluster must be 1 or 2, got " + std::to_string(cluster));
   if (cluster == 2 && M % 256 != 0)
     return Status::invalid("fp8 wgrad GEMM: 2-CTA clusters pair m-tiles, so M must be a multiple of 256, got M=" +
                            std::to_string(M));
-  const int pair = cluster == 0 ? (M % 256 == 0 ? 2 : 1) : cluster;
+  const int pair = cluster;
   int num_sms = 0;
   MEGAMOE_RETURN_IF_ERROR(hopper_device_sms("fp8 wgrad GEMM", &num_sms));
   const int64_t columns = token_major_columns(capacity, experts);

@@ -11,10 +11,11 @@
 // Limits, checked: M and N positive multiples of 128, 1 <= experts <= 1024, capacity in [0, 2^31 - 128 experts);
 // qa, qb, sa, sb and D 16-byte aligned; max_ctas >= 0 caps the persistent grid (0: every SM; virtual ranks
 // sharing a GPU pass their share); overlap_promotion promotes each K block while the next one's wgmma run
-// (fp8_mainloop.cuh's overlapped loop; bitwise the same D; off until measured). cluster: 2 runs pairs of
-// vertically adjacent tiles in 2-CTA clusters that share their B panel through multicast (M a multiple of
-// 256, else refused), 1 single CTAs, 0 the pairs where M allows them; bitwise the same D. offsets: device
-// int32 [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous on `stream`.
+// (fp8_mainloop.cuh's overlapped loop; bitwise the same D; slower, docs/PERF.md run 111). cluster: 2 runs
+// pairs of vertically adjacent tiles in 2-CTA clusters that share their B panel through multicast (M a
+// multiple of 256, else refused; bitwise the same D; slower in run 111, where the L2 was not the limit),
+// 1 single CTAs. offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous
+// on `stream`.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -28,7 +29,7 @@ namespace megamoe::kernels {
 Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, const float* sb, int64_t N,
                       const int32_t* offsets, int experts, int64_t capacity, float* D, bool accumulate,
                       cudaStream_t stream, int max_ctas = 0, bool overlap_promotion = false,
-                      int cluster = 0);
+                      int cluster = 1);
 
 // Loads the kernel now (see fp8_quantize_preload).
 Status fp8_wgrad_preload();

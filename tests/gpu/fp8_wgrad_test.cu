@@ -227,13 +227,17 @@ TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {
                                     nullptr, -1)
                 .code(),
             StatusCode::kInvalidArgument);
-  // Cluster pairs need an even number of m-tiles; only 0, 1 and 2 are cluster sizes.
+  // Cluster pairs need an even number of m-tiles; only 1 and 2 are cluster sizes.
   EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 128, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
                                     nullptr, 0, false, 2)
                 .code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 256, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
                                     nullptr, 0, false, 3)
+                .code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 256, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
+                                    nullptr, 0, false, 0)
                 .code(),
             StatusCode::kInvalidArgument);
 }
