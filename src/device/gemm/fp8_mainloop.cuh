@@ -261,9 +261,7 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[S
 
 // The same loop with both operands scaled per row and K block (the weight gradients; block_scales.cuh's
 // StageChannelScales): acc = sum over the tile's K blocks of (sa[m] sb[n]) * (the block's wgmma sum). The
-// products sa[m] sb[n] of a block are formed while its wgmma run (a third set of BN / 2 registers), so after
-// the wait the promotion is one FFMA a value, as in mma_tile_fp8_blockwise. The
-// stage is released after the promotion, which read the column scales from the stage's slot; every consumer
+// stage is released after the promotion, which reads the column scales from the stage's slot; every consumer
 // warp releases for its lanes (the slots are refilled through TMA), and in a 2-CTA cluster one thread per
 // warpgroup the peer's copy too (release_fp8_stage), so the empty barrier counts the consumer warps and the
 // peer's consumer warpgroups (kFp8ChannelEmptyArrivals, which equals kFp8EmptyArrivals of the TMA path).
@@ -290,11 +288,9 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
     const StageChannelScales& slot = scales[s];
     const float row_scale[2] = {slot.a[64 * cwg + Fragment::row(warp, lane, 0)],
                                 slot.a[64 * cwg + Fragment::row(warp, lane, 1)]};
-    // While the tensor cores run: the block's scale products (pinned here, before the wait) and the next
-    // block's stage (as mma_tile_fp8_blockwise), so that after the wait only one FFMA a value is left.
-    float product[kN];
-    channel_scale_products(product, row_scale, slot.b, lane);
-    fence_accumulators(product);
+    // The next block's stage while the tensor cores run (as mma_tile_fp8_blockwise). The column scales are
+    // read after the wait: read before it, with the scale products, the loop ran 10% slower (docs/PERF.md
+    // run 112; their shared-memory reads contend with the wgmma's operand reads).
     if (!last) {
       PipeState<Shape::kStages> next = here;
       next.advance();
@@ -302,7 +298,7 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
     }
     wgmma_wait<0>();
     fence_accumulators(partial);
-    promote_block_products(acc, partial, product);
+    promote_block_channels(acc, partial, row_scale, slot.b, lane);
     release_fp8_stage<Shape, false>(pipe, here, lt, cta_rank);
   });
 }

@@ -49,35 +49,9 @@ __device__ __forceinline__ void promote_block_gate_up(float (&acc)[kN], const fl
   promote_groups(acc, partial, [&](int j, int h) { return scale[j < kN / 8 ? 0 : 1][h]; });
 }
 
-// Both operands scaled per row and K block: acc[m, n] = fma(partial[m, n], sa[m] * sb[n], acc[m, n]), in two
-// parts so that the products can be formed while the tensor cores still run and only the fused multiply-adds
-// stand between a block's wgmma and the next one's.
-// channel_scale_products: product[i] = sa[m] * sb[n] for each of the thread's registers. row_scale[h]: this
-// thread's two row scales; col_scales: the tile's 128 column scales (shared memory), read a pair per column
-// group (one 8-byte load).
-template <int kN>
-__device__ __forceinline__ void channel_scale_products(float (&product)[kN], const float (&row_scale)[2],
-                                                       const float* col_scales, int lane) {
-#pragma unroll
-  for (int j = 0; j < kN / 4; ++j) {
-    const float2 cs = *reinterpret_cast<const float2*>(col_scales + Fragment::col(lane, j));
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      product[Fragment::reg(j, h, 0)] = row_scale[h] * cs.x;
-      product[Fragment::reg(j, h, 1)] = row_scale[h] * cs.y;
-    }
-  }
-}
-
-// acc[i] = fma(partial[i], product[i], acc[i]).
-template <int kN>
-__device__ __forceinline__ void promote_block_products(float (&acc)[kN], const float (&partial)[kN],
-                                                       const float (&product)[kN]) {
-#pragma unroll
-  for (int i = 0; i < kN; ++i) acc[i] = __fmaf_rn(partial[i], product[i], acc[i]);
-}
-
-// Both parts at once (the overlapped loop, whose registers hold no third set of kN values).
+// Both operands scaled per row and K block: acc[m, n] = fma(partial[m, n], sa[m] * sb[n], acc[m, n]).
+// row_scale[h]: this thread's two row scales; col_scales: the tile's 128 column scales (shared memory),
+// read a pair per column group (one 8-byte load).
 template <int kN>
 __device__ __forceinline__ void promote_block_channels(float (&acc)[kN], const float (&partial)[kN],
                                                        const float (&row_scale)[2], const float* col_scales,
