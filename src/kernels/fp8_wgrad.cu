@@ -70,6 +70,9 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8
   if (max_ctas < 0) return Status::invalid("fp8 wgrad GEMM: max_ctas must be >= 0, got " + std::to_string(max_ctas));
   if (cluster != 1 && cluster != 2)
     return Status::invalid("fp8 wgrad GEMM: cluster must be 1 or 2, got " + std::to_string(cluster));
+  if (max_ctas > 0 && max_ctas < cluster)
+    return Status::invalid("fp8 wgrad GEMM: max_ctas (" + std::to_string(max_ctas) + ") is below one cluster of " +
+                           std::to_string(cluster) + " CTAs");
   if (cluster == 2 && M % 256 != 0)
     return Status::invalid("fp8 wgrad GEMM: 2-CTA clusters pair m-tiles, so M must be a multiple of 256, got M=" +
                            std::to_string(M));

@@ -11,10 +11,10 @@
 // Limits, checked: M and N positive multiples of 128, 1 <= experts <= 1024, capacity in [0, 2^31 - 128 experts);
 // qa, qb, sa, sb and D 16-byte aligned; max_ctas >= 0 caps the persistent grid (0: every SM; virtual ranks
 // sharing a GPU pass their share); overlap_promotion promotes each K block while the next one's wgmma run
-// (fp8_mainloop.cuh's overlapped loop; bitwise the same D; slower, docs/PERF.md run 111). cluster: 2 runs
+// (fp8_mainloop.cuh's overlapped loop; bitwise the same D; slower, docs/PERF.md run 112). cluster: 2 runs
 // pairs of vertically adjacent tiles in 2-CTA clusters that share their B panel through multicast (M a
-// multiple of 256, else refused; bitwise the same D; slower in run 111, where the L2 was not the limit),
-// 1 single CTAs. offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous
+// multiple of 256, and max_ctas 0 or at least 2, else refused; bitwise the same D; slower in runs 111-112,
+// where the L2 was not the limit), 1 single CTAs. offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous
 // on `stream`.
 #pragma once
 

@@ -170,14 +170,15 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionAndClusterPairsAreBitwiseThePlainLo
     bool overlap;
     int cluster;
   };
-  // max_ctas 1..3: CTAs (and clusters) that take several tiles, each starting where the previous one left the
-  // ring; a cluster of 2 is the least a paired launch runs.
-  for (const int max_ctas : {0, 1, 3})
+  // max_ctas 2, 3 and 6: CTAs (and one or three clusters) that take several tiles each, each starting where the
+  // previous one left the ring.
+  for (const int max_ctas : {0, 2, 3, 6})
   for (const bool accumulate : {false, true})
   for (const Form form : {Form{false, 2}, Form{true, 1}, Form{true, 2}}) {
     SCOPED_TRACE(std::string(accumulate ? "accumulating" : "storing") + ", max_ctas " + std::to_string(max_ctas) +
                  (form.overlap ? ", overlapped" : ", plain") + ", cluster " + std::to_string(form.cluster));
-    // Poisoned unless accumulating, each its own way, so that an unwritten output cannot compare equal.
+    // Poisoned unless accumulating: plain with NaN, the other with a finite pattern, so that an output either
+    // form leaves unwritten is counted (NaN) or differs.
     DeviceBuffer<float> plain(start.size()), other(start.size());
     if (accumulate) {
       plain.upload(start);
@@ -227,7 +228,11 @@ TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {
                                     nullptr, -1)
                 .code(),
             StatusCode::kInvalidArgument);
-  // Cluster pairs need an even number of m-tiles; only 1 and 2 are cluster sizes.
+  // Cluster pairs need an even number of m-tiles and room for one cluster; only 1 and 2 are cluster sizes.
+  EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 256, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
+                                    nullptr, 1, false, 2)
+                .code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 128, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
                                     nullptr, 0, false, 2)
                 .code(),

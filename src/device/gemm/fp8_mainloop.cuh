@@ -289,7 +289,7 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
     const float row_scale[2] = {slot.a[64 * cwg + Fragment::row(warp, lane, 0)],
                                 slot.a[64 * cwg + Fragment::row(warp, lane, 1)]};
     // The next block's stage while the tensor cores run (as mma_tile_fp8_blockwise). The column scales are
-    // read after the wait: read before it, with the scale products, the loop ran 10% slower (docs/PERF.md
+    // read after the wait: read before it, with the scale products, the loop ran 8.5-20% slower (docs/PERF.md
     // run 112; their shared-memory reads contend with the wgmma's operand reads).
     if (!last) {
       PipeState<Shape::kStages> next = here;
