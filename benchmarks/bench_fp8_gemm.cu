@@ -241,6 +241,32 @@ int32_t* balanced_offsets(int experts, int64_t rows_per_expert) {
   return offsets;
 }
 
+// The operands of a blockwise FP8 (grouped) GEMM: A [M, K] and B [E, N, K] E4M3 codes from two seeds, sa the
+// rows' 1 x 128 scales (pitch fp8_scale_pitch(M)) and sb the 128 x 128 block scales, all 1, and D [M, N] bf16.
+struct Fp8GemmOperands {
+  uint8_t *A = nullptr, *B = nullptr;
+  float *sa = nullptr, *sb = nullptr;
+  bf16* D = nullptr;
+  Fp8GemmOperands(int64_t M, int E, int64_t N, int64_t K, uint64_t seed_a, uint64_t seed_b) {
+    const size_t sa_count = size_t(megamoe::kernels::fp8_scale_pitch(M)) * (K / 128);
+    const size_t sb_count = size_t(E) * ((N + 127) / 128) * (K / 128);
+    BENCH_CHECK_CUDA(cudaMalloc(&A, size_t(M) * K));
+    BENCH_CHECK_CUDA(cudaMalloc(&B, size_t(E) * N * K));
+    BENCH_CHECK_CUDA(cudaMalloc(&sa, sa_count * sizeof(float)));
+    BENCH_CHECK_CUDA(cudaMalloc(&sb, sb_count * sizeof(float)));
+    BENCH_CHECK_CUDA(cudaMalloc(&D, size_t(M) * N * sizeof(bf16)));
+    fill(A, size_t(M) * K, seed_a);
+    fill(B, size_t(E) * N * K, seed_b);
+    fill(sa, sa_count, 1.0f);
+    fill(sb, sb_count, 1.0f);
+  }
+  void release() {
+    for (void* p : {static_cast<void*>(A), static_cast<void*>(B), static_cast<void*>(sa), static_cast<void*>(sb),
+                    static_cast<void*>(D)})
+      BENCH_CHECK_CUDA(cudaFree(p));
+  }
+};
+
 // The grouped GEMM with A's rows gathered by index (the layer's GEMM1 and d_a forms: the producer threads'
 // cp.async instead of TMA boxes, and a proxy fence per K block in the consumers): A's rows scattered by a
 // random permutation and gathered back through it, so the output must be bitwise that of the plain call.
@@ -364,31 +390,17 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
            bool gathered_only = false) {
   const int E = std::max(groups, 1);
   const int64_t M = rows_per_group * E;
-  const size_t a_bytes = size_t(M) * K, b_bytes = size_t(E) * N * K;
-  const size_t sa_count = size_t(megamoe::kernels::fp8_scale_pitch(M)) * (K / 128);
-  const size_t sb_count = size_t(E) * ((N + 127) / 128) * (K / 128);
-  uint8_t *A, *B;
-  float *sa, *sb;
-  bf16 *D, *D_ref;
-  BENCH_CHECK_CUDA(cudaMalloc(&A, a_bytes));
-  BENCH_CHECK_CUDA(cudaMalloc(&B, b_bytes));
-  BENCH_CHECK_CUDA(cudaMalloc(&sa, sa_count * sizeof(float)));
-  BENCH_CHECK_CUDA(cudaMalloc(&sb, sb_count * sizeof(float)));
-  BENCH_CHECK_CUDA(cudaMalloc(&D, size_t(M) * N * sizeof(bf16)));
+  Fp8GemmOperands ops(M, E, N, K, 1, 2);
+  const uint8_t *A = ops.A, *B = ops.B;
+  const float *sa = ops.sa, *sb = ops.sb;
+  bf16* const D = ops.D;
+  bf16* D_ref;
   BENCH_CHECK_CUDA(cudaMalloc(&D_ref, size_t(M) * N * sizeof(bf16)));
   int32_t* const offsets = balanced_offsets(E, rows_per_group);
-  fill(A, a_bytes, 1);
-  fill(B, b_bytes, 2);
-  fill(sa, sa_count, 1.0f);
-  fill(sb, sb_count, 1.0f);
   BENCH_CHECK_CUDA(cudaMemset(D, 0xFF, size_t(M) * N * sizeof(bf16)));
 
   const auto release = [&] {
-    BENCH_CHECK_CUDA(cudaFree(A));
-    BENCH_CHECK_CUDA(cudaFree(B));
-    BENCH_CHECK_CUDA(cudaFree(sa));
-    BENCH_CHECK_CUDA(cudaFree(sb));
-    BENCH_CHECK_CUDA(cudaFree(D));
+    ops.release();
     BENCH_CHECK_CUDA(cudaFree(D_ref));
     BENCH_CHECK_CUDA(cudaFree(offsets));
   };
@@ -474,21 +486,11 @@ void k_sweep(int cluster) {
   constexpr int64_t rows_per_group = 8192, M = rows_per_group * E;
   const int blocks[] = {2, 4, 6, 8, 12, 16, 24, 32};
   constexpr int kMaxK = 32 * 128;
-  uint8_t *A, *B;
-  float *sa, *sb;
-  bf16* D;
-  const size_t sa_count = size_t(megamoe::kernels::fp8_scale_pitch(M)) * (kMaxK / 128);
-  const size_t sb_count = size_t(E) * (N / 128) * (kMaxK / 128);
-  BENCH_CHECK_CUDA(cudaMalloc(&A, size_t(M) * kMaxK));
-  BENCH_CHECK_CUDA(cudaMalloc(&B, size_t(E) * N * kMaxK));
-  BENCH_CHECK_CUDA(cudaMalloc(&sa, sa_count * sizeof(float)));
-  BENCH_CHECK_CUDA(cudaMalloc(&sb, sb_count * sizeof(float)));
-  BENCH_CHECK_CUDA(cudaMalloc(&D, size_t(M) * N * sizeof(bf16)));
+  Fp8GemmOperands ops(M, E, N, kMaxK, 1, 2);
+  const uint8_t *A = ops.A, *B = ops.B;
+  const float *sa = ops.sa, *sb = ops.sb;
+  bf16* const D = ops.D;
   int32_t* const offsets = balanced_offsets(E, rows_per_group);
-  fill(A, size_t(M) * kMaxK, 1);
-  fill(B, size_t(E) * N * kMaxK, 2);
-  fill(sa, sa_count, 1.0f);
-  fill(sb, sb_count, 1.0f);
   std::vector<std::function<void()>> contenders;
   for (const int group : {0, 1}) {
     const bool overlap = cluster == 2 || group == 1;
@@ -534,11 +536,7 @@ void k_sweep(int cluster) {
                 "(a K block %.3f us on one of %d SMs); worst residual %.1f%%\n",
                 group_name[o], c, X, X * block_us, block_us, sms, 100.0 * worst);
   }
-  BENCH_CHECK_CUDA(cudaFree(A));
-  BENCH_CHECK_CUDA(cudaFree(B));
-  BENCH_CHECK_CUDA(cudaFree(sa));
-  BENCH_CHECK_CUDA(cudaFree(sb));
-  BENCH_CHECK_CUDA(cudaFree(D));
+  ops.release();
   BENCH_CHECK_CUDA(cudaFree(offsets));
 }
 
@@ -575,10 +573,9 @@ void wgrad_shapes() {
     for (const auto& g : grads) {
       const int64_t M = g.M, N = g.N;
       const size_t count = size_t(E) * M * N;
-      uint8_t *qa, *qb, *A, *B;
-      float *sa, *sb, *sa_rows, *sb_blocks;
+      uint8_t *qa, *qb;
+      float *sa, *sb;
       float* D[4];
-      bf16* D_data;
       const size_t scale_rows = size_t(columns / 128);
       BENCH_CHECK_CUDA(cudaMalloc(&qa, size_t(M) * columns));
       BENCH_CHECK_CUDA(cudaMalloc(&qb, size_t(N) * columns));
@@ -594,19 +591,7 @@ void wgrad_shapes() {
         BENCH_CHECK_CUDA(cudaMemset(D[f], 0xFC + f, count * sizeof(float)));
       }
       // The data GEMM of the same FLOPs: A [capacity, K = N] rows, B [E, N' = M, K].
-      const size_t sa_rows_count = size_t(megamoe::kernels::fp8_scale_pitch(capacity)) * (N / 128);
-      const size_t sb_blocks_count = size_t(E) * (M / 128) * (N / 128);
-      BENCH_CHECK_CUDA(cudaMalloc(&A, size_t(capacity) * N));
-      BENCH_CHECK_CUDA(cudaMalloc(&B, size_t(E) * M * N));
-      BENCH_CHECK_CUDA(cudaMalloc(&sa_rows, sa_rows_count * sizeof(float)));
-      BENCH_CHECK_CUDA(cudaMalloc(&sb_blocks, sb_blocks_count * sizeof(float)));
-      BENCH_CHECK_CUDA(cudaMalloc(&D_data, size_t(capacity) * M * sizeof(bf16)));
-      fill(A, size_t(capacity) * N, 13);
-      fill(B, size_t(E) * M * N, 14);
-      fill(sa_rows, sa_rows_count, 1.0f);
-      fill(sb_blocks, sb_blocks_count, 1.0f);
-      megamoe::kernels::Fp8GemmTuning data_tuning{};
-      data_tuning.overlap_promotion = true;  // as the layer's data GEMMs whose A comes by TMA
+      Fp8GemmOperands data(capacity, E, M, N, 13, 14);
       std::vector<std::function<void()>> contenders;
       for (int f = 0; f < 4; ++f) {
         float* const d = D[f];
@@ -616,18 +601,16 @@ void wgrad_shapes() {
                                                           nullptr, 0, form.overlap, form.cluster));
         });
       }
-      contenders.push_back([=] {
-        BENCH_CHECK_OK(megamoe::kernels::fp8_grouped_gemm_nt(A, sa_rows, B, sb_blocks, D_data, offsets, E, capacity,
-                                                             static_cast<int>(M), static_cast<int>(N), nullptr,
-                                                             data_tuning));
-      });
-      megamoe::kernels::Fp8GemmTuning data_plain = data_tuning;
-      data_plain.overlap_promotion = false;
-      contenders.push_back([=] {
-        BENCH_CHECK_OK(megamoe::kernels::fp8_grouped_gemm_nt(A, sa_rows, B, sb_blocks, D_data, offsets, E, capacity,
-                                                             static_cast<int>(M), static_cast<int>(N), nullptr,
-                                                             data_plain));
-      });
+      // Overlapped (as the layer's data GEMMs whose A comes by TMA), then plain.
+      for (const bool overlap : {true, false}) {
+        megamoe::kernels::Fp8GemmTuning tuning{};
+        tuning.overlap_promotion = overlap;
+        contenders.push_back([=] {
+          BENCH_CHECK_OK(megamoe::kernels::fp8_grouped_gemm_nt(data.A, data.sa, data.B, data.sb, data.D, offsets, E,
+                                                               capacity, static_cast<int>(M), static_cast<int>(N),
+                                                               nullptr, tuning));
+        });
+      }
       const std::vector<double> t = interleaved_median_ms(contenders);
       BENCH_CHECK_CUDA(cudaDeviceSynchronize());
       std::vector<float> first(count), other(count);
@@ -650,9 +633,9 @@ void wgrad_shapes() {
                   rate(t[5]), t[4] / best, same ? "yes" : "NO");
       for (void* p : {static_cast<void*>(qa), static_cast<void*>(qb), static_cast<void*>(sa), static_cast<void*>(sb),
                       static_cast<void*>(D[0]), static_cast<void*>(D[1]), static_cast<void*>(D[2]),
-                      static_cast<void*>(D[3]), static_cast<void*>(A), static_cast<void*>(B),
-                      static_cast<void*>(sa_rows), static_cast<void*>(sb_blocks), static_cast<void*>(D_data)})
+                      static_cast<void*>(D[3])})
         BENCH_CHECK_CUDA(cudaFree(p));
+      data.release();
       if (!same) std::exit(1);
     }
   }

@@ -76,13 +76,11 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8
   if (cluster == 2 && M % 256 != 0)
     return Status::invalid("fp8 wgrad GEMM: 2-CTA clusters pair m-tiles, so M must be a multiple of 256, got M=" +
                            std::to_string(M));
-  const int pair = cluster;
   int num_sms = 0;
   MEGAMOE_RETURN_IF_ERROR(hopper_device_sms("fp8 wgrad GEMM", &num_sms));
   const int64_t columns = token_major_columns(capacity, experts);
-  CUtensorMap tm_a{}, tm_b{}, tm_sa{}, tm_sb{};
+  CUtensorMap tm_a{}, tm_sa{}, tm_sb{};
   MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_a, qa, M, columns, 128));
-  MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_b, qb, N, columns, static_cast<uint32_t>(128 / pair)));
   MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sa, sa, M, columns));
   MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sb, sb, N, columns));
   Fp8WgradParams p{};
@@ -94,16 +92,15 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8
   p.D = D;
   p.accumulate = accumulate ? 1 : 0;
   const int64_t tiles = static_cast<int64_t>(experts) * (M / 128) * (N / 128);
-  if (pair == 2) {
-    if (overlap_promotion) {
-      return launch<Fp8WgradConfig<true, 2>>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
-    }
-    return launch<Fp8WgradConfig<false, 2>>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
-  }
-  if (overlap_promotion) {
-    return launch<Fp8WgradConfig<true>>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
-  }
-  return launch<Fp8WgradConfig<false>>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
+  // B's box is the rows one CTA of the configuration loads (half the panel in a cluster pair).
+  const auto run = [&](auto config) -> Status {
+    using Cfg = decltype(config);
+    CUtensorMap tm_b{};
+    MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_b, qb, N, columns, Cfg::kBRowsLoaded));
+    return launch<Cfg>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
+  };
+  if (cluster == 2) return overlap_promotion ? run(Fp8WgradConfig<true, 2>{}) : run(Fp8WgradConfig<false, 2>{});
+  return overlap_promotion ? run(Fp8WgradConfig<true>{}) : run(Fp8WgradConfig<false>{});
 }
 
 Status fp8_wgrad_preload() {

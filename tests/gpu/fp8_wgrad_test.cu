@@ -224,27 +224,18 @@ TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {
                                     false, nullptr)
                 .code(),
             StatusCode::kInvalidArgument);  // D must be 16-byte aligned (the epilogue stores 16 bytes at a time)
-  EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 128, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
-                                    nullptr, -1)
-                .code(),
-            StatusCode::kInvalidArgument);
-  // Cluster pairs need an even number of m-tiles and room for one cluster; only 1 and 2 are cluster sizes.
-  EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 256, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
-                                    nullptr, 1, false, 2)
-                .code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 128, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
-                                    nullptr, 0, false, 2)
-                .code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 256, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
-                                    nullptr, 0, false, 3)
-                .code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(kernels::fp8_wgrad_gemm(q.get(), s.get(), 256, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
-                                    nullptr, 0, false, 0)
-                .code(),
-            StatusCode::kInvalidArgument);
+  // The launch form: max_ctas (0 or at least one cluster), cluster pairs (an even number of m-tiles), and only 1
+  // and 2 as cluster sizes.
+  const auto form = [&](int64_t M, int max_ctas, int cluster) {
+    return kernels::fp8_wgrad_gemm(q.get(), s.get(), M, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
+                                   nullptr, max_ctas, false, cluster)
+        .code();
+  };
+  EXPECT_EQ(form(128, -1, 1), StatusCode::kInvalidArgument);
+  EXPECT_EQ(form(256, 1, 2), StatusCode::kInvalidArgument);
+  EXPECT_EQ(form(128, 0, 2), StatusCode::kInvalidArgument);
+  EXPECT_EQ(form(256, 0, 3), StatusCode::kInvalidArgument);
+  EXPECT_EQ(form(256, 0, 0), StatusCode::kInvalidArgument);
 }
 
 }  // namespace
