@@ -81,7 +81,8 @@ __global__ void scatter_rows(const uint8_t* src, uint8_t* dst, const int32_t* pe
   }
 }
 
-__global__ void fill_value(float* p, size_t n, float v) {
+template <class T>
+__global__ void fill_value(T* p, size_t n, T v) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) p[i] = v;
 }
 
@@ -228,6 +229,10 @@ void fill(uint8_t* p, size_t n, uint64_t seed) {
 }
 void fill(float* p, size_t n, float v) {
   fill_value<<<1024, 256>>>(p, n, v);
+  BENCH_CHECK_CUDA(cudaGetLastError());
+}
+void fill(megamoe::kernels::TokenMajorScale* p, size_t n, megamoe::kernels::TokenMajorScale bits) {
+  fill_value<<<1024, 256>>>(p, n, bits);
   BENCH_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -574,17 +579,18 @@ void wgrad_shapes() {
       const int64_t M = g.M, N = g.N;
       const size_t count = size_t(E) * M * N;
       uint8_t *qa, *qb;
-      float *sa, *sb;
+      megamoe::kernels::TokenMajorScale *sa, *sb;
       float* D[4];
       const size_t scale_rows = size_t(columns / 128);
       BENCH_CHECK_CUDA(cudaMalloc(&qa, size_t(M) * columns));
       BENCH_CHECK_CUDA(cudaMalloc(&qb, size_t(N) * columns));
-      BENCH_CHECK_CUDA(cudaMalloc(&sa, scale_rows * M * sizeof(float)));
-      BENCH_CHECK_CUDA(cudaMalloc(&sb, scale_rows * N * sizeof(float)));
+      BENCH_CHECK_CUDA(cudaMalloc(&sa, scale_rows * M * sizeof(*sa)));
+      BENCH_CHECK_CUDA(cudaMalloc(&sb, scale_rows * N * sizeof(*sb)));
       fill(qa, size_t(M) * columns, 11);
       fill(qb, size_t(N) * columns, 12);
-      fill(sa, scale_rows * M, 1.0f);
-      fill(sb, scale_rows * N, 1.0f);
+      constexpr megamoe::kernels::TokenMajorScale kOne = 0x3F80;  // 1.0: the upper half of its fp32 bits
+      fill(sa, scale_rows * M, kOne);
+      fill(sb, scale_rows * N, kOne);
       // Poisoned unlike each other, so that an output one form leaves unwritten cannot compare equal.
       for (int f = 0; f < 4; ++f) {
         BENCH_CHECK_CUDA(cudaMalloc(&D[f], count * sizeof(float)));

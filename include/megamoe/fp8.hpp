@@ -38,6 +38,14 @@ inline float round_to_e4m3(float value) { return e4m3_to_float(float_to_e4m3(val
 // The scale of one group from its absolute maximum.
 float scale_from_amax(float amax);
 
+// The scale rule of the weight gradients' token-major operands (docs/FP8.md, point B8): the smallest power of
+// two 2^k with 448 * 2^k >= amax, k at least -126 (a normal fp32, so that 1 / scale is exact too), read off the
+// bits of amax (no division); 1 for an all-zero group, +inf for an infinite amax (the group then dequantizes to
+// NaN, as with scale_from_amax), NaN for NaN. The quotients v / scale are exact, and a power of two is exact as
+// a bf16, the form the GPU keeps these scales in. At most 2x coarser than scale_from_amax (a group's codes use
+// magnitudes down to 224 instead of 448) above the clamp, never finer.
+float power_of_two_scale_from_amax(float amax);
+
 // Activations [rows, cols], cols a multiple of 128: q [rows, cols], scales [rows, cols / 128].
 void quantize_rows_1x128(const float* x, int64_t rows, int64_t cols, uint8_t* q, float* scales);
 void dequantize_rows_1x128(const uint8_t* q, const float* scales, int64_t rows, int64_t cols, float* x);
@@ -51,5 +59,7 @@ void dequantize_blocks_128x128(const uint8_t* q, const float* scales, int64_t ro
 // Round-trip helpers (quantize then dequantize in place), what the FP8 reference layer uses.
 void fake_quantize_rows_1x128(float* x, int64_t rows, int64_t cols);
 void fake_quantize_blocks_128x128(float* w, int64_t rows, int64_t cols);
+// fake_quantize_rows_1x128 with power_of_two_scale_from_amax for the scale.
+void fake_quantize_rows_1x128_power_of_two(float* x, int64_t rows, int64_t cols);
 
 }  // namespace megamoe::fp8

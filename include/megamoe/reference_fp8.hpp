@@ -42,8 +42,9 @@ Status backward_fp8(const LayerConfig& config, const std::vector<RankInputs<floa
 // Quantize-dequantize round trip of a weight-gradient operand laid out [channels, routed_rows]
 // (row-major, the routed-row axis contiguous): every channel row is cut into groups of 128 consecutive
 // routed rows starting at routed row 0, the last group partial (routed_rows need not be a multiple of 128);
-// each group gets its own scale = amax / 448 over the elements it has. Element arithmetic is that of
-// fp8::fake_quantize_rows_1x128 (a partial group gives what a zero-padded full group would give).
+// each group gets its own power-of-two scale (fp8::power_of_two_scale_from_amax) over the elements it has.
+// Element arithmetic is that of fp8::fake_quantize_rows_1x128_power_of_two (a partial group gives what a
+// zero-padded full group would give).
 // Throws std::invalid_argument when channels or routed_rows is negative.
 void fake_quantize_token_major_1x128(float* operand, int64_t channels, int64_t routed_rows);
 

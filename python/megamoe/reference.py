@@ -105,25 +105,37 @@ def moe_ranks(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights
 _E4M3_MAX = 448.0
 
 
-def _quantize_groups(groups: torch.Tensor, dims) -> tuple[torch.Tensor, torch.Tensor]:
+def _power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
+    """fp8.hpp's power_of_two_scale_from_amax of fp32 amax (never NaN here): the smallest 2^k, k >= -126, with
+    448 2^k >= amax, from the bits of amax; 1 for 0, +inf for +inf."""
+    bits = amax.view(torch.int32)
+    k = torch.clamp((bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32), min=-126)
+    scale = ((k + 127) << 23).view(torch.float32)
+    return torch.where(amax > 0, torch.where(torch.isinf(amax), amax, scale), torch.ones_like(amax))
+
+
+def _quantize_groups(groups: torch.Tensor, dims, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """groups [..., g] (g elements sharing one scale along dims) -> (E4M3 codes, fp32 scales, dims kept).
-    Scale amax / 448 (NaN ignored, an all-zero or all-NaN group 1); e4m3(v / scale) rounds to nearest even and
-    saturates finite values at +-448; an infinite element makes the scale infinite (the group dequantizes
-    to NaN); NaN stays NaN."""
+    Scale amax / 448, or with power_of_two the smallest power of two at least that (NaN ignored, an all-zero or
+    all-NaN group 1); e4m3(v / scale) rounds to nearest even and saturates finite values at +-448; an infinite
+    element makes the scale infinite (the group dequantizes to NaN); NaN stays NaN."""
     v = groups.float()
     magnitude = v.abs()
     amax = torch.where(torch.isnan(magnitude), 0.0, magnitude).amax(dim=dims, keepdim=True)
-    # A tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its reciprocal, which is off
-    # by an ulp in about half the groups and then breaks v / scale's exact E4M3 ties (frequent on bf16 data)
-    # the other way: 1.2% on a layer's output (docs/PERF.md run 45). fp8.hpp's rule is one IEEE division.
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, _E4M3_MAX), torch.ones_like(amax))
+    if power_of_two:
+        scale = _power_of_two_scale(amax)
+    else:
+        # A tensor divisor: PyTorch's CUDA division by a Python scalar multiplies by its reciprocal, which is off
+        # by an ulp in about half the groups and then breaks v / scale's exact E4M3 ties (frequent on bf16 data)
+        # the other way: 1.2% on a layer's output (docs/PERF.md run 45). fp8.hpp's rule is one IEEE division.
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, _E4M3_MAX), torch.ones_like(amax))
     return torch.clamp(v / scale, -_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
-def _fake_quantize_groups(groups: torch.Tensor, dims) -> torch.Tensor:
+def _fake_quantize_groups(groups: torch.Tensor, dims, power_of_two: bool = False) -> torch.Tensor:
     """groups [..., g] -> their E4M3 values times their scale (_quantize_groups), fp32; float64 input gets them
     as float64 (exactly), so that a float64 reference keeps its GEMMs in float64."""
-    q, scale = _quantize_groups(groups, dims)
+    q, scale = _quantize_groups(groups, dims, power_of_two)
     return (q.float() * scale).to(torch.promote_types(groups.dtype, torch.float32))
 
 
@@ -191,11 +203,12 @@ _ROUTING_WINDOW = 32  # the GPU layout numbers a rank's routed rows per window o
 
 
 def _fake_quantize_token_major(rows: torch.Tensor) -> torch.Tensor:
-    """rows [n, C] (one expert's routed rows in order) -> the values of its token-major FP8 copy: one scale per
-    channel and group of 128 consecutive rows, the last group partial (zero padding leaves amax alone)."""
+    """rows [n, C] (one expert's routed rows in order) -> the values of its token-major FP8 copy: one
+    power-of-two scale per channel and group of 128 consecutive rows, the last group partial (zero padding
+    leaves amax alone)."""
     n, c = rows.shape
     padded = torch.cat([rows, rows.new_zeros((-n) % 128, c)]) if n % 128 else rows
-    return _fake_quantize_groups(padded.reshape(-1, 128, c), (-2,)).reshape(-1, c)[:n]
+    return _fake_quantize_groups(padded.reshape(-1, 128, c), (-2,), power_of_two=True).reshape(-1, c)[:n]
 
 
 def moe_ranks_fp8_backward(xs: list[torch.Tensor], topk_idx: list[torch.Tensor], topk_weights: list[torch.Tensor],

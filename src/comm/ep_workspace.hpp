@@ -112,7 +112,8 @@ struct WorkspaceLayout {
   int64_t w13t_q = 0;          // e4m3 [E_local, H, 2I]: W13q transposed (K-major for dx = dh . W13)
   int64_t w13t_s = 0;          // f32 [E_local, H / 128, 2I / 128]
   // The weight gradients' token-major operands (kernels/fp8_token_major.hpp): [channels, columns] e4m3 and
-  // K-block-major scales [columns / 128, channels], columns = token_major_columns(C, E_local).
+  // K-block-major scales [columns / 128, channels] (16 bits each: TokenMajorScale, kernels/fp8_layout.hpp),
+  // columns = token_major_columns(C, E_local).
   int64_t dyt_q = 0, dyt_s = 0;  // dy = w dOut, H channels
   int64_t at_q = 0, at_s = 0;    // a, I channels
   int64_t dht_q = 0, dht_s = 0;  // dh, 2I channels
@@ -197,13 +198,13 @@ struct WorkspaceLayout {
     l.w13t_s = take(q * 4 * EL * (H / 128) * (2 * I / 128));
     const int64_t columns = kernels::token_major_columns(C, EL);
     l.dyt_q = take(q * H * columns);
-    l.dyt_s = take(q * 4 * (columns / 128) * H);
+    l.dyt_s = take(q * 2 * (columns / 128) * H);
     l.at_q = take(q * I * columns);
-    l.at_s = take(q * 4 * (columns / 128) * I);
+    l.at_s = take(q * 2 * (columns / 128) * I);
     l.dht_q = take(q * 2 * I * columns);
-    l.dht_s = take(q * 4 * (columns / 128) * 2 * I);
+    l.dht_s = take(q * 2 * (columns / 128) * 2 * I);
     l.xt_q = take(q * H * columns);
-    l.xt_s = take(q * 4 * (columns / 128) * H);
+    l.xt_s = take(q * 2 * (columns / 128) * H);
     l.total = at;
     return l;
   }

@@ -100,9 +100,43 @@ __device__ __forceinline__ WarpGroupQuantized quantize_warp_group(const float (&
   return out;
 }
 
-// One group of 128 held by eight consecutive lanes (lanes 8 k .. 8 k + 7 of the warp), 16 values each: the
-// group's scale (the amax's rule as above) and the lane's 16 E4M3 bytes, value i in byte i % 4 of word i / 4.
-// Every lane of the warp calls it (the shuffles stay inside each eight).
+// fp8::power_of_two_scale_from_amax (the token-major copies' rule), from the bits of amax as on the CPU.
+__device__ __forceinline__ float power_of_two_scale_from_amax(float amax) {
+  if (amax <= 0.0f) return 1.0f;
+  const uint32_t bits = __float_as_uint(amax);
+  if (bits >= 0x7f800000u) return amax;  // +inf or NaN (amax is never negative)
+  const int k = max(-126, static_cast<int>(bits >> 23) - 135 + ((bits & 0x7fffffu) > 0x600000u ? 1 : 0));
+  return __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
+}
+
+// The codes of a group's values by a power-of-two scale, four to a word (as e4m3_words_of): v / 2^k is exact,
+// so it is v times 2^-k (also exact: k in [-126, 120]), one multiply a value. An infinite or NaN scale divides.
+template <int kCount>
+__device__ __forceinline__ void e4m3_words_of_power_of_two(const float (&v)[kCount], float scale,
+                                                           uint32_t (&words)[kCount / 4]) {
+  float q[kCount];
+  const uint32_t bits = __float_as_uint(scale);
+  if (bits < 0x7f800000u) {
+    const float reciprocal = __uint_as_float(0x7f000000u - bits);  // 2^-k: biased exponent 254 - (k + 127)
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) q[i] = __fmul_rn(v[i], reciprocal);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) q[i] = __fdiv_rn(v[i], scale);
+  }
+#pragma unroll
+  for (int w = 0; w < kCount / 4; ++w) words[w] = e4m3x4_of(q[4 * w], q[4 * w + 1], q[4 * w + 2], q[4 * w + 3]);
+}
+
+// A power-of-two scale as the token-major copies keep it: the upper half of its fp32 bits (a bf16, exact).
+__device__ __forceinline__ uint16_t power_of_two_scale_bits(float scale) {
+  return static_cast<uint16_t>(__float_as_uint(scale) >> 16);
+}
+
+// One group of 128 of a token-major copy held by eight consecutive lanes (lanes 8 k .. 8 k + 7 of the warp),
+// 16 values each: the group's power-of-two scale (the amax ignores NaN, as everywhere) and the lane's 16 E4M3
+// bytes, value i in byte i % 4 of word i / 4. Every lane of the warp calls it (the shuffles stay inside each
+// eight).
 struct OctetGroupQuantized {
   uint32_t words[4];
   float scale;
@@ -114,8 +148,8 @@ __device__ __forceinline__ OctetGroupQuantized quantize_octet_group(const float 
 #pragma unroll
   for (int offset = 1; offset < 8; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   OctetGroupQuantized out;
-  out.scale = scale_from_amax(amax);
-  e4m3_words_of(v, out.scale, out.words);
+  out.scale = power_of_two_scale_from_amax(amax);
+  e4m3_words_of_power_of_two(v, out.scale, out.words);
   return out;
 }
 

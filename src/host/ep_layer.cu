@@ -427,9 +427,9 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
   swiglu_out.dot_rows = buffer<float*>(l.row_dot_dest);
   swiglu_out.dot_parts = p.shape.dot_parts;
   swiglu_out.at_q = buffer<uint8_t>(l.at_q);
-  swiglu_out.at_s = buffer<float>(l.at_s);
+  swiglu_out.at_s = buffer<kernels::TokenMajorScale>(l.at_s);
   swiglu_out.dht_q = buffer<uint8_t>(l.dht_q);
-  swiglu_out.dht_s = buffer<float>(l.dht_s);
+  swiglu_out.dht_s = buffer<kernels::TokenMajorScale>(l.dht_s);
   MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_backward_quantize_fp8(g, buffer<float>(l.h_f32), buffer<float>(l.row_weight),
                                                                 I, expert_offsets(), EL, C, swiglu_out, stream));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(dh_q, dh_s, buffer<uint8_t>(l.w13t_q), buffer<float>(l.w13t_s),
@@ -453,17 +453,17 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
   const auto* row_weight = buffer<float>(l.row_weight);
   MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_e4m3(
       buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts), source_rows, row_src, row_weight, H, offsets, EL, C,
-      buffer<uint8_t>(l.dyt_q), buffer<float>(l.dyt_s), stream));
+      buffer<uint8_t>(l.dyt_q), buffer<kernels::TokenMajorScale>(l.dyt_s), stream));
   // a^T and dh^T were written with dh (expert_mlp_backward_fp8).
   MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_e4m3(buffer<uint8_t>(l.recv_xq), buffer<float>(l.recv_xs),
                                                              source_rows, row_src, nullptr, H, offsets, EL, C,
-                                                             buffer<uint8_t>(l.xt_q), buffer<float>(l.xt_s), stream));
-  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), buffer<float>(l.dyt_s), H,
-                                                  buffer<uint8_t>(l.at_q), buffer<float>(l.at_s), I, offsets, EL, C,
+                                                             buffer<uint8_t>(l.xt_q), buffer<kernels::TokenMajorScale>(l.xt_s), stream));
+  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), buffer<kernels::TokenMajorScale>(l.dyt_s), H,
+                                                  buffer<uint8_t>(l.at_q), buffer<kernels::TokenMajorScale>(l.at_s), I, offsets, EL, C,
                                                   args.d_w2, args.accumulate_weight_grads, stream, max_blocks,
                                                   fp8_wgrad_overlap()));
-  return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dht_q), buffer<float>(l.dht_s), 2 * I, buffer<uint8_t>(l.xt_q),
-                                 buffer<float>(l.xt_s), H, offsets, EL, C, args.d_w13, args.accumulate_weight_grads,
+  return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dht_q), buffer<kernels::TokenMajorScale>(l.dht_s), 2 * I, buffer<uint8_t>(l.xt_q),
+                                 buffer<kernels::TokenMajorScale>(l.xt_s), H, offsets, EL, C, args.d_w13, args.accumulate_weight_grads,
                                  stream, max_blocks, fp8_wgrad_overlap());
 }
 

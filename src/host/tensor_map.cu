@@ -82,4 +82,14 @@ Status make_fp32_tensor_map_2d(CUtensorMap* map, const void* base, const uint64_
                 swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
+Status make_u16_tensor_map_2d(CUtensorMap* map, const void* base, const uint64_t* dims, const uint32_t* box) {
+  if ((dims[0] * 2) % 16 != 0 || (box[0] * 2) % 16 != 0) {
+    return Status(StatusCode::kInternal, "16-bit tensor map: rows and boxes must be multiples of 16 bytes");
+  }
+  const cuuint64_t gdim[2] = {dims[0], dims[1]};
+  const cuuint64_t gstride[1] = {dims[0] * 2};
+  const cuuint32_t bdim[2] = {box[0], box[1]};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, base, gdim, gstride, bdim, CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
 }  // namespace megamoe

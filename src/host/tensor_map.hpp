@@ -28,4 +28,9 @@ Status make_bf16_experts_map(CUtensorMap* map, const void* base, int64_t cols, i
 Status make_fp32_tensor_map_2d(CUtensorMap* map, const void* base, const uint64_t* dims, uint64_t pitch,
                                const uint32_t* box, bool swizzle_128b = false);
 
+// A 2-D tensor of 16-bit elements [dims[1], dims[0]] (dims[0] * 2 bytes a multiple of 16): boxes of box[0] x
+// box[1] elements (box[0] * 2 a multiple of 16) land as plain row-major arrays; out-of-range elements load as
+// zeros.
+Status make_u16_tensor_map_2d(CUtensorMap* map, const void* base, const uint64_t* dims, const uint32_t* box);
+
 }  // namespace megamoe

@@ -7,12 +7,25 @@
 // The weight gradients' token-major operands (fp8_token_major.hpp): expert e's rows, the expert-major rows
 // [first_row, ...), from column token_major_start(first_row, e), a multiple of 128 (so that every group of
 // 128 rows is one K block of the weight-gradient GEMM), the segments apart; the copy of `experts` experts
-// sharing `capacity` rows has token_major_columns(capacity, experts) columns.
+// sharing `capacity` rows has token_major_columns(capacity, experts) columns. Their scales are powers of two
+// (fp8::power_of_two_scale_from_amax), each kept as a TokenMajorScale: the upper 16 bits of its fp32 value, a
+// bf16 (exact), so that the weight-gradient GEMM reads half the bytes an fp32 scale would take and widens one
+// with one shift.
 #pragma once
 
 #include <cstdint>
 
 namespace megamoe::kernels {
+
+using TokenMajorScale = uint16_t;
+
+// The fp32 value of a TokenMajorScale (host and device).
+inline float token_major_scale_value(TokenMajorScale bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  __builtin_memcpy(&value, &word, sizeof(value));
+  return value;
+}
 
 // Floats between two K blocks of a K-block-major scale tensor of `rows` rows.
 constexpr int64_t fp8_scale_pitch(int64_t rows) { return (rows + 3) / 4 * 4; }

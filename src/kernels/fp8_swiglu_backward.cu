@@ -132,12 +132,14 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_backward_fp8_kernel(const 
       constexpr int kPerOutput = kGroup / kPassColumns;
       const int which = pass / kPerOutput;
       uint8_t* const qt = which == 0 ? out.at_q : out.dht_q;
-      float* const st = which == 0 ? out.at_s : out.dht_s;
+      TokenMajorScale* const st = which == 0 ? out.at_s : out.dht_s;
       const int64_t channels = which == 0 ? I : 2 * I;
       const int64_t c = (which == 2 ? I : 0) + kb * kGroup + kPassColumns * (pass % kPerOutput) + pass_column;
       *reinterpret_cast<uint4*>(qt + c * args.columns + group.column + kLaneRows * part) =
           make_uint4(q.words[0], q.words[1], q.words[2], q.words[3]);
-      if (part == 0) st[k_block * static_cast<uint64_t>(channels) + static_cast<uint64_t>(c)] = q.scale;
+      if (part == 0)
+        st[k_block * static_cast<uint64_t>(channels) + static_cast<uint64_t>(c)] =
+            device::power_of_two_scale_bits(q.scale);
     }
   };
 

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 
+#include "kernels/fp8_layout.hpp"
 #include "megamoe/status.hpp"
 
 namespace megamoe::kernels {
@@ -36,9 +37,9 @@ struct SwigluBackwardFp8Outputs {
   float* const* dot_rows = nullptr;
   int dot_parts = 0;
   uint8_t* at_q = nullptr;
-  float* at_s = nullptr;
+  TokenMajorScale* at_s = nullptr;
   uint8_t* dht_q = nullptr;
-  float* dht_s = nullptr;
+  TokenMajorScale* dht_s = nullptr;
 };
 
 Status swiglu_backward_quantize_fp8(const float* g, const float* h, const float* row_weight, int64_t I,

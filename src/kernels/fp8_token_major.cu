@@ -53,7 +53,7 @@ struct RowRef {
 // `channels` channels.
 struct Output {
   uint8_t* qt;
-  float* st;
+  TokenMajorScale* st;
   int64_t channels;
   int64_t first;
 };
@@ -290,14 +290,16 @@ __global__ void __launch_bounds__(kThreads, Rows::kMinBlocks)
       const int64_t c = o.first + static_cast<int64_t>(slab) * kWidth + lane_channel + 4 * piece;
       *reinterpret_cast<uint4*>(o.qt + c * columns + group.column + kLaneRows * part) =
           make_uint4(q.words[0], q.words[1], q.words[2], q.words[3]);
-      if (part == 0) o.st[k_block * static_cast<uint64_t>(o.channels) + static_cast<uint64_t>(c)] = q.scale;
+      if (part == 0)
+        o.st[k_block * static_cast<uint64_t>(o.channels) + static_cast<uint64_t>(c)] =
+            device::power_of_two_scale_bits(q.scale);
     }
     __syncthreads();
   }
 }
 
 Status check_common(const char* what, int64_t channels, const int32_t* offsets, int experts, int64_t capacity,
-                    const uint8_t* qt, const float* st) {
+                    const uint8_t* qt, const TokenMajorScale* st) {
   if (channels <= 0 || channels % kGroup != 0 || experts < 1 || capacity < 0)
     return Status::invalid(std::string(what) + ": channels must be a positive multiple of 128, experts >= 1 and "
                            "capacity >= 0, got channels=" + std::to_string(channels) + " experts=" +
@@ -338,7 +340,7 @@ Status check_swiglu_grad_inputs(const char* what, const float* g, const float* h
 }  // namespace
 
 Status token_major_quantize_fp32(const float* rows, int64_t channels, const int32_t* offsets, int experts,
-                                 int64_t capacity, uint8_t* qt, float* st, cudaStream_t stream) {
+                                 int64_t capacity, uint8_t* qt, TokenMajorScale* st, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_fp32", channels, offsets, experts, capacity, qt, st));
   if (capacity == 0) return Status::ok();
   if (rows == nullptr || (reinterpret_cast<uintptr_t>(rows) & 15u) != 0)
@@ -349,7 +351,7 @@ Status token_major_quantize_fp32(const float* rows, int64_t channels, const int3
 
 Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t source_rows, const int32_t* row_src,
                                  const float* row_weight, int64_t channels, const int32_t* offsets, int experts,
-                                 int64_t capacity, uint8_t* qt, float* st, cudaStream_t stream) {
+                                 int64_t capacity, uint8_t* qt, TokenMajorScale* st, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_e4m3", channels, offsets, experts, capacity, qt, st));
   if (source_rows < 0) return Status::invalid("token_major_quantize_e4m3: source_rows must be >= 0");
   if (capacity == 0) return Status::ok();
@@ -363,7 +365,7 @@ Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t 
 }
 
 Status token_major_quantize_swiglu(const float* h, int64_t I, const int32_t* offsets, int experts, int64_t capacity,
-                                   uint8_t* qt, float* st, cudaStream_t stream) {
+                                   uint8_t* qt, TokenMajorScale* st, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu", I, offsets, experts, capacity, qt, st));
   if (capacity == 0) return Status::ok();
   if (h == nullptr || (reinterpret_cast<uintptr_t>(h) & 15u) != 0)
@@ -373,7 +375,7 @@ Status token_major_quantize_swiglu(const float* h, int64_t I, const int32_t* off
 }
 
 Status token_major_quantize_swiglu_grad(const float* g, const float* h, const float* row_weight, int64_t I,
-                                        const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt, float* st,
+                                        const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt, TokenMajorScale* st,
                                         cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu_grad", I, offsets, experts, capacity, qt, st));
   if (capacity == 0) return Status::ok();
@@ -384,7 +386,8 @@ Status token_major_quantize_swiglu_grad(const float* g, const float* h, const fl
 
 Status token_major_quantize_swiglu_pair(const float* g, const float* h, const float* row_weight, int64_t I,
                                         const int32_t* offsets, int experts, int64_t capacity, uint8_t* at_q,
-                                        float* at_s, uint8_t* dht_q, float* dht_s, cudaStream_t stream) {
+                                        TokenMajorScale* at_s, uint8_t* dht_q, TokenMajorScale* dht_s,
+                                        cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu_pair", I, offsets, experts, capacity, at_q, at_s));
   MEGAMOE_RETURN_IF_ERROR(
       check_common("token_major_quantize_swiglu_pair", 2 * I, offsets, experts, capacity, dht_q, dht_s));

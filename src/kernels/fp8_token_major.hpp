@@ -9,8 +9,9 @@
 // are not written. qt is [channels, token_major_columns(capacity, experts)] E4M3 bytes; the scales are
 // K-block-major, channel c of K block kb = column / 128 at st[kb * channels + c] (what a TMA box of 128
 // channels of one K block reads), [token_major_columns / 128, channels].
-// Rounding as everywhere (include/megamoe/fp8.hpp): scale amax / 448 over the group's values (NaN ignored, an
-// all-zero group scale 1), codes e4m3(v / scale) with saturation. Asynchronous on `stream`.
+// Rounding (include/megamoe/fp8.hpp): a power-of-two scale over the group's values
+// (fp8::power_of_two_scale_from_amax: NaN ignored, an all-zero group scale 1), kept as a TokenMajorScale
+// (fp8_layout.hpp), codes e4m3(v / scale) with saturation (the quotients exact). Asynchronous on `stream`.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -26,7 +27,7 @@ namespace megamoe::kernels {
 // offsets: device int32 [experts + 1], from 0, non-decreasing, at most capacity (the layer's expert
 // offsets; values outside are clamped into [0, capacity]). channels a multiple of 128.
 Status token_major_quantize_fp32(const float* rows, int64_t channels, const int32_t* offsets, int experts,
-                                 int64_t capacity, uint8_t* qt, float* st, cudaStream_t stream);
+                                 int64_t capacity, uint8_t* qt, TokenMajorScale* st, cudaStream_t stream);
 
 // Rows that are dispatched E4M3 copies (x, d_out): routed row r is source row row_src[r] of q [source_rows,
 // channels] with its 1x128 scales [source_rows, channels / 128] row-major (the receive buffers' layout),
@@ -34,17 +35,17 @@ Status token_major_quantize_fp32(const float* rows, int64_t channels, const int3
 // w dOut). A row_src outside [0, source_rows) reads as zeros. q 8-byte aligned.
 Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t source_rows, const int32_t* row_src,
                                  const float* row_weight, int64_t channels, const int32_t* offsets, int experts,
-                                 int64_t capacity, uint8_t* qt, float* st, cudaStream_t stream);
+                                 int64_t capacity, uint8_t* qt, TokenMajorScale* st, cudaStream_t stream);
 
 // a = silu(g) u from GEMM1's fp32 output h [capacity, 2I] (gate columns 0..I-1, then up), I channels, with the
 // epilogues' arithmetic (the forward's a, fp32). I a multiple of 128; h 16-byte aligned.
 Status token_major_quantize_swiglu(const float* h, int64_t I, const int32_t* offsets, int experts, int64_t capacity,
-                                   uint8_t* qt, float* st, cudaStream_t stream);
+                                   uint8_t* qt, TokenMajorScale* st, cudaStream_t stream);
 
 // dh = SwiGLU'(w g) per routed row r (w = row_weight[r], g [capacity, I] the dgrad of GEMM2, h as above), 2I
 // channels: dg then du, the values swiglu_backward_quantize_rows_1x128 (fp8_quantize.hpp) computes.
 Status token_major_quantize_swiglu_grad(const float* g, const float* h, const float* row_weight, int64_t I,
-                                        const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt, float* st,
+                                        const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt, TokenMajorScale* st,
                                         cudaStream_t stream);
 
 // Both SwiGLU operands of the weight gradients from one read of g and h (the two calls above read them twice
@@ -52,7 +53,8 @@ Status token_major_quantize_swiglu_grad(const float* g, const float* h, const fl
 // token_major_quantize_swiglu_grad(g, h, row_weight, I, ..., dht_q, dht_s, ...) write, with their requirements.
 Status token_major_quantize_swiglu_pair(const float* g, const float* h, const float* row_weight, int64_t I,
                                         const int32_t* offsets, int experts, int64_t capacity, uint8_t* at_q,
-                                        float* at_s, uint8_t* dht_q, float* dht_s, cudaStream_t stream);
+                                        TokenMajorScale* at_s, uint8_t* dht_q, TokenMajorScale* dht_s,
+                                        cudaStream_t stream);
 
 // Loads every instantiation of the kernel now (see fp8_quantize_preload).
 Status token_major_preload();

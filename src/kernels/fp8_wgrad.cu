@@ -1,5 +1,5 @@
 // Host side of the FP8 weight-gradient GEMM (fp8_wgrad.hpp): argument checks, tensor maps (the e4m3 operands
-// as bf16 pairs, as in fp8_gemm.cu; the scales as fp32 tensors [K blocks, rows]), the persistent launch.
+// as bf16 pairs, as in fp8_gemm.cu; the scales as 16-bit tensors [K blocks, rows]), the persistent launch.
 #include <cstdint>
 #include <string>
 
@@ -13,7 +13,8 @@
 namespace megamoe::kernels {
 namespace {
 
-Status check(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, const float* sb, int64_t N,
+Status check(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb, const TokenMajorScale* sb,
+             int64_t N,
              const int32_t* offsets, int experts, int64_t capacity, const float* D) {
   if (M <= 0 || N <= 0 || M % 128 != 0 || N % 128 != 0 || M >= (int64_t{1} << 31) || N >= (int64_t{1} << 31))
     return Status::invalid("fp8 wgrad GEMM: M and N must be positive multiples of 128, got M=" + std::to_string(M) +
@@ -39,11 +40,11 @@ Status operand_map(CUtensorMap* map, const uint8_t* q, int64_t rows, int64_t col
   return make_bf16_tensor_map(map, q, 2, dims, box);
 }
 
-// Scales [columns / 128, rows] fp32, boxes of one K block's 128 rows.
-Status scale_map(CUtensorMap* map, const float* s, int64_t rows, int64_t columns) {
+// Scales [columns / 128, rows] of 16 bits, boxes of one K block's 128 rows.
+Status scale_map(CUtensorMap* map, const TokenMajorScale* s, int64_t rows, int64_t columns) {
   const uint64_t dims[2] = {static_cast<uint64_t>(rows), static_cast<uint64_t>(columns / 128)};
   const uint32_t box[2] = {128, 1};
-  return make_fp32_tensor_map_2d(map, s, dims, static_cast<uint64_t>(rows), box);
+  return make_u16_tensor_map_2d(map, s, dims, box);
 }
 
 template <class Cfg>
@@ -63,7 +64,8 @@ Status launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMa
 
 }  // namespace
 
-Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, const float* sb, int64_t N,
+Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
+                      const TokenMajorScale* sb, int64_t N,
                       const int32_t* offsets, int experts, int64_t capacity, float* D, bool accumulate,
                       cudaStream_t stream, int max_ctas, bool overlap_promotion, int cluster) {
   MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));

@@ -3,7 +3,8 @@
 //   D[e] (+)= sum over the expert's K blocks kb of (sa[kb][m] * sb[kb][n]) * sum_k qa[m][k] qb[n][k]
 // with qa [M, columns] and qb [N, columns] the token-major E4M3 copies of kernels/fp8_token_major.hpp (the
 // expert's routed rows from column token_major_start(offsets[e], e), 128 per K block, the last block
-// zero-padded), sa [columns / 128, M] and sb [columns / 128, N] their K-block-major scales, and columns =
+// zero-padded), sa [columns / 128, M] and sb [columns / 128, N] their K-block-major power-of-two scales (as
+// TokenMajorScale, fp8_layout.hpp; any other bf16 value is read as that bf16, exactly), and columns =
 // token_major_columns(capacity, experts). The tensor cores sum each K block (their limited-precision FP8
 // accumulation inside one block), the scales are applied in fp32 registers after it (one product of the
 // two scales, one fused multiply-add per element), D [experts, M, N] is fp32, stored or, with accumulate,
@@ -22,11 +23,13 @@
 
 #include <cstdint>
 
+#include "kernels/fp8_layout.hpp"
 #include "megamoe/status.hpp"
 
 namespace megamoe::kernels {
 
-Status fp8_wgrad_gemm(const uint8_t* qa, const float* sa, int64_t M, const uint8_t* qb, const float* sb, int64_t N,
+Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
+                      const TokenMajorScale* sb, int64_t N,
                       const int32_t* offsets, int experts, int64_t capacity, float* D, bool accumulate,
                       cudaStream_t stream, int max_ctas = 0, bool overlap_promotion = false,
                       int cluster = 1);

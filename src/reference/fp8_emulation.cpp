@@ -35,13 +35,15 @@ float amax_step(float running, float value) {
   return magnitude > running ? magnitude : running;
 }
 
+using ScaleRule = float (*)(float amax);
+
 void quantize_group_range(const float* x, int64_t row_begin, int64_t row_end, int64_t col_begin, int64_t cols,
-                          uint8_t* q, float* scale_out) {
+                          uint8_t* q, float* scale_out, ScaleRule rule = scale_from_amax) {
   float amax = 0.0f;
   for (int64_t r = row_begin; r < row_end; ++r) {
     for (int64_t c = col_begin; c < col_begin + kGroup; ++c) amax = amax_step(amax, x[r * cols + c]);
   }
-  const float scale = scale_from_amax(amax);
+  const float scale = rule(amax);
   *scale_out = scale;
   for (int64_t r = row_begin; r < row_end; ++r) {
     for (int64_t c = col_begin; c < col_begin + kGroup; ++c) {
@@ -110,6 +112,17 @@ float scale_from_amax(float amax) {
   return !(amax <= 0.0f) ? amax / kE4M3Max : 1.0f;
 }
 
+float power_of_two_scale_from_amax(float amax) {
+  if (amax <= 0.0f) return 1.0f;
+  if (!(amax < std::numeric_limits<float>::infinity())) return amax;  // +inf, or NaN
+  const uint32_t bits = std::bit_cast<uint32_t>(amax);
+  // amax = m 2^e (m in [1, 2), or a denormal, whose field e = 0 reads as 2^-127 here and is clamped below) and
+  // 448 = 1.75 2^8: 448 2^(e - 8) >= amax exactly when m <= 1.75, a significand field of at most 0x600000.
+  const int e = static_cast<int>(bits >> 23) - 127;
+  const int k = std::max(-126, e - 8 + ((bits & 0x7fffffu) > 0x600000u ? 1 : 0));
+  return std::bit_cast<float>(static_cast<uint32_t>(k + 127) << 23);
+}
+
 void quantize_rows_1x128(const float* x, int64_t rows, int64_t cols, uint8_t* q, float* scales) {
   check_shape("quantize_rows_1x128", rows, cols);
   const int64_t groups = cols / kGroup;
@@ -153,8 +166,9 @@ void dequantize_blocks_128x128(const uint8_t* q, const float* scales, int64_t ro
   }
 }
 
-void fake_quantize_rows_1x128(float* x, int64_t rows, int64_t cols) {
-  check_shape("fake_quantize_rows_1x128", rows, cols);
+namespace {
+
+void fake_quantize_rows_by(float* x, int64_t rows, int64_t cols, ScaleRule rule) {
   // One group at a time, so no full-size temporary is needed; the arithmetic is the same as
   // quantize_rows_1x128 followed by dequantize_rows_1x128.
   uint8_t q[kGroup];
@@ -163,10 +177,22 @@ void fake_quantize_rows_1x128(float* x, int64_t rows, int64_t cols) {
     for (int64_t g = 0; g < groups; ++g) {
       float* group = x + r * cols + g * kGroup;
       float scale = 0.0f;
-      quantize_group_range(group, 0, 1, 0, kGroup, q, &scale);
+      quantize_group_range(group, 0, 1, 0, kGroup, q, &scale, rule);
       for (int64_t i = 0; i < kGroup; ++i) group[i] = e4m3_to_float(q[i]) * scale;
     }
   }
+}
+
+}  // namespace
+
+void fake_quantize_rows_1x128(float* x, int64_t rows, int64_t cols) {
+  check_shape("fake_quantize_rows_1x128", rows, cols);
+  fake_quantize_rows_by(x, rows, cols, scale_from_amax);
+}
+
+void fake_quantize_rows_1x128_power_of_two(float* x, int64_t rows, int64_t cols) {
+  check_shape("fake_quantize_rows_1x128_power_of_two", rows, cols);
+  fake_quantize_rows_by(x, rows, cols, power_of_two_scale_from_amax);
 }
 
 void fake_quantize_blocks_128x128(float* w, int64_t rows, int64_t cols) {

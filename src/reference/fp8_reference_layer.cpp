@@ -205,7 +205,7 @@ void fake_quantize_token_major_1x128(float* operand, int64_t channels, int64_t r
       const int64_t count = std::min(fp8::kGroup, routed_rows - begin);
       std::fill(group, group + fp8::kGroup, 0.0f);
       std::copy(row + begin, row + begin + count, group);
-      fp8::fake_quantize_rows_1x128(group, 1, fp8::kGroup);
+      fp8::fake_quantize_rows_1x128_power_of_two(group, 1, fp8::kGroup);
       std::copy(group, group + count, row + begin);
     }
   }

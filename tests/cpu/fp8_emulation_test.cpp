@@ -166,6 +166,33 @@ TEST(Fp8Scale, FromAmax) {
   EXPECT_EQ(scale_from_amax(kInf), kInf);
 }
 
+// The power-of-two rule against its definition in doubles: the smallest 2^k (k >= -126) with 448 2^k >= amax.
+TEST(Fp8Scale, PowerOfTwoFromAmax) {
+  const auto by_definition = [](float amax) {
+    int k = -126;
+    while (448.0 * std::ldexp(1.0, k) < static_cast<double>(amax)) ++k;
+    return static_cast<float>(std::ldexp(1.0, k));
+  };
+  EXPECT_EQ(power_of_two_scale_from_amax(448.0f), 1.0f);
+  EXPECT_EQ(power_of_two_scale_from_amax(std::nextafter(448.0f, 1000.0f)), 2.0f);
+  EXPECT_EQ(power_of_two_scale_from_amax(224.0f), 0.5f);
+  EXPECT_EQ(power_of_two_scale_from_amax(std::nextafter(224.0f, 1000.0f)), 1.0f);
+  EXPECT_EQ(power_of_two_scale_from_amax(3.0f), 1.0f / 128.0f);  // 448 / 128 = 3.5 >= 3 > 1.75
+  EXPECT_EQ(power_of_two_scale_from_amax(0.0f), 1.0f);
+  EXPECT_EQ(power_of_two_scale_from_amax(std::numeric_limits<float>::denorm_min()), std::ldexp(1.0f, -126));
+  EXPECT_EQ(power_of_two_scale_from_amax(std::numeric_limits<float>::max()), std::ldexp(1.0f, 120));
+  EXPECT_TRUE(std::isnan(power_of_two_scale_from_amax(kNaN)));
+  EXPECT_EQ(power_of_two_scale_from_amax(kInf), kInf);
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<uint32_t> bits(1u, 0x7f7fffffu);  // every positive finite float
+  for (int i = 0; i < 100000; ++i) {
+    const float amax = std::bit_cast<float>(bits(rng));
+    const float scale = power_of_two_scale_from_amax(amax);
+    ASSERT_EQ(scale, by_definition(amax)) << "amax bits " << std::bit_cast<uint32_t>(amax);
+    ASSERT_GE(scale, scale_from_amax(amax)) << "never finer than amax / 448";
+  }
+}
+
 TEST(Fp8Scale, RowsLayout) {
   constexpr int64_t rows = 3, cols = 256;
   std::vector<float> x(rows * cols);

@@ -229,7 +229,7 @@ void quantize_token_axis(std::vector<float>& m, int64_t channels, int64_t n, boo
       const int64_t end = std::min(n, begin + 128);
       float amax = 0.0f;
       for (int64_t k = begin; k < end; ++k) amax = std::max(amax, std::fabs(m[c * n + k]));
-      const float scale = fp8::scale_from_amax(amax);
+      const float scale = fp8::power_of_two_scale_from_amax(amax);
       for (int64_t k = begin; k < end; ++k) m[c * n + k] = fp8::round_to_e4m3(m[c * n + k] / scale) * scale;
     }
   }
@@ -423,7 +423,7 @@ TEST(Fp8ReferenceTokenGroupsTest, GroupsOf128RoutedRowsWithAPartialLastGroup) {
       const int64_t end = std::min(n, begin + 128);
       float amax = 0.0f;
       for (int64_t k = begin; k < end; ++k) amax = std::max(amax, std::fabs(expected[c * n + k]));
-      const float scale = fp8::scale_from_amax(amax);
+      const float scale = fp8::power_of_two_scale_from_amax(amax);
       for (int64_t k = begin; k < end; ++k)
         expected[c * n + k] = fp8::round_to_e4m3(expected[c * n + k] / scale) * scale;
     }
@@ -438,7 +438,7 @@ TEST(Fp8ReferenceTokenGroupsTest, GroupsOf128RoutedRowsWithAPartialLastGroup) {
   for (int64_t c = 0; c < channels; ++c) {
     float amax = 0.0f;
     for (int64_t k = 256; k < n; ++k) amax = std::max(amax, std::fabs(m[c * n + k]));
-    const float subnormal_half_step = std::ldexp(amax / 448.0f, -10);
+    const float subnormal_half_step = std::ldexp(fp8::power_of_two_scale_from_amax(amax), -10);
     for (int64_t k = 256; k < n; ++k) {
       const float bound = std::max(std::fabs(m[c * n + k]) / 16.0f, subnormal_half_step) * 1.0001f;
       EXPECT_LE(std::fabs(got[c * n + k] - m[c * n + k]), bound) << "channel " << c << " row " << k;
@@ -454,7 +454,7 @@ TEST(Fp8ReferenceTokenGroupsTest, FullGroupsMatchRowQuantizationAndEdgeCases) {
   std::vector<float> m(channels * n);
   for (float& v : m) v = dist(rng);
   std::vector<float> rows = m;
-  fp8::fake_quantize_rows_1x128(rows.data(), channels, n);
+  fp8::fake_quantize_rows_1x128_power_of_two(rows.data(), channels, n);
   fake_quantize_token_major_1x128(m.data(), channels, n);
   EXPECT_EQ(max_abs_diff(m, rows), 0.0);
 

@@ -66,13 +66,13 @@ std::vector<Buffer> fp8_buffers(const WorkspaceLayout& l, const Shape& s) {
           {"w13t_q", l.w13t_q, EL * H * 2 * I},
           {"w13t_s", l.w13t_s, 4 * EL * (H / 128) * (2 * I / 128)},
           {"dyt_q", l.dyt_q, H * cols},
-          {"dyt_s", l.dyt_s, 4 * (cols / 128) * H},
+          {"dyt_s", l.dyt_s, 2 * (cols / 128) * H},
           {"at_q", l.at_q, I * cols},
-          {"at_s", l.at_s, 4 * (cols / 128) * I},
+          {"at_s", l.at_s, 2 * (cols / 128) * I},
           {"dht_q", l.dht_q, 2 * I * cols},
-          {"dht_s", l.dht_s, 4 * (cols / 128) * 2 * I},
+          {"dht_s", l.dht_s, 2 * (cols / 128) * 2 * I},
           {"xt_q", l.xt_q, H * cols},
-          {"xt_s", l.xt_s, 4 * (cols / 128) * H}};
+          {"xt_s", l.xt_s, 2 * (cols / 128) * H}};
 }
 
 TEST(WorkspaceLayoutTest, Fp8BuffersFitApartAndAligned) {

@@ -29,7 +29,9 @@ constexpr int kDotParts = 3;
 // Every output of the step, poisoned on creation.
 struct StepOutputs {
   DeviceBuffer<uint8_t> dh_q, at_q, dht_q;
-  DeviceBuffer<float> dh_s, at_s, dht_s, dots;
+  DeviceBuffer<float> dh_s;
+  DeviceBuffer<kernels::TokenMajorScale> at_s, dht_s;
+  DeviceBuffer<float> dots;
   DeviceBuffer<float*> dot_rows;
   int64_t pitch;
 

@@ -1,6 +1,7 @@
 // The weight gradients' token-major FP8 operands (kernels/fp8_token_major.hpp) against the CPU emulation of
 // include/megamoe/fp8.hpp, bit for bit: every channel's groups of 128 routed rows per expert (the last one
-// partial, zero-padded), in the documented columns, with K-block-major scales; nothing else written.
+// partial, zero-padded), in the documented columns, with K-block-major power-of-two scales; nothing else
+// written.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -36,7 +37,7 @@ float random_value(std::mt19937& rng) {
 // scale of a K block no expert has, must still hold the 0xFF poison.
 template <class Value>
 void expect_token_major(const std::vector<int32_t>& offsets, int64_t capacity, int64_t channels, const Value& value,
-                        const std::vector<uint8_t>& got_q, const std::vector<float>& got_s) {
+                        const std::vector<uint8_t>& got_q, const std::vector<kernels::TokenMajorScale>& got_s) {
   const int experts = static_cast<int>(offsets.size()) - 1;
   const int64_t columns = kernels::token_major_columns(capacity, experts);
   std::vector<bool> written_column(columns, false);
@@ -50,11 +51,15 @@ void expect_token_major(const std::vector<int32_t>& offsets, int64_t capacity, i
       for (int64_t c = 0; c < channels; ++c) {
         float group[128];
         for (int64_t k = 0; k < 128; ++k) group[k] = 128 * g + k < n ? value(begin + 128 * g + k, c) : 0.0f;
-        uint8_t codes[128];
-        float scale = 0.0f;
-        fp8::quantize_rows_1x128(group, 1, 128, codes, &scale);
-        for (int64_t k = 0; k < 128; ++k) code_mismatches += got_q[c * columns + start + 128 * g + k] != codes[k];
-        scale_mismatches += bits_of(got_s[((start / 128) + g) * channels + c]) != bits_of(scale);
+        // The rule written out: a NaN-ignoring amax, its power-of-two scale, exact quotients.
+        float amax = 0.0f;
+        for (const float v : group) amax = std::fabs(v) > amax ? std::fabs(v) : amax;
+        const float scale = fp8::power_of_two_scale_from_amax(amax);
+        for (int64_t k = 0; k < 128; ++k)
+          code_mismatches += got_q[c * columns + start + 128 * g + k] != fp8::float_to_e4m3(group[k] / scale);
+        // Kept as the upper half of its fp32 bits, which hold all of it.
+        scale_mismatches += (bits_of(scale) & 0xFFFFu) != 0 ||
+                            got_s[((start / 128) + g) * channels + c] != (bits_of(scale) >> 16);
       }
     }
   }
@@ -62,7 +67,7 @@ void expect_token_major(const std::vector<int32_t>& offsets, int64_t capacity, i
     if (written_column[col]) continue;
     for (int64_t c = 0; c < channels; ++c) poison_lost += got_q[c * columns + col] != 0xFF;
     if (col % 128 == 0)
-      for (int64_t c = 0; c < channels; ++c) poison_lost += bits_of(got_s[(col / 128) * channels + c]) != 0xFFFFFFFFu;
+      for (int64_t c = 0; c < channels; ++c) poison_lost += got_s[(col / 128) * channels + c] != 0xFFFFu;
   }
   EXPECT_EQ(code_mismatches, 0);
   EXPECT_EQ(scale_mismatches, 0);
@@ -91,7 +96,7 @@ TEST(Fp8TokenMajorGpuTest, Fp32RowsMatchTheCpuRuleBitExactly) {
   DeviceBuffer<float> d_rows(rows.size());
   DeviceBuffer<int32_t> d_offsets(kOffsets.size());
   DeviceBuffer<uint8_t> qt(kChannels * columns);
-  DeviceBuffer<float> st(columns / 128 * kChannels);
+  DeviceBuffer<kernels::TokenMajorScale> st(columns / 128 * kChannels);
   d_rows.upload(rows);
   d_offsets.upload(kOffsets);
   ASSERT_TRUE(kernels::token_major_quantize_fp32(d_rows.get(), kChannels, d_offsets.get(), experts, kCapacity,
@@ -139,7 +144,7 @@ void check_gathered_e4m3_rows(int64_t channels) {
   for (const bool weighted : {false, true}) {
     SCOPED_TRACE(weighted ? "with the routing weight" : "without a weight");
     DeviceBuffer<uint8_t> qt(channels * columns);
-    DeviceBuffer<float> st(columns / 128 * channels);
+    DeviceBuffer<kernels::TokenMajorScale> st(columns / 128 * channels);
     ASSERT_TRUE(kernels::token_major_quantize_e4m3(d_q.get(), d_s.get(), kSourceRows, d_src.get(),
                                                    weighted ? d_weight.get() : nullptr, channels, d_offsets.get(),
                                                    experts, kCapacity, qt.get(), st.get(), nullptr)
@@ -210,7 +215,7 @@ TEST(Fp8TokenMajorGpuTest, SwigluRowsAreTheActivationBitExactly) {
   const int64_t columns = kernels::token_major_columns(kCapacity, in.experts);
   const DeviceBuffer<float> a_out = in.activation();
   DeviceBuffer<uint8_t> via_rows(I * columns), via_h(I * columns);
-  DeviceBuffer<float> s_rows(columns / 128 * I), s_h(columns / 128 * I);
+  DeviceBuffer<kernels::TokenMajorScale> s_rows(columns / 128 * I), s_h(columns / 128 * I);
   ASSERT_TRUE(kernels::token_major_quantize_fp32(a_out.get(), I, in.d_offsets.get(), in.experts, kCapacity,
                                                  via_rows.get(), s_rows.get(), nullptr)
                   .is_ok());
@@ -234,14 +239,14 @@ TEST(Fp8TokenMajorGpuTest, SwigluGradRowsQuantizeTheSwigluBackward) {
   const std::vector<float>& w = in.w;
   const int64_t columns = kernels::token_major_columns(kCapacity, experts);
   DeviceBuffer<uint8_t> qt(2 * I * columns);
-  DeviceBuffer<float> st(columns / 128 * 2 * I);
+  DeviceBuffer<kernels::TokenMajorScale> st(columns / 128 * 2 * I);
   ASSERT_TRUE(kernels::token_major_quantize_swiglu_grad(in.d_g.get(), in.d_h.get(), in.d_w.get(), I,
                                                         in.d_offsets.get(), experts, kCapacity, qt.get(), st.get(),
                                                         nullptr)
                   .is_ok());
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   const std::vector<uint8_t> q = qt.download();
-  const std::vector<float> s = st.download();
+  const std::vector<kernels::TokenMajorScale> s = st.download();
   double num = 0.0, den = 0.0;
   int64_t bad = 0;
   for (int e = 0; e < experts; ++e) {
@@ -254,7 +259,7 @@ TEST(Fp8TokenMajorGpuTest, SwigluGradRowsQuantizeTheSwigluBackward) {
         const double da = static_cast<double>(w[r]) * g[r * I + j];
         const double sg = 1.0 / (1.0 + std::exp(-gate));
         const double want = c < I ? da * up * sg * (1.0 + gate * (1.0 - sg)) : da * gate * sg;
-        const double scale = s[(col / 128) * 2 * I + c];
+        const double scale = kernels::token_major_scale_value(s[(col / 128) * 2 * I + c]);
         const double got = fp8::e4m3_to_float(q[c * columns + col]) * scale;
         num += (got - want) * (got - want);
         den += want * want;
@@ -277,8 +282,8 @@ TEST(Fp8TokenMajorGpuTest, SwigluPairIsBothSwigluCopiesBitExactly) {
   const DeviceBuffer<float> a_out = in.activation();
   DeviceBuffer<uint8_t> at_pair(I * columns), at_single(I * columns);
   DeviceBuffer<uint8_t> dht_pair(2 * I * columns), dht_single(2 * I * columns);
-  DeviceBuffer<float> ats_pair(columns / 128 * I), ats_single(columns / 128 * I);
-  DeviceBuffer<float> dhts_pair(columns / 128 * 2 * I), dhts_single(columns / 128 * 2 * I);
+  DeviceBuffer<kernels::TokenMajorScale> ats_pair(columns / 128 * I), ats_single(columns / 128 * I);
+  DeviceBuffer<kernels::TokenMajorScale> dhts_pair(columns / 128 * 2 * I), dhts_single(columns / 128 * 2 * I);
   ASSERT_TRUE(kernels::token_major_quantize_swiglu_pair(in.d_g.get(), in.d_h.get(), in.d_w.get(), I,
                                                         in.d_offsets.get(), in.experts, kCapacity, at_pair.get(),
                                                         ats_pair.get(), dht_pair.get(), dhts_pair.get(), nullptr)
@@ -305,7 +310,7 @@ TEST(Fp8TokenMajorGpuTest, BadArgumentsAreRefused) {
   DeviceBuffer<float> rows(kCapacity * kChannels);
   DeviceBuffer<int32_t> offsets(kOffsets.size());
   DeviceBuffer<uint8_t> qt(kChannels * kernels::token_major_columns(kCapacity, 4) + 16);
-  DeviceBuffer<float> st(kChannels * kernels::token_major_columns(kCapacity, 4) / 128);
+  DeviceBuffer<kernels::TokenMajorScale> st(kChannels * kernels::token_major_columns(kCapacity, 4) / 128);
   EXPECT_EQ(kernels::token_major_quantize_fp32(rows.get(), 200, offsets.get(), 4, kCapacity, qt.get(), st.get(),
                                                nullptr)
                 .code(),

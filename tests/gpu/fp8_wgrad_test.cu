@@ -1,5 +1,6 @@
 // The FP8 weight-gradient GEMM (kernels/fp8_wgrad.hpp) on token-major operands made by
-// kernels/fp8_token_major.hpp, against its contract computed in double from the same E4M3 codes and scales:
+// kernels/fp8_token_major.hpp, against its contract computed in double from the same E4M3 codes and
+// power-of-two scales:
 // experts with a full and a partial K block, an empty expert (zeros), one of a single row; the accumulating
 // form bitwise the stored result added to what D held.
 #include <gtest/gtest.h>
@@ -28,7 +29,7 @@ constexpr double kMagTol = 1.0 / 512;  // of the sum of the terms' magnitudes, p
 // layer's backward makes them: the weight-gradient GEMM's operands.
 struct TokenMajorOperands {
   DeviceBuffer<uint8_t> qa, qb;
-  DeviceBuffer<float> sa, sb;
+  DeviceBuffer<kernels::TokenMajorScale> sa, sb;
   TokenMajorOperands(const std::vector<float>& a_rows, int64_t M, const std::vector<float>& b_rows, int64_t N,
                      const DeviceBuffer<int32_t>& offsets, int experts, int64_t capacity)
       : qa(M * kernels::token_major_columns(capacity, experts)),
@@ -81,7 +82,7 @@ TEST(Fp8WgradGemmGpuTest, MatchesTheContractOnTokenMajorOperands) {
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   const std::vector<float> got = d.download();
   const std::vector<uint8_t> ha = qa.download(), hb = qb.download();
-  const std::vector<float> hsa = sa.download(), hsb = sb.download();
+  const std::vector<kernels::TokenMajorScale> hsa = sa.download(), hsb = sb.download();
 
   double num = 0.0, den = 0.0;
   int64_t bad = 0, nan = 0;
@@ -95,7 +96,8 @@ TEST(Fp8WgradGemmGpuTest, MatchesTheContractOnTokenMajorOperands) {
         double want = 0.0, mag = 0.0;
         for (int64_t kb = 0; kb < blocks; ++kb) {
           const int64_t col0 = start + 128 * kb;
-          const double scale = static_cast<double>(hsa[(col0 / 128) * M + m]) * hsb[(col0 / 128) * N + n];
+          const double scale = static_cast<double>(kernels::token_major_scale_value(hsa[(col0 / 128) * M + m])) *
+                               kernels::token_major_scale_value(hsb[(col0 / 128) * N + n]);
           double block = 0.0, block_mag = 0.0;
           for (int64_t k = 0; k < 128; ++k) {
             const double term = static_cast<double>(fp8::e4m3_to_float(ha[m * columns + col0 + k])) *
@@ -208,7 +210,8 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionAndClusterPairsAreBitwiseThePlainLo
 TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   DeviceBuffer<uint8_t> q(256 * 1024);
-  DeviceBuffer<float> s(1024), d(256 * 256);
+  DeviceBuffer<kernels::TokenMajorScale> s(1024);
+  DeviceBuffer<float> d(256 * 256);
   DeviceBuffer<int32_t> offsets(3);
   const auto call = [&](int64_t M, int64_t N, int experts, const uint8_t* qa) {
     return kernels::fp8_wgrad_gemm(qa, s.get(), M, q.get(), s.get(), N, offsets.get(), experts, 128, d.get(), false,

@@ -46,10 +46,19 @@ inline constexpr int kScaleArrivals = 1;  // full-barrier arrivals per stage of 
 // kernels/fp8_token_major.hpp): one stage's 128 scales of the tile's A rows and 128 of its B rows (the output
 // columns), each one TMA box of a K-block-major scale tensor [k_blocks, rows]; tiles start at multiples of
 // 128 rows there, so the boxes need no offset. One producer thread loads both with one transaction count.
+// The scales are powers of two kept as the upper halves of their fp32 bits (kernels/fp8_layout.hpp's
+// TokenMajorScale): every consumer thread reads 32 column scales a K block, and at 4 bytes each those reads
+// took as many shared-memory wavefronts as two thirds of the wgmma operands (docs/FP8.md, "The weight
+// gradients").
 struct alignas(128) StageChannelScales {
-  float a[128];
-  float b[128];
+  uint16_t a[128];
+  uint16_t b[128];
 };
+
+// A scale of StageChannelScales as fp32.
+__device__ __forceinline__ float widen_channel_scale(uint16_t bits) {
+  return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+}
 inline constexpr uint32_t kStageChannelScaleBytes = sizeof(StageChannelScales);
 
 template <int kStages>

@@ -286,8 +286,8 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
     const PipeState<Shape::kStages> here{s, phase};
     issue_fp8_block_at<Shape, s>(partial, stages, cwg);
     const StageChannelScales& slot = scales[s];
-    const float row_scale[2] = {slot.a[64 * cwg + Fragment::row(warp, lane, 0)],
-                                slot.a[64 * cwg + Fragment::row(warp, lane, 1)]};
+    const float row_scale[2] = {widen_channel_scale(slot.a[64 * cwg + Fragment::row(warp, lane, 0)]),
+                                widen_channel_scale(slot.a[64 * cwg + Fragment::row(warp, lane, 1)])};
     // The next block's stage while the tensor cores run (as mma_tile_fp8_blockwise). The column scales are
     // read after the wait: read before it, with the scale products, the loop ran 8.5-20% slower (docs/PERF.md
     // run 112; their shared-memory reads contend with the wgmma's operand reads).
@@ -330,8 +330,8 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled_overlapped(float (&a
         pipe.consumer_wait(st);
         issue_fp8_block_on<Shape>(partial[b], stages, st.index, cwg);
         const StageChannelScales& slot = scales[st.index];
-        row_scale[b][0] = slot.a[64 * cwg + Fragment::row(warp, lane, 0)];
-        row_scale[b][1] = slot.a[64 * cwg + Fragment::row(warp, lane, 1)];
+        row_scale[b][0] = widen_channel_scale(slot.a[64 * cwg + Fragment::row(warp, lane, 0)]);
+        row_scale[b][1] = widen_channel_scale(slot.a[64 * cwg + Fragment::row(warp, lane, 1)]);
       },
       [&](auto buffer, const PipeState<Shape::kStages>& done) {
         constexpr int b = decltype(buffer)::value;

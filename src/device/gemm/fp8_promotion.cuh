@@ -50,15 +50,17 @@ __device__ __forceinline__ void promote_block_gate_up(float (&acc)[kN], const fl
 }
 
 // Both operands scaled per row and K block: acc[m, n] = fma(partial[m, n], sa[m] * sb[n], acc[m, n]).
-// row_scale[h]: this thread's two row scales; col_scales: the tile's 128 column scales (shared memory),
-// read a pair per column group (one 8-byte load).
+// row_scale[h]: this thread's two row scales; col_scales: the tile's 128 column scales (shared memory), each
+// the upper half of an fp32 (block_scales.cuh's StageChannelScales), read a pair per column group (one 4-byte
+// load) and widened by a shift and a mask.
 template <int kN>
 __device__ __forceinline__ void promote_block_channels(float (&acc)[kN], const float (&partial)[kN],
-                                                       const float (&row_scale)[2], const float* col_scales,
+                                                       const float (&row_scale)[2], const uint16_t* col_scales,
                                                        int lane) {
 #pragma unroll
   for (int j = 0; j < kN / 4; ++j) {
-    const float2 cs = *reinterpret_cast<const float2*>(col_scales + Fragment::col(lane, j));
+    const uint32_t pair = *reinterpret_cast<const uint32_t*>(col_scales + Fragment::col(lane, j));
+    const float2 cs = make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       acc[Fragment::reg(j, h, 0)] = __fmaf_rn(partial[Fragment::reg(j, h, 0)], row_scale[h] * cs.x,
