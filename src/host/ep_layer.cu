@@ -451,20 +451,21 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
   const int32_t* offsets = expert_offsets();
   const auto* row_src = buffer<int32_t>(l.row_src);
   const auto* row_weight = buffer<float>(l.row_weight);
+  const auto scales = [this](int64_t offset) { return buffer<kernels::TokenMajorScale>(offset); };
   MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_e4m3(
       buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts), source_rows, row_src, row_weight, H, offsets, EL, C,
-      buffer<uint8_t>(l.dyt_q), buffer<kernels::TokenMajorScale>(l.dyt_s), stream));
+      buffer<uint8_t>(l.dyt_q), scales(l.dyt_s), stream));
   // a^T and dh^T were written with dh (expert_mlp_backward_fp8).
   MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_e4m3(buffer<uint8_t>(l.recv_xq), buffer<float>(l.recv_xs),
                                                              source_rows, row_src, nullptr, H, offsets, EL, C,
-                                                             buffer<uint8_t>(l.xt_q), buffer<kernels::TokenMajorScale>(l.xt_s), stream));
-  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), buffer<kernels::TokenMajorScale>(l.dyt_s), H,
-                                                  buffer<uint8_t>(l.at_q), buffer<kernels::TokenMajorScale>(l.at_s), I, offsets, EL, C,
-                                                  args.d_w2, args.accumulate_weight_grads, stream, max_blocks,
+                                                             buffer<uint8_t>(l.xt_q), scales(l.xt_s), stream));
+  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), scales(l.dyt_s), H, buffer<uint8_t>(l.at_q),
+                                                  scales(l.at_s), I, offsets, EL, C, args.d_w2,
+                                                  args.accumulate_weight_grads, stream, max_blocks,
                                                   fp8_wgrad_overlap()));
-  return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dht_q), buffer<kernels::TokenMajorScale>(l.dht_s), 2 * I, buffer<uint8_t>(l.xt_q),
-                                 buffer<kernels::TokenMajorScale>(l.xt_s), H, offsets, EL, C, args.d_w13, args.accumulate_weight_grads,
-                                 stream, max_blocks, fp8_wgrad_overlap());
+  return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dht_q), scales(l.dht_s), 2 * I, buffer<uint8_t>(l.xt_q),
+                                 scales(l.xt_s), H, offsets, EL, C, args.d_w13, args.accumulate_weight_grads, stream,
+                                 max_blocks, fp8_wgrad_overlap());
 }
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

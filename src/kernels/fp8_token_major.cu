@@ -375,8 +375,8 @@ Status token_major_quantize_swiglu(const float* h, int64_t I, const int32_t* off
 }
 
 Status token_major_quantize_swiglu_grad(const float* g, const float* h, const float* row_weight, int64_t I,
-                                        const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt, TokenMajorScale* st,
-                                        cudaStream_t stream) {
+                                        const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt,
+                                        TokenMajorScale* st, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu_grad", I, offsets, experts, capacity, qt, st));
   if (capacity == 0) return Status::ok();
   MEGAMOE_RETURN_IF_ERROR(check_swiglu_grad_inputs("token_major_quantize_swiglu_grad", g, h, row_weight));

@@ -45,8 +45,8 @@ Status token_major_quantize_swiglu(const float* h, int64_t I, const int32_t* off
 // dh = SwiGLU'(w g) per routed row r (w = row_weight[r], g [capacity, I] the dgrad of GEMM2, h as above), 2I
 // channels: dg then du, the values swiglu_backward_quantize_rows_1x128 (fp8_quantize.hpp) computes.
 Status token_major_quantize_swiglu_grad(const float* g, const float* h, const float* row_weight, int64_t I,
-                                        const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt, TokenMajorScale* st,
-                                        cudaStream_t stream);
+                                        const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt,
+                                        TokenMajorScale* st, cudaStream_t stream);
 
 // Both SwiGLU operands of the weight gradients from one read of g and h (the two calls above read them twice
 // between them): writes bit for bit what token_major_quantize_swiglu(h, I, ..., at_q, at_s, ...) and

@@ -58,8 +58,8 @@ void expect_token_major(const std::vector<int32_t>& offsets, int64_t capacity, i
         for (int64_t k = 0; k < 128; ++k)
           code_mismatches += got_q[c * columns + start + 128 * g + k] != fp8::float_to_e4m3(group[k] / scale);
         // Kept as the upper half of its fp32 bits, which hold all of it.
-        scale_mismatches += (bits_of(scale) & 0xFFFFu) != 0 ||
-                            got_s[((start / 128) + g) * channels + c] != (bits_of(scale) >> 16);
+        const int64_t at = ((start / 128) + g) * channels + c;
+        scale_mismatches += (bits_of(scale) & 0xFFFFu) != 0 || got_s[at] != (bits_of(scale) >> 16);
       }
     }
   }
