@@ -181,6 +181,33 @@ def test_fp8_special_values_follow_the_rules():
     assert torch.equal(q[0, 128:], torch.ones(128)), "the next group is its own"
 
 
+def test_fp8_token_major_groups_take_power_of_two_scales():
+    """The weight gradients' token-major groups: the smallest power of two 2^k (k >= -126) with 448 2^k >= amax,
+    written out from its definition, and every group's values E4M3 codes times it."""
+    import math
+    g = torch.Generator().manual_seed(9)
+    amax = torch.cat([torch.tensor([0.0, 448.0, 449.0, 224.0, 3.0, 1e-45, 3.4e38, float("inf")]),
+                      torch.exp2(torch.rand(2000, generator=g) * 200.0 - 100.0)])
+    got = reference._power_of_two_scale(amax.float())
+    for a, s in zip(amax.float().tolist(), got.tolist()):
+        if a == 0.0:
+            want = 1.0
+        elif math.isinf(a):
+            want = a
+        else:
+            k = -126
+            while 448.0 * math.ldexp(1.0, k) < a:
+                k += 1
+            want = math.ldexp(1.0, k)
+        assert s == want, (a, s, want)
+    rows = torch.randn(300, 256, generator=g) * torch.exp2(torch.randint(-20, 20, (1, 256), generator=g).float())
+    q = reference._fake_quantize_token_major(rows)
+    for begin in (0, 128, 256):
+        group = rows[begin:begin + 128]
+        scale = reference._power_of_two_scale(group.abs().amax(dim=0, keepdim=True))
+        assert torch.equal(q[begin:begin + 128], (group / scale).to(torch.float8_e4m3fn).float() * scale)
+
+
 def test_fp8_weight_blocks_are_independent():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(2, 256, 384, generator=g)
