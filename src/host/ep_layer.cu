@@ -221,6 +221,14 @@ struct ExpertParallelLayer::Impl {
     tuning.overlap_promotion = fp8_overlap != Fp8PromotionOverlap::kNone;
     return tuning;
   }
+  // The backward's two dgrads in 2-CTA pairs (a pair of tiles shares its weight panel, each CTA loading half of
+  // it and multicasting it): 7-12% faster than single CTAs at the benchmark shapes (docs/PERF.md run 119), where
+  // GEMM2 gained nothing; GEMM1's gate-up pair runs in single CTAs. A rank's share of one SM keeps them single.
+  kernels::Fp8GemmTuning fp8_dgrad_tuning() const {
+    kernels::Fp8GemmTuning tuning = fp8_tuning();
+    if (max_blocks == 0 || max_blocks >= 2) tuning.cluster_size = 2;
+    return tuning;
+  }
   bool fp8_wgrad_overlap() const { return fp8_overlap == Fp8PromotionOverlap::kAll; }
   // Weight gradients: expert row counts are uneven in training, so their work items are handed out
   // dynamically, longest first (each rank's own counter in its workspace; the two calls are stream-ordered).
@@ -416,7 +424,7 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(l.rows_q), buffer<float>(l.rows_s),
                                                        buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s), nullptr,
                                                        expert_offsets(), EL, C, static_cast<int>(I),
-                                                       static_cast<int>(H), stream, fp8_tuning(), fp32_rows(g)));
+                                                       static_cast<int>(H), stream, fp8_dgrad_tuning(), fp32_rows(g)));
   auto* dh_q = buffer<uint8_t>(l.dh_q);
   auto* dh_s = buffer<float>(l.dh_s);
   // One pass over g and h for dh (row-major, this GEMM's operand), <g, a> and the weight gradients' a^T and dh^T.
@@ -434,7 +442,7 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
                                                                 I, expert_offsets(), EL, C, swiglu_out, stream));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(dh_q, dh_s, buffer<uint8_t>(l.w13t_q), buffer<float>(l.w13t_s),
                                                        nullptr, expert_offsets(), EL, C, static_cast<int>(H),
-                                                       static_cast<int>(2 * I), stream, fp8_tuning(),
+                                                       static_cast<int>(2 * I), stream, fp8_dgrad_tuning(),
                                                        combine_slot_rows()));
   return weight_gradients_fp8(p, args);
 }
