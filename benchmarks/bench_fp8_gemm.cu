@@ -227,12 +227,10 @@ void fill(uint8_t* p, size_t n, uint64_t seed) {
   fill_e4m3<<<2048, 256>>>(p, n, seed);
   BENCH_CHECK_CUDA(cudaGetLastError());
 }
-void fill(float* p, size_t n, float v) {
+// Every element v (fp32 scales, or TokenMajorScale bits).
+template <class T>
+void fill(T* p, size_t n, T v) {
   fill_value<<<1024, 256>>>(p, n, v);
-  BENCH_CHECK_CUDA(cudaGetLastError());
-}
-void fill(megamoe::kernels::TokenMajorScale* p, size_t n, megamoe::kernels::TokenMajorScale bits) {
-  fill_value<<<1024, 256>>>(p, n, bits);
   BENCH_CHECK_CUDA(cudaGetLastError());
 }
 

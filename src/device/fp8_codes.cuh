@@ -70,14 +70,20 @@ __device__ __forceinline__ uint32_t amax_bits(float v) {
   return bits <= kInfinityBits ? bits : 0u;
 }
 
+// The codes of quotients already formed (v / scale), four to a word (value 4 w + k in byte k of word w).
+template <int kCount>
+__device__ __forceinline__ void e4m3_words_of_quotients(const float (&q)[kCount], uint32_t (&words)[kCount / 4]) {
+  static_assert(kCount % 4 == 0, "whole words");
+#pragma unroll
+  for (int w = 0; w < kCount / 4; ++w) words[w] = e4m3x4_of(q[4 * w], q[4 * w + 1], q[4 * w + 2], q[4 * w + 3]);
+}
+
 // The codes of a group's values by its scale, four to a word (value 4 w + k in byte k of word w).
 template <int kCount>
 __device__ __forceinline__ void e4m3_words_of(const float (&v)[kCount], float scale, uint32_t (&words)[kCount / 4]) {
-  static_assert(kCount % 4 == 0, "whole words");
   float q[kCount];
   group_quotients(v, scale, q);
-#pragma unroll
-  for (int w = 0; w < kCount / 4; ++w) words[w] = e4m3x4_of(q[4 * w], q[4 * w + 1], q[4 * w + 2], q[4 * w + 3]);
+  e4m3_words_of_quotients(q, words);
 }
 
 // One 1x128 group held by a warp, 4 consecutive values per lane: the group's scale (amax from 0, NaN-ignoring
@@ -109,12 +115,11 @@ __device__ __forceinline__ float power_of_two_scale_from_amax(float amax) {
   return __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
 }
 
-// The codes of a group's values by a power-of-two scale, four to a word (as e4m3_words_of): v / 2^k is exact,
-// so it is v times 2^-k (also exact: k in [-126, 120]), one multiply a value. An infinite or NaN scale divides.
+// The quotients v / scale of a group's values by a power-of-two scale (group_quotients' bits, fewer
+// instructions): v / 2^k is exact, so it is v times 2^-k (also exact: k in [-126, 120]), one multiply a value.
+// An infinite scale divides.
 template <int kCount>
-__device__ __forceinline__ void e4m3_words_of_power_of_two(const float (&v)[kCount], float scale,
-                                                           uint32_t (&words)[kCount / 4]) {
-  float q[kCount];
+__device__ __forceinline__ void power_of_two_quotients(const float (&v)[kCount], float scale, float (&q)[kCount]) {
   const uint32_t bits = __float_as_uint(scale);
   if (bits < 0x7f800000u) {
     const float reciprocal = __uint_as_float(0x7f000000u - bits);  // 2^-k: biased exponent 254 - (k + 127)
@@ -124,8 +129,6 @@ __device__ __forceinline__ void e4m3_words_of_power_of_two(const float (&v)[kCou
 #pragma unroll
     for (int i = 0; i < kCount; ++i) q[i] = __fdiv_rn(v[i], scale);
   }
-#pragma unroll
-  for (int w = 0; w < kCount / 4; ++w) words[w] = e4m3x4_of(q[4 * w], q[4 * w + 1], q[4 * w + 2], q[4 * w + 3]);
 }
 
 // A power-of-two scale as the token-major copies keep it: the upper half of its fp32 bits (a bf16, exact).
@@ -149,7 +152,9 @@ __device__ __forceinline__ OctetGroupQuantized quantize_octet_group(const float 
   for (int offset = 1; offset < 8; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   OctetGroupQuantized out;
   out.scale = power_of_two_scale_from_amax(amax);
-  e4m3_words_of_power_of_two(v, out.scale, out.words);
+  float q[16];
+  power_of_two_quotients(v, out.scale, q);
+  e4m3_words_of_quotients(q, out.words);
   return out;
 }
 

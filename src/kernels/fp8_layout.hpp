@@ -19,7 +19,8 @@ namespace megamoe::kernels {
 
 using TokenMajorScale = uint16_t;
 
-// The fp32 value of a TokenMajorScale (host and device).
+// The fp32 value of a TokenMajorScale, on the host (the tests read the scales back with it; the weight-gradient
+// GEMM widens them itself, device/gemm/block_scales.cuh).
 inline float token_major_scale_value(TokenMajorScale bits) {
   const uint32_t word = static_cast<uint32_t>(bits) << 16;
   float value;

@@ -14,8 +14,7 @@ namespace megamoe::kernels {
 namespace {
 
 Status check(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb, const TokenMajorScale* sb,
-             int64_t N,
-             const int32_t* offsets, int experts, int64_t capacity, const float* D) {
+             int64_t N, const int32_t* offsets, int experts, int64_t capacity, const float* D) {
   if (M <= 0 || N <= 0 || M % 128 != 0 || N % 128 != 0 || M >= (int64_t{1} << 31) || N >= (int64_t{1} << 31))
     return Status::invalid("fp8 wgrad GEMM: M and N must be positive multiples of 128, got M=" + std::to_string(M) +
                            " N=" + std::to_string(N));
@@ -65,9 +64,9 @@ Status launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMa
 }  // namespace
 
 Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
-                      const TokenMajorScale* sb, int64_t N,
-                      const int32_t* offsets, int experts, int64_t capacity, float* D, bool accumulate,
-                      cudaStream_t stream, int max_ctas, bool overlap_promotion, int cluster) {
+                      const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
+                      float* D, bool accumulate, cudaStream_t stream, int max_ctas, bool overlap_promotion,
+                      int cluster) {
   MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));
   if (max_ctas < 0) return Status::invalid("fp8 wgrad GEMM: max_ctas must be >= 0, got " + std::to_string(max_ctas));
   if (cluster != 1 && cluster != 2)
