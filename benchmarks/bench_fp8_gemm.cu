@@ -25,6 +25,8 @@
 //   bench_fp8_gemm --wgrad     (the layer's weight-gradient GEMMs: plain and overlapped loops, single CTAs and
 //                              cluster pairs, see wgrad_shapes)
 //   bench_fp8_gemm --k-sweep-pairs   (the same for the overlapped loop, single CTAs against 2-CTA pairs)
+//   bench_fp8_gemm --gate-up   (the layer's GEMM1 with its SwiGLU epilogue: plain and overlapped loops, single
+//                              CTAs and cluster pairs, see gate_up_shapes)
 // (--out / --baseline, which scripts/gpu-check.sh gives every benchmark, are accepted and ignored: cuBLASLt
 // is timed in the same run)
 #include <cublasLt.h>
@@ -546,8 +548,9 @@ void k_sweep(int cluster) {
 
 // The FP8 layer's weight gradients (kernels/fp8_wgrad.hpp) at the benchmark configuration: 16 experts of 8192
 // routed rows (K of the GEMM), dW13 = dh^T x (M = 2I, N = H) and dW2 = dy^T a (M = H, N = I) for (H, I) =
-// (2048, 768) and (4096, 1536). Four forms: the plain and the overlapped loop, in single CTAs and in 2-CTA
-// cluster pairs sharing B. Scales 1, so that all four must agree bit for bit. Each shape also against the data
+// (2048, 768) and (4096, 1536). Five forms: the plain and the overlapped loop, in single CTAs and in 2-CTA
+// cluster pairs sharing B, and the plain loop in 192-row tiles (three consumer warpgroups). Scales 1, so that all
+// five must agree bit for bit. Each shape also against the data
 // GEMM of the same FLOPs (8192 rows an expert, N = M, K = N), whose promotion is one scale a row (overlapped,
 // as in the layer, and plain): what the weight gradient's two scales a value cost, at equal work.
 void wgrad_shapes() {
@@ -559,13 +562,18 @@ void wgrad_shapes() {
     const char* name;
     bool overlap;
     int cluster;
+    int tile_rows;
   };
-  constexpr Form kForms[4] = {{"plain", false, 1}, {"overlapped", true, 1}, {"plain, pairs", false, 2},
-                              {"overlapped, pairs", true, 2}};
+  constexpr int kFormCount = 5;
+  constexpr Form kForms[kFormCount] = {{"plain", false, 1, 128},
+                                       {"overlapped", true, 1, 128},
+                                       {"plain, pairs", false, 2, 128},
+                                       {"overlapped, pairs", true, 2, 128},
+                                       {"plain, 192 rows", false, 1, 192}};
   std::printf("FP8 weight gradients: 16 experts x 8192 routed rows, interleaved (median of 30), TFLOP/s\n");
-  std::printf("| gradient (H, I) | M | N | plain | overlapped | plain, pairs | overlapped, pairs | best / plain | "
-              "data GEMM, same FLOPs | data GEMM, plain loop | best / data GEMM | bitwise |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| gradient (H, I) | M | N | plain | overlapped | plain, pairs | overlapped, pairs | plain, 192 rows | "
+              "best / plain | 192 rows / best of 128 | data GEMM, same FLOPs | data GEMM, plain loop | "
+              "best / data GEMM | bitwise |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   const int64_t layer_shapes[2][2] = {{2048, 768}, {4096, 1536}};
   for (const auto& hi : layer_shapes) {
     const int64_t H = hi[0], I = hi[1];
@@ -578,7 +586,7 @@ void wgrad_shapes() {
       const size_t count = size_t(E) * M * N;
       uint8_t *qa, *qb;
       megamoe::kernels::TokenMajorScale *sa, *sb;
-      float* D[4];
+      float* D[kFormCount];
       const size_t scale_rows = size_t(columns / 128);
       BENCH_CHECK_CUDA(cudaMalloc(&qa, size_t(M) * columns));
       BENCH_CHECK_CUDA(cudaMalloc(&qb, size_t(N) * columns));
@@ -590,19 +598,19 @@ void wgrad_shapes() {
       fill(sa, scale_rows * M, kOne);
       fill(sb, scale_rows * N, kOne);
       // Poisoned unlike each other, so that an output one form leaves unwritten cannot compare equal.
-      for (int f = 0; f < 4; ++f) {
+      for (int f = 0; f < kFormCount; ++f) {
         BENCH_CHECK_CUDA(cudaMalloc(&D[f], count * sizeof(float)));
         BENCH_CHECK_CUDA(cudaMemset(D[f], 0xFC + f, count * sizeof(float)));
       }
       // The data GEMM of the same FLOPs: A [capacity, K = N] rows, B [E, N' = M, K].
       Fp8GemmOperands data(capacity, E, M, N, 13, 14);
       std::vector<std::function<void()>> contenders;
-      for (int f = 0; f < 4; ++f) {
+      for (int f = 0; f < kFormCount; ++f) {
         float* const d = D[f];
         const Form form = kForms[f];
         contenders.push_back([=] {
           BENCH_CHECK_OK(megamoe::kernels::fp8_wgrad_gemm(qa, sa, M, qb, sb, N, offsets, E, capacity, d, false,
-                                                          nullptr, 0, form.overlap, form.cluster));
+                                                          nullptr, 0, form.overlap, form.cluster, form.tile_rows));
         });
       }
       // Overlapped (as the layer's data GEMMs whose A comes by TMA), then plain.
@@ -620,7 +628,7 @@ void wgrad_shapes() {
       std::vector<float> first(count), other(count);
       BENCH_CHECK_CUDA(cudaMemcpy(first.data(), D[0], count * sizeof(float), cudaMemcpyDeviceToHost));
       bool same = true;
-      for (int f = 1; f < 4; ++f) {
+      for (int f = 1; f < kFormCount; ++f) {
         BENCH_CHECK_CUDA(cudaMemcpy(other.data(), D[f], count * sizeof(float), cudaMemcpyDeviceToHost));
         if (std::memcmp(first.data(), other.data(), count * sizeof(float)) != 0) {
           std::fprintf(stderr, "bench_fp8_gemm --wgrad: %s %s: the %s form's D differs from the plain loop's\n",
@@ -630,18 +638,100 @@ void wgrad_shapes() {
       }
       const double flops = 2.0 * double(capacity) * double(M) * double(N);
       const auto rate = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
-      const double best = std::min(std::min(t[0], t[1]), std::min(t[2], t[3]));
-      std::printf("| %s (%lld, %lld) | %lld | %lld | %.1f | %.1f | %.1f | %.1f | x %.3f | %.1f | %.1f | x %.3f | %s |\n",
+      const double best128 = std::min(std::min(t[0], t[1]), std::min(t[2], t[3]));
+      const double best = std::min(best128, t[4]);
+      std::printf("| %s (%lld, %lld) | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | x %.3f | x %.3f | %.1f | %.1f | "
+                  "x %.3f | %s |\n",
                   g.name, static_cast<long long>(H), static_cast<long long>(I), static_cast<long long>(M),
-                  static_cast<long long>(N), rate(t[0]), rate(t[1]), rate(t[2]), rate(t[3]), t[0] / best, rate(t[4]),
-                  rate(t[5]), t[4] / best, same ? "yes" : "NO");
-      for (void* p : {static_cast<void*>(qa), static_cast<void*>(qb), static_cast<void*>(sa), static_cast<void*>(sb),
-                      static_cast<void*>(D[0]), static_cast<void*>(D[1]), static_cast<void*>(D[2]),
-                      static_cast<void*>(D[3])})
+                  static_cast<long long>(N), rate(t[0]), rate(t[1]), rate(t[2]), rate(t[3]), rate(t[4]), t[0] / best,
+                  best128 / t[4], rate(t[5]), rate(t[6]), t[5] / best, same ? "yes" : "NO");
+      for (void* p : {static_cast<void*>(qa), static_cast<void*>(qb), static_cast<void*>(sa), static_cast<void*>(sb)})
         BENCH_CHECK_CUDA(cudaFree(p));
+      for (float* d : D) BENCH_CHECK_CUDA(cudaFree(d));
       data.release();
       if (!same) std::exit(1);
     }
+  }
+  BENCH_CHECK_CUDA(cudaFree(offsets));
+}
+
+// The FP8 layer's GEMM1 (Fp8GemmRows::swiglu_a_q: h = x W13^T in fp32 and a = silu(gate) * up quantized 1 x 128)
+// at the benchmark configuration: 16 experts of 8192 rows, N = 2I, K = H for (H, I) = (2048, 768) and
+// (4096, 1536). Four forms: the plain and the overlapped loop, in single CTAs and in 2-CTA pairs sharing the
+// weight panel. Scales 1; all four must agree bit for bit in h, a's codes and a's scales.
+void gate_up_shapes() {
+  constexpr int E = 16;
+  constexpr int64_t rows_per_expert = 8192, capacity = rows_per_expert * E;
+  int32_t* const offsets = balanced_offsets(E, rows_per_expert);
+  struct Form {
+    const char* name;
+    bool overlap;
+    int cluster;
+  };
+  constexpr Form kForms[4] = {{"plain", false, 1}, {"overlapped", true, 1}, {"plain, pairs", false, 2},
+                              {"overlapped, pairs", true, 2}};
+  std::printf("FP8 GEMM1 with the SwiGLU epilogue: 16 experts x 8192 rows, interleaved (median of 30), TFLOP/s\n");
+  std::printf("| (H, I) | N | K | plain | overlapped | plain, pairs | overlapped, pairs | pairs / single (best of "
+              "each) | bitwise |\n|---|---|---|---|---|---|---|---|---|\n");
+  const int layer_shapes[2][2] = {{2048, 768}, {4096, 1536}};
+  for (const auto& hi : layer_shapes) {
+    const int H = hi[0], I = hi[1], N = 2 * I, K = H;
+    const int64_t pitch = megamoe::kernels::fp8_scale_pitch(capacity);
+    Fp8GemmOperands ops(capacity, E, N, K, 21, 22);
+    float* h[4];
+    uint8_t* aq[4];
+    float* as[4];
+    const size_t h_count = size_t(capacity) * N, aq_count = size_t(capacity) * I, as_count = size_t(pitch) * (I / 128);
+    std::vector<std::function<void()>> contenders;
+    for (int f = 0; f < 4; ++f) {
+      BENCH_CHECK_CUDA(cudaMalloc(&h[f], h_count * sizeof(float)));
+      BENCH_CHECK_CUDA(cudaMalloc(&aq[f], aq_count));
+      BENCH_CHECK_CUDA(cudaMalloc(&as[f], as_count * sizeof(float)));
+      // Poisoned unlike each other, so that an output one form leaves unwritten cannot compare equal.
+      BENCH_CHECK_CUDA(cudaMemset(h[f], 0xFC + f, h_count * sizeof(float)));
+      BENCH_CHECK_CUDA(cudaMemset(aq[f], 0xF0 + f, aq_count));
+      BENCH_CHECK_CUDA(cudaMemset(as[f], 0xFC + f, as_count * sizeof(float)));
+      megamoe::kernels::Fp8GemmRows rows;
+      rows.d_fp32 = h[f];
+      rows.swiglu_a_q = aq[f];
+      rows.swiglu_a_s = as[f];
+      rows.swiglu_a_s_pitch = pitch;
+      megamoe::kernels::Fp8GemmTuning tuning{kForms[f].cluster, 0};
+      tuning.overlap_promotion = kForms[f].overlap;
+      contenders.push_back([=] {
+        BENCH_CHECK_OK(megamoe::kernels::fp8_grouped_gemm_nt(ops.A, ops.sa, ops.B, ops.sb, nullptr, offsets, E,
+                                                             capacity, N, K, nullptr, tuning, rows));
+      });
+    }
+    const std::vector<double> t = interleaved_median_ms(contenders);
+    BENCH_CHECK_CUDA(cudaDeviceSynchronize());
+    bool same = true;
+    const auto compare = [&](const void* first, const void* other, size_t bytes, const char* what, int f) {
+      std::vector<uint8_t> x(bytes), y(bytes);
+      BENCH_CHECK_CUDA(cudaMemcpy(x.data(), first, bytes, cudaMemcpyDeviceToHost));
+      BENCH_CHECK_CUDA(cudaMemcpy(y.data(), other, bytes, cudaMemcpyDeviceToHost));
+      if (x != y) {
+        std::fprintf(stderr, "bench_fp8_gemm --gate-up: H=%d: the %s form's %s differs from the plain loop's\n", H,
+                     kForms[f].name, what);
+        same = false;
+      }
+    };
+    for (int f = 1; f < 4; ++f) {
+      compare(h[0], h[f], h_count * sizeof(float), "h", f);
+      compare(aq[0], aq[f], aq_count, "a codes", f);
+      // Only the scales of expert rows are written: the first `capacity` of each group's pitch.
+      for (int q = 0; q < I / 128; ++q)
+        compare(as[0] + q * pitch, as[f] + q * pitch, size_t(capacity) * sizeof(float), "a scales", f);
+    }
+    const double flops = 2.0 * double(capacity) * double(N) * double(K);
+    const auto rate = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
+    std::printf("| (%d, %d) | %d | %d | %.1f | %.1f | %.1f | %.1f | x %.3f | %s |\n", H, I, N, K, rate(t[0]),
+                rate(t[1]), rate(t[2]), rate(t[3]), std::min(t[0], t[1]) / std::min(t[2], t[3]), same ? "yes" : "NO");
+    for (int f = 0; f < 4; ++f)
+      for (void* p : {static_cast<void*>(h[f]), static_cast<void*>(aq[f]), static_cast<void*>(as[f])})
+        BENCH_CHECK_CUDA(cudaFree(p));
+    ops.release();
+    if (!same) std::exit(1);
   }
   BENCH_CHECK_CUDA(cudaFree(offsets));
 }
@@ -664,6 +754,10 @@ int main(int argc, char** argv) {
       wgrad_shapes();
       return 0;
     }
+    if (!std::strcmp(argv[i], "--gate-up")) {  // the layer's GEMM1 with its SwiGLU epilogue (gate_up_shapes)
+      gate_up_shapes();
+      return 0;
+    }
     if (!std::strcmp(argv[i], "--dense-only")) {  // the 8192^3 GEMM alone (scripts/profile-fp8-gemm.sh)
       dense_only = true;
     } else if (!std::strcmp(argv[i], "--gathered-only")) {  // the gathered-rows GEMM at N=3072 K=4096 alone
@@ -677,7 +771,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: bench_fp8_gemm [--interleaved | --sequential] [--dense-only | --gathered-only] "
-                   "[--out IGNORED] [--baseline IGNORED] | --k-sweep | --k-sweep-pairs | --wgrad\n");
+                   "[--out IGNORED] [--baseline IGNORED] | --k-sweep | --k-sweep-pairs | --wgrad | --gate-up\n");
       return 2;
     }
   }

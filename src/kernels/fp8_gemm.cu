@@ -67,7 +67,7 @@ Status check_tuning(const Fp8GemmTuning& tuning) {
 }
 
 // The SwiGLU epilogue's outputs and the shape it needs (Fp8GemmRows::swiglu_a_q).
-Status check_swiglu(const Fp8GemmRows& by_index, const Fp8GemmTuning& tuning, int64_t max_rows, int N) {
+Status check_swiglu(const Fp8GemmRows& by_index, int64_t max_rows, int N) {
   const bool any = by_index.swiglu_a_q != nullptr || by_index.swiglu_a_s != nullptr;
   if (!any) return Status::ok();
   if (by_index.swiglu_a_q == nullptr || by_index.swiglu_a_s == nullptr)
@@ -79,7 +79,6 @@ Status check_swiglu(const Fp8GemmRows& by_index, const Fp8GemmTuning& tuning, in
     return Status::invalid("fp8 GEMM: swiglu_a_s must be 4-byte aligned");
   if (by_index.d_fp32 == nullptr) return Status::invalid("fp8 GEMM: the SwiGLU epilogue needs d_fp32 (h)");
   if (by_index.a_rows != nullptr) return Status::invalid("fp8 GEMM: the SwiGLU epilogue reads A through TMA (no a_rows)");
-  if (tuning.cluster_size != 1) return Status::invalid("fp8 GEMM: the SwiGLU epilogue needs cluster_size 1");
   if (N % (2 * kKBlock) != 0)
     return Status::invalid("fp8 GEMM: the SwiGLU epilogue needs N = 2I with I a multiple of 128, got N=" +
                            std::to_string(N));
@@ -163,7 +162,8 @@ Status launch(const uint8_t* A, const float* sa, const uint8_t* B, const float* 
   int clusters = launch.clusters;
   if (offsets == nullptr) {  // dense: the work items (pairs of m-tiles in a cluster) are known here
     const int64_t m_units = ((max_rows + kBM - 1) / kBM + kCluster - 1) / kCluster;
-    const int64_t items = m_units * ((N + kBN - 1) / kBN);
+    const int64_t n_items = Cfg::kGateUp ? N / (2 * kBN) : (N + kBN - 1) / kBN;  // gate-up: pairs of tiles
+    const int64_t items = m_units * n_items;
     clusters = static_cast<int>(std::min<int64_t>(clusters, std::max<int64_t>(items, 1)));
   }
   launch.set_grid(clusters, kCluster);
@@ -178,6 +178,10 @@ Status launch_overlap(const Fp8GemmTuning& tuning, const uint8_t* A, const float
                       int N, int K, const Fp8GemmRows& by_index, cudaStream_t stream) {
   const int cap = tuning.max_ctas;
   if (by_index.swiglu_a_q != nullptr) {
+    if (tuning.cluster_size == 2) {
+      return launch<Fp8GemmConfig<2, false, kOverlap, true>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K,
+                                                             by_index, cap, stream);
+    }
     return launch<Fp8GemmConfig<1, false, kOverlap, true>>(A, sa, B, sb, D, offsets, num_groups, max_rows, N, K,
                                                            by_index, cap, stream);
   }
@@ -244,7 +248,7 @@ Status fp8_grouped_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, 
   if (by_index.d_rows != nullptr && by_index.d_fp32 != nullptr)
     return Status::invalid("fp8 GEMM: d_rows and d_fp32 exclude each other");
   if (by_index.d_fp32 != nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointer(by_index.d_fp32, "d_fp32"));
-  MEGAMOE_RETURN_IF_ERROR(check_swiglu(by_index, tuning, max_rows, N));
+  MEGAMOE_RETURN_IF_ERROR(check_swiglu(by_index, max_rows, N));
   if (by_index.d_rows == nullptr && by_index.d_fp32 == nullptr) MEGAMOE_RETURN_IF_ERROR(check_pointer(D, "D"));
   if (expert_offsets == nullptr) return Status::invalid("fp8 GEMM: expert_offsets is null");
   if (max_rows == 0) return Status::ok();  // every expert is empty (offsets are clamped into [0, max_rows])
@@ -264,6 +268,10 @@ Status fp8_gemm_preload() {
       cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, false, false, true>>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<1, false, true, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<2, false, false, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_gemm_kernel<Fp8GemmConfig<2, false, true, true>>));
   return Status::ok();
 }
 

@@ -74,7 +74,7 @@ Status fp8_gemm_nt(const uint8_t* A, const float* sa, const uint8_t* B, const fl
 //     expert row, quantized in 1 x 128 groups along I: swiglu_a_q [max_rows, I] e4m3 (16-byte aligned) and
 //     the scales K-block-major (4-byte aligned), group (row, kb) at swiglu_a_s[kb * swiglu_a_s_pitch + row]
 //     (pitch >= max_rows), bit for bit swiglu_quantize_rows_1x128 of h (fp8_quantize.hpp). Rows outside every
-//     expert are not written. TMA A (no a_rows) and cluster_size 1.
+//     expert are not written. TMA A (no a_rows); cluster_size 1 or 2.
 // Either way the output bits are those of the contiguous call on the same rows (d_fp32: before rounding).
 struct Fp8GemmRows {
   const int32_t* a_rows = nullptr;

@@ -509,8 +509,9 @@ TEST(Fp8Gemm, GroupedByExpert) {
 // up rows. Its h must be bitwise the plain fp32 call's (itself checked against the contract above), and its a
 // codes and scales bitwise swiglu_quantize_rows_1x128 of that h (checked against the exact activation in
 // fp8_quantize_test.cu); rows outside every expert stay poisoned in h, a and the scales. Experts: empty,
-// one row, tile-straddling; I of one, three and six 128-channel groups; both K loops; CTAs that take one item
-// and CTAs that take several (staging boxes and the ring reused across items).
+// one row, tile-straddling; I of one, three and six 128-channel groups; both K loops, single CTAs and 2-CTA
+// pairs (an odd tile count leaves a CTA of a pair past its expert's rows); CTAs that take one item and CTAs that
+// take several (staging boxes and the ring reused across items).
 TEST(Fp8Gemm, SwigluEpilogueEmitsQuantizedA) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const int K = 256;
@@ -566,13 +567,14 @@ TEST(Fp8Gemm, SwigluEpilogueEmitsQuantizedA) {
     DeviceBuffer<float> h(static_cast<size_t>(max_rows * N));
     DeviceBuffer<uint8_t> aq(static_cast<size_t>(max_rows * I));
     DeviceBuffer<float> as(static_cast<size_t>(pitch * (I / 128)));
-    for (const bool overlap : {false, true}) {
-      for (const int max_ctas : {0, 3}) {
-        SCOPED_TRACE(std::string(overlap ? "overlapped" : "plain") + " loop, max_ctas " + std::to_string(max_ctas));
+    for (const auto& [cluster, max_ctas] : {std::pair{1, 0}, std::pair{1, 3}, std::pair{2, 0}, std::pair{2, 4}})
+      for (const bool overlap : {false, true}) {
+        SCOPED_TRACE(std::string(overlap ? "overlapped" : "plain") + " loop, cluster " + std::to_string(cluster) +
+                     ", max_ctas " + std::to_string(max_ctas));
         h.poison();
         aq.poison();
         as.poison();
-        Fp8GemmTuning tuning{1, max_ctas};
+        Fp8GemmTuning tuning{cluster, max_ctas};
         tuning.overlap_promotion = overlap;
         Fp8GemmRows fused;
         fused.d_fp32 = h.get();
@@ -600,7 +602,6 @@ TEST(Fp8Gemm, SwigluEpilogueEmitsQuantizedA) {
         EXPECT_EQ(as_differ, 0) << "a's scales differ from swiglu_quantize_rows_1x128";
         EXPECT_EQ(h_outside + aq_outside + as_outside, 0) << "rows outside every expert were written";
       }
-    }
   }
 }
 
@@ -706,8 +707,6 @@ TEST(Fp8Gemm, RejectsBadArguments) {
   bad.a_rows = doff.get();
   bad.a_source_rows = M;
   expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N2, K, nullptr, Fp8GemmTuning{}, bad), "no a_rows");
-  expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N2, K, nullptr, Fp8GemmTuning{2, 0}, swiglu),
-                 "needs cluster_size 1");
   expect_invalid(fp8_grouped_gemm_nt(A, sa, B, sb, D, doff.get(), 1, M, N, K, nullptr, Fp8GemmTuning{}, swiglu),
                  "I a multiple of 128");
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
