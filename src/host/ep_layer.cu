@@ -221,18 +221,20 @@ struct ExpertParallelLayer::Impl {
     tuning.overlap_promotion = fp8_overlap != Fp8PromotionOverlap::kNone;
     return tuning;
   }
-  // GEMM1 and the backward's two dgrads in 2-CTA pairs (a pair of tiles shares its weight panel, each CTA loading
-  // half of it and multicasting it): the dgrads 7-12% faster than single CTAs at the benchmark shapes
-  // (docs/PERF.md run 119), where GEMM2 gained nothing. A rank's share of one SM keeps them single.
+  // The backward's two dgrads in 2-CTA pairs (a pair of tiles shares its weight panel, each CTA loading half of
+  // it and multicasting it): 7-12% faster than single CTAs at the benchmark shapes (docs/PERF.md run 119), where
+  // GEMM2 gained nothing. A rank's share of one SM keeps them single.
   kernels::Fp8GemmTuning fp8_paired_tuning() const {
     kernels::Fp8GemmTuning tuning = fp8_tuning();
     if (max_blocks == 0 || max_blocks >= 2) tuning.cluster_size = 2;
     return tuning;
   }
+  // GEMM1's gate-up pair in 2-CTA pairs from 32 K blocks on (K = H): at H = 4096 they were 2.6% faster than single
+  // CTAs, at H = 2048 (16 blocks) 5% slower, both with the overlapped loop (docs/PERF.md run 121).
+  kernels::Fp8GemmTuning fp8_gemm1_tuning() const {
+    return config.hidden / 128 >= 32 ? fp8_paired_tuning() : fp8_tuning();
+  }
   bool fp8_wgrad_overlap() const { return fp8_overlap == Fp8PromotionOverlap::kAll; }
-  // The weight gradients' plain loop in 192-row tiles (three consumer warpgroups); the overlapped loop has
-  // 128-row tiles only.
-  int fp8_wgrad_tile_rows() const { return fp8_wgrad_overlap() ? 128 : 192; }
   // Weight gradients: expert row counts are uneven in training, so their work items are handed out
   // dynamically, longest first (each rank's own counter in its workspace; the two calls are stream-ordered).
   kernels::GemmTuning weight_grad_tuning() const {
@@ -347,7 +349,7 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(p.layout.rows_q), buffer<float>(p.layout.rows_s),
                                                        w.w13, w.w13_scales, nullptr, expert_offsets(), EL, C,
                                                        static_cast<int>(2 * I), static_cast<int>(H), stream,
-                                                       fp8_paired_tuning(), gemm1_out));
+                                                       fp8_gemm1_tuning(), gemm1_out));
   return kernels::fp8_grouped_gemm_nt(a_q, a_s, w.w2, w.w2_scales, nullptr, expert_offsets(), EL, C, static_cast<int>(H),
                                       static_cast<int>(I), stream, fp8_tuning(), combine_slot_rows());
 }
@@ -473,10 +475,10 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), scales(l.dyt_s), H, buffer<uint8_t>(l.at_q),
                                                   scales(l.at_s), I, offsets, EL, C, args.d_w2,
                                                   args.accumulate_weight_grads, stream, max_blocks,
-                                                  fp8_wgrad_overlap(), 1, fp8_wgrad_tile_rows()));
+                                                  fp8_wgrad_overlap()));
   return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dht_q), scales(l.dht_s), 2 * I, buffer<uint8_t>(l.xt_q),
                                  scales(l.xt_s), H, offsets, EL, C, args.d_w13, args.accumulate_weight_grads, stream,
-                                 max_blocks, fp8_wgrad_overlap(), 1, fp8_wgrad_tile_rows());
+                                 max_blocks, fp8_wgrad_overlap());
 }
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -39,10 +39,10 @@ Status operand_map(CUtensorMap* map, const uint8_t* q, int64_t rows, int64_t col
   return make_bf16_tensor_map(map, q, 2, dims, box);
 }
 
-// Scales [columns / 128, rows] of 16 bits, boxes of one K block's box_rows rows.
-Status scale_map(CUtensorMap* map, const TokenMajorScale* s, int64_t rows, int64_t columns, uint32_t box_rows) {
+// Scales [columns / 128, rows] of 16 bits, boxes of one K block's 128 rows.
+Status scale_map(CUtensorMap* map, const TokenMajorScale* s, int64_t rows, int64_t columns) {
   const uint64_t dims[2] = {static_cast<uint64_t>(rows), static_cast<uint64_t>(columns / 128)};
-  const uint32_t box[2] = {box_rows, 1};
+  const uint32_t box[2] = {128, 1};
   return make_u16_tensor_map_2d(map, s, dims, box);
 }
 
@@ -50,7 +50,7 @@ template <class Cfg>
 Status launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_sa, const CUtensorMap& tm_sb,
               const Fp8WgradParams& p, int64_t tiles, int num_sms, int max_ctas, cudaStream_t stream) {
   ClusterLaunch launch;
-  MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<Cfg::kCluster>(fp8_wgrad_kernel<Cfg>, Cfg::kThreads,
+  MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<Cfg::kCluster>(fp8_wgrad_kernel<Cfg>, kFp8WgradThreads,
                                                                 Cfg::kSmemBytes, stream, num_sms, max_ctas,
                                                                 "fp8 wgrad GEMM", &launch));
   // No more clusters than work items (a cluster's item is kCluster tiles).
@@ -66,7 +66,7 @@ Status launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMa
 Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
                       const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
                       float* D, bool accumulate, cudaStream_t stream, int max_ctas, bool overlap_promotion,
-                      int cluster, int tile_rows) {
+                      int cluster) {
   MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));
   if (max_ctas < 0) return Status::invalid("fp8 wgrad GEMM: max_ctas must be >= 0, got " + std::to_string(max_ctas));
   if (cluster != 1 && cluster != 2)
@@ -74,18 +74,16 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, c
   if (max_ctas > 0 && max_ctas < cluster)
     return Status::invalid("fp8 wgrad GEMM: max_ctas (" + std::to_string(max_ctas) + ") is below one cluster of " +
                            std::to_string(cluster) + " CTAs");
-  if (tile_rows != 128 && tile_rows != 192)
-    return Status::invalid("fp8 wgrad GEMM: tile_rows must be 128 or 192, got " + std::to_string(tile_rows));
-  if (tile_rows == 192 && (overlap_promotion || cluster != 1))
-    return Status::invalid("fp8 wgrad GEMM: 192-row tiles run the plain loop in single CTAs");
   if (cluster == 2 && M % 256 != 0)
     return Status::invalid("fp8 wgrad GEMM: 2-CTA clusters pair m-tiles, so M must be a multiple of 256, got M=" +
                            std::to_string(M));
   int num_sms = 0;
   MEGAMOE_RETURN_IF_ERROR(hopper_device_sms("fp8 wgrad GEMM", &num_sms));
   const int64_t columns = token_major_columns(capacity, experts);
-  CUtensorMap tm_sb{};
-  MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sb, sb, N, columns, 128));
+  CUtensorMap tm_a{}, tm_sa{}, tm_sb{};
+  MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_a, qa, M, columns, 128));
+  MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sa, sa, M, columns));
+  MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sb, sb, N, columns));
   Fp8WgradParams p{};
   p.offsets = offsets;
   p.experts = experts;
@@ -94,19 +92,14 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, c
   p.N = static_cast<int>(N);
   p.D = D;
   p.accumulate = accumulate ? 1 : 0;
-  // A's boxes are the tile's rows; B's the rows one CTA of the configuration loads (half the panel in a cluster
-  // pair).
+  const int64_t tiles = static_cast<int64_t>(experts) * (M / 128) * (N / 128);
+  // B's box is the rows one CTA of the configuration loads (half the panel in a cluster pair).
   const auto run = [&](auto config) -> Status {
     using Cfg = decltype(config);
-    constexpr int kBM = Cfg::Shape::kBM;
-    CUtensorMap tm_a{}, tm_sa{}, tm_b{};
-    MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_a, qa, M, columns, kBM));
-    MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sa, sa, M, columns, kBM));
+    CUtensorMap tm_b{};
     MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_b, qb, N, columns, Cfg::kBRowsLoaded));
-    const int64_t tiles = static_cast<int64_t>(experts) * ((M + kBM - 1) / kBM) * (N / 128);
     return launch<Cfg>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
   };
-  if (tile_rows == 192) return run(Fp8WgradConfig<false, 1, 3>{});
   if (cluster == 2) return overlap_promotion ? run(Fp8WgradConfig<true, 2>{}) : run(Fp8WgradConfig<false, 2>{});
   return overlap_promotion ? run(Fp8WgradConfig<true>{}) : run(Fp8WgradConfig<false>{});
 }
@@ -117,7 +110,6 @@ Status fp8_wgrad_preload() {
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<true>>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 2>>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<true, 2>>));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 1, 3>>));
   return Status::ok();
 }
 

@@ -1,16 +1,15 @@
 // The FP8 weight-gradient GEMM kernel (fp8_wgrad.hpp), composed like the FP8 GEMM (fp8_gemm_kernel.cuh): one
-// persistent, warp-specialised CTA per SM, tile BM x 128 of one expert's [M, N] output, one 128-deep K block
-// (128 routed rows) per stage. BM is 128 (384 threads: two consumer warpgroups) or 192 (512 threads: three, so
-// that while one warpgroup promotes its block two others have theirs on the tensor cores). With 128 rows also
-// in 2-CTA clusters, where a work item is a pair of vertically adjacent tiles sharing their B panel (each CTA
-// loads one half of it and multicasts it to both, so a stage costs the L2 three quarters of its operand bytes,
-// as in the FP8 GEMM). The reduction is K-grouped: an expert's K blocks are its segment of the token-major
-// copies (kernels/fp8_token_major.hpp), which starts at a multiple of 128 columns.
-//   warpgroup 0, the producer: thread 0 loads a stage's A box (the tile's BM rows of qa; rows past M load as
-//     zeros) and B box (its 128 rows of qb, or in a cluster its half of them, multicast) with TMA; thread 32
-//     the stage's BM + 128 scales (load_channel_scales: each CTA its own);
-//   warpgroups 1 .. BM / 64, the consumers: 64 rows each, mma_tile_fp8_channel_scaled, then the fp32 epilogue
-//     (stored, or added to what D holds; rows past M are not stored).
+// persistent, warp-specialised CTA of 384 threads per SM, tile 128 x 128 of one expert's [M, N] output, one
+// 128-deep K block (128 routed rows) per stage; alone or in 2-CTA clusters, where a work item is a pair of
+// vertically adjacent tiles sharing their B panel (each CTA loads one half of it and multicasts it to both,
+// so a stage costs the L2 three quarters of its operand bytes, as in the FP8 GEMM). The reduction is
+// K-grouped: an expert's K blocks are its segment of the token-major copies (kernels/fp8_token_major.hpp),
+// which starts at a multiple of 128 columns.
+//   warpgroup 0, the producer: thread 0 loads a stage's A box (the tile's 128 rows of qa) and B box (its 128
+//     rows of qb, or in a cluster its half of them, multicast) with TMA; thread 32 the stage's 128 + 128
+//     scales (load_channel_scales: each CTA its own);
+//   warpgroups 1 and 2, the consumers: 64 rows each, mma_tile_fp8_channel_scaled, then the fp32 epilogue
+//     (stored, or added to what D holds).
 // An expert without rows still has its tiles: they store zeros (or add nothing).
 #pragma once
 
@@ -31,6 +30,8 @@
 
 namespace megamoe::kernels {
 
+inline constexpr int kFp8WgradThreads = 384;
+
 struct Fp8WgradParams {
   const int32_t* offsets;  // device [experts + 1]: routed-row offsets of the experts
   int experts;
@@ -42,22 +43,15 @@ struct Fp8WgradParams {
 
 // kOverlap_: the consumers' loop is mma_tile_fp8_channel_scaled_overlapped (232 registers for them, 40 for
 // the producer). kCluster_: 1, or 2 for the pairs of m-tiles sharing B (M a multiple of 256, fp8_wgrad.cu).
-// kConsumerGroups_: 2 (128-row tiles) or 3 (192-row tiles; the plain loop in single CTAs, 160 registers a
-// consumer thread and 32 for the producer, the whole pool of 512 threads: at 152 the consumers spilled a few
-// registers across their tiles).
-template <bool kOverlap_ = false, int kCluster_ = 1, int kConsumerGroups_ = 2>
+template <bool kOverlap_ = false, int kCluster_ = 1>
 struct Fp8WgradConfig {
   static constexpr bool kOverlap = kOverlap_;
   static constexpr int kCluster = kCluster_;
-  static constexpr int kConsumerGroups = kConsumerGroups_;
-  static_assert(kConsumerGroups == 2 || (!kOverlap && kCluster == 1), "192-row tiles: plain loop, single CTAs");
-  static constexpr int kThreads = 128 * (1 + kConsumerGroups);
   static constexpr int kBN = 128;
-  // 5 x 32 KB stages (or 4 x 40 KB) + their scale slots + an 8 KB fp32 staging box a consumer warpgroup + the
-  // numbering's tables.
-  static constexpr int kStages = kConsumerGroups == 2 ? 5 : 4;
+  // 5 x 32 KB stages + their scale slots + two 8 KB fp32 staging boxes + the numbering's tables.
+  static constexpr int kStages = 5;
   // The bf16-pair view of the e4m3 operands: kBK = 64 "bf16" = 128 e4m3 = one K block (fp8_mainloop.cuh).
-  using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, kCluster, kConsumerGroups>;
+  using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, kCluster>;
   // Numbered over routed rows: one stage = 128 of them.
   using Tiles = device::GroupedTiles<Shape::kBM, kBN, 128, kCluster, true>;
   // Rows of B one CTA loads per stage (the tensor map's box, fp8_wgrad.cu).
@@ -65,14 +59,14 @@ struct Fp8WgradConfig {
   static constexpr int kFullArrivals = 2;  // the operand thread's transaction count, the scale thread's
   static constexpr int kEmptyArrivals = device::kFp8ChannelEmptyArrivals<Shape>;
   static constexpr int kScaleThread = 32;
-  static constexpr int kProducerRegs = kConsumerGroups == 3 ? 32 : kOverlap ? 40 : 56;
-  static constexpr int kConsumerRegs = kConsumerGroups == 3 ? 160 : kOverlap ? 232 : 224;
-  static_assert(device::kRegisterSplitFits<kThreads, kProducerRegs, kConsumerRegs>, "register budget");
+  static constexpr int kProducerRegs = kOverlap ? 40 : 56;
+  static constexpr int kConsumerRegs = kOverlap ? 232 : 224;
+  static_assert(device::kRegisterSplitFits<kFp8WgradThreads, kProducerRegs, kConsumerRegs>, "register budget");
 
   struct alignas(1024) SharedStorage {
     uint8_t stages[kStages][Shape::kStageBytes];
-    uint8_t staging[kConsumerGroups][device::kBoxBytes];
-    device::StageChannelScales<Shape::kBM> scales[kStages];
+    uint8_t staging[2][device::kBoxBytes];
+    device::StageChannelScales scales[kStages];
     uint64_t full[kStages];
     uint64_t empty[kStages];
     typename Tiles::Storage tiles;
@@ -160,7 +154,7 @@ __device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, type
 }
 
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, 1)
+__global__ void __launch_bounds__(kFp8WgradThreads, 1)
     fp8_wgrad_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                      const __grid_constant__ CUtensorMap tm_sa, const __grid_constant__ CUtensorMap tm_sb,
                      const Fp8WgradParams p) {
@@ -176,7 +170,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   device::begin_dependent_grid();  // the offsets and both operands come from earlier kernels
   __syncthreads();
-  tiles.build(p.offsets, p.capacity, false, tid, Cfg::kThreads);
+  tiles.build(p.offsets, p.capacity, false, tid, kFp8WgradThreads);
   // In a cluster the peer multicasts into this CTA's shared memory and arrives on its barriers: both CTAs
   // must have initialised them first. Both walk the same items (same experts, so the same stages).
   if constexpr (Shape::kCluster > 1) device::cluster_sync();
@@ -192,12 +186,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     device::setmaxnreg_inc<Cfg::kConsumerRegs>();
     if (warpgroup == 1) {
       fp8_wgrad_consumer<Cfg, 0>(p, smem, tiles, sched, rank, tid);
-    } else if constexpr (Cfg::kConsumerGroups == 2) {
-      fp8_wgrad_consumer<Cfg, 1>(p, smem, tiles, sched, rank, tid);
-    } else if (warpgroup == 2) {
-      fp8_wgrad_consumer<Cfg, 1>(p, smem, tiles, sched, rank, tid);
     } else {
-      fp8_wgrad_consumer<Cfg, 2>(p, smem, tiles, sched, rank, tid);
+      fp8_wgrad_consumer<Cfg, 1>(p, smem, tiles, sched, rank, tid);
     }
   }
   // No CTA may exit while its peer can still arrive on its barriers or multicast into its memory.

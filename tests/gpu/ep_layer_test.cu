@@ -199,10 +199,16 @@ void expect_same_bits(const Outputs& a, const Outputs& b, const Problem& p, cons
   }
 }
 
+// How the weight gradients are held to the bar: each routed expert's own d_w13 and d_w2, or the routed experts'
+// together (the FP8 layer: see expect_fp8_layer_matches).
+enum class WeightGradBar { kPerExpert, kAllExperts };
+
 // Every output of `got` NaN-free and within `tolerance` (relative, per tensor) of `want`: out, d_x and
-// d_topk_weights of every rank, d_w13 and d_w2 of every routed expert; an expert no token chose (the probe)
-// has gradients that are written and exactly zero. Returns the worst relative error.
-double expect_within(const Outputs& got, const Expected& want, const Problem& p, double tolerance) {
+// d_topk_weights of every rank, d_w13 and d_w2 of every routed expert (or of the routed experts together); an
+// expert no token chose (the probe) has gradients that are written and exactly zero. Returns the worst relative
+// error of what was held to the bar.
+double expect_within(const Outputs& got, const Expected& want, const Problem& p, double tolerance,
+                     WeightGradBar bar = WeightGradBar::kPerExpert) {
   double worst = 0;
   for (size_t r = 0; r < got.out.size(); ++r) {
     const char* names[3] = {"out", "d_x", "d_topk_weights"};
@@ -216,14 +222,41 @@ double expect_within(const Outputs& got, const Expected& want, const Problem& p,
       EXPECT_LE(err, tolerance) << "rank " << r << " " << names[k];
     }
   }
+  std::vector<float> got13, want13, got2, want2;  // the routed experts' gradients, one after another
+  double worst_expert = 0;
+  int64_t worst_expert_rows = 0;
   for (int64_t expert : p.routed) {
-    int64_t nans = 0;
+    int64_t nans = 0, rows = 0;  // rows: the (token, slot) pairs routed to the expert
+    for (const auto& idx : p.idx)
+      for (int64_t id : idx) rows += id == expert;
     const double e13 = relative_error(got.d_w13.at(expert), want.d_w13.at(expert), &nans);
     const double e2 = relative_error(got.d_w2.at(expert), want.d_w2.at(expert), &nans);
-    worst = std::max({worst, e13, e2});
     EXPECT_EQ(nans, 0) << "expert " << expert;
-    EXPECT_LE(e13, tolerance) << "d_w13 of expert " << expert;
-    EXPECT_LE(e2, tolerance) << "d_w2 of expert " << expert;
+    if (std::max(e13, e2) > worst_expert) {
+      worst_expert = std::max(e13, e2);
+      worst_expert_rows = rows;
+    }
+    if (bar == WeightGradBar::kPerExpert) {
+      worst = std::max({worst, e13, e2});
+      EXPECT_LE(e13, tolerance) << "d_w13 of expert " << expert << " (" << rows << " routed rows)";
+      EXPECT_LE(e2, tolerance) << "d_w2 of expert " << expert << " (" << rows << " routed rows)";
+    } else {
+      got13.insert(got13.end(), got.d_w13.at(expert).begin(), got.d_w13.at(expert).end());
+      want13.insert(want13.end(), want.d_w13.at(expert).begin(), want.d_w13.at(expert).end());
+      got2.insert(got2.end(), got.d_w2.at(expert).begin(), got.d_w2.at(expert).end());
+      want2.insert(want2.end(), want.d_w2.at(expert).begin(), want.d_w2.at(expert).end());
+    }
+  }
+  if (bar == WeightGradBar::kAllExperts && !p.routed.empty()) {
+    int64_t nans = 0;
+    const double e13 = relative_error(got13, want13, &nans);
+    const double e2 = relative_error(got2, want2, &nans);
+    worst = std::max({worst, e13, e2});
+    EXPECT_LE(e13, tolerance) << "d_w13 of the routed experts";
+    EXPECT_LE(e2, tolerance) << "d_w2 of the routed experts";
+    std::printf("[ fp8 ] weight gradients: %.3e (d_w13) and %.3e (d_w2) over the routed experts; one expert's at "
+                "worst %.3e (%lld routed rows)\n",
+                e13, e2, worst_expert, static_cast<long long>(worst_expert_rows));
   }
   if (p.probe_expert >= 0) {
     int64_t nonzero = 0;
@@ -376,7 +409,11 @@ Outputs split_one_rank_outputs(const Problem& p, const Outputs& one) {
 //
 // With R > 1 every rank's outputs must also be bitwise those of the one-rank layer holding the same tokens
 // and experts; the 1e-2 bar is then checked on that one rank, whose tensors are the layer's whole outputs.
-// Not per rank: a rank of one or two tokens holds too few values for a relative norm to measure accuracy.
+// Not per rank: a rank of one or two tokens holds too few values for a relative norm to measure accuracy. Nor
+// per expert for the weight gradients, for the same reason: an expert of a few routed rows has its d_w13 from
+// those rows alone (seed 1045754563, Fp8_R8_MaskedT0: an expert of 13 rows 1.086e-2 from the reference with
+// main's library and with this one, docs/PERF.md run 122). Each expert's own weight gradients are held to their
+// contract by fp8_wgrad_test.cu; here the routed experts' together, and the worst single expert is printed.
 // The GPU's g and h differ from the reference's in their last bits (the FP8 tensor cores' limited-precision
 // accumulation, not modelled), so an element of a or dh next to an E4M3 rounding midpoint may round to the
 // other neighbour. Over one token's 256 values one such element can weigh more than 1e-2, over the layer's
@@ -415,7 +452,8 @@ void expect_fp8_layer_matches(const std::vector<Scenario>& scenarios) {
       expect_same_bits(first, split_one_rank_outputs(p, whole_outputs), p,
                        "the " + std::to_string(sc.ranks) + " ranks against one rank holding the same tokens");
     }
-    const double worst = expect_within(whole_outputs, run_reference(whole, /*fp8=*/true), whole, 1e-2);
+    const double worst = expect_within(whole_outputs, run_reference(whole, /*fp8=*/true), whole, 1e-2,
+                                       WeightGradBar::kAllExperts);
     std::printf("[ fp8 ] %s: within %.3e of the FP8 reference over every output and gradient\n", sc.name.c_str(),
                 worst);
     if (sc.ranks > 1) {

@@ -1,7 +1,6 @@
 // Compile-time shape of a grouped-GEMM main loop: the form (which operands are K-major), the CTA tile
-// (64 rows per consumer warpgroup x BN: two warpgroups, 128 rows, or three, 192 rows, for the FP8 weight
-// gradient), the K depth of a stage (64: one 128-byte swizzle span of bf16), the ring depth and the cluster
-// size.
+// (128 x BN, two consumer warpgroups of 64 x BN each), the K depth of a stage (64: one 128-byte swizzle
+// span of bf16), the ring depth and the cluster size.
 #pragma once
 
 #include <cstdint>
@@ -16,20 +15,18 @@ namespace megamoe::device {
 //   kTN: C[e][M, N]   = A[rows_e, M]^T . B[rows_e, N]  (both MN-major; the expert's rows are the reduction)
 enum class GemmForm : int { kNT = 0, kNN = 1, kTN = 2 };
 
-template <GemmForm kForm_, int kBN_, int kStages_, int kCluster_, int kConsumerGroups_ = 2>
+template <GemmForm kForm_, int kBN_, int kStages_, int kCluster_>
 struct MainloopShape {
   static constexpr GemmForm kForm = kForm_;
-  static constexpr int kConsumerGroups = kConsumerGroups_;
-  static constexpr int kBM = 64 * kConsumerGroups;
+  static constexpr int kBM = 128;
   static constexpr int kBN = kBN_;
   static constexpr int kBK = 64;
   static constexpr int kStages = kStages_;
   static constexpr int kCluster = kCluster_;
+  static constexpr int kConsumerGroups = 2;
   static constexpr bool kKGrouped = kForm == GemmForm::kTN;
   static_assert(kBN == 128 || kBN == 256, "tiles are 128 x 128 or 128 x 256");
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
-  static_assert(kConsumerGroups == 2 || (kConsumerGroups == 3 && kForm == GemmForm::kNT && kCluster == 1),
-                "three consumer warpgroups: K-major operands through TMA, single CTAs");
 
   static constexpr int kABytes = kBM * kBK * 2;
   static constexpr int kBBytes = kBN * kBK * 2;

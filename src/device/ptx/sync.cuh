@@ -32,12 +32,12 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // Registers per thread a CTA of kThreads threads gets at launch (its register count at entry, 168 for 384).
 template <int kThreads>
 inline constexpr int kRegistersAtLaunch = 65536 / kThreads / 8 * 8;
-// Whether one producer warpgroup at kProducerRegs and the other warpgroups (the consumers) at kConsumerRegs
-// fit the pool the launch allocated: setmaxnreg.inc waits until the pool has the registers, so budgets that do
-// not fit leave the consumers waiting forever.
+// Whether one producer warpgroup at kProducerRegs and two consumer warpgroups at kConsumerRegs fit the pool
+// the launch allocated: setmaxnreg.inc waits until the pool has the registers, so budgets that do not fit
+// leave the consumers waiting forever.
 template <int kThreads, int kProducerRegs, int kConsumerRegs>
 inline constexpr bool kRegisterSplitFits =
-    kProducerRegs * 128 + kConsumerRegs * (kThreads - 128) <= kRegistersAtLaunch<kThreads> * kThreads;
+    kProducerRegs * 128 + kConsumerRegs * 256 <= kRegistersAtLaunch<kThreads> * kThreads;
 
 // stmatrix: four 8x8 bf16 matrices from registers to shared memory (each lane gives one row address).
 __device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
