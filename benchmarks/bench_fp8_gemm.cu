@@ -548,8 +548,9 @@ void k_sweep(int cluster) {
 
 // The FP8 layer's weight gradients (kernels/fp8_wgrad.hpp) at the benchmark configuration: 16 experts of 8192
 // routed rows (K of the GEMM), dW13 = dh^T x (M = 2I, N = H) and dW2 = dy^T a (M = H, N = I) for (H, I) =
-// (2048, 768) and (4096, 1536). Four forms: the plain and the overlapped loop, in single CTAs and in 2-CTA
-// cluster pairs sharing B. Scales 1, so that all four must agree bit for bit. Each shape also against the data
+// (2048, 768) and (4096, 1536). Five forms: the plain and the overlapped loop, in single CTAs and in 2-CTA
+// cluster pairs sharing B, and the plain loop in 128 x 192 tiles. Scales 1, so that all five must agree bit for
+// bit. Each shape also against the data
 // GEMM of the same FLOPs (8192 rows an expert, N = M, K = N), whose promotion is one scale a row (overlapped,
 // as in the layer, and plain): what the weight gradient's two scales a value cost, at equal work.
 void wgrad_shapes() {
@@ -561,13 +562,18 @@ void wgrad_shapes() {
     const char* name;
     bool overlap;
     int cluster;
+    int tile_columns;
   };
-  constexpr Form kForms[4] = {{"plain", false, 1}, {"overlapped", true, 1}, {"plain, pairs", false, 2},
-                              {"overlapped, pairs", true, 2}};
+  constexpr int kFormCount = 5;
+  constexpr Form kForms[kFormCount] = {{"plain", false, 1, 128},
+                                       {"overlapped", true, 1, 128},
+                                       {"plain, pairs", false, 2, 128},
+                                       {"overlapped, pairs", true, 2, 128},
+                                       {"plain, 192 columns", false, 1, 192}};
   std::printf("FP8 weight gradients: 16 experts x 8192 routed rows, interleaved (median of 30), TFLOP/s\n");
-  std::printf("| gradient (H, I) | M | N | plain | overlapped | plain, pairs | overlapped, pairs | best / plain | "
-              "data GEMM, same FLOPs | data GEMM, plain loop | best / data GEMM | bitwise |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("| gradient (H, I) | M | N | plain | overlapped | plain, pairs | overlapped, pairs | plain, 192 columns | "
+              "best / plain | 192 columns / best of 128 | data GEMM, same FLOPs | data GEMM, plain loop | "
+              "best / data GEMM | bitwise |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   const int64_t layer_shapes[2][2] = {{2048, 768}, {4096, 1536}};
   for (const auto& hi : layer_shapes) {
     const int64_t H = hi[0], I = hi[1];
@@ -580,7 +586,7 @@ void wgrad_shapes() {
       const size_t count = size_t(E) * M * N;
       uint8_t *qa, *qb;
       megamoe::kernels::TokenMajorScale *sa, *sb;
-      float* D[4];
+      float* D[kFormCount];
       const size_t scale_rows = size_t(columns / 128);
       BENCH_CHECK_CUDA(cudaMalloc(&qa, size_t(M) * columns));
       BENCH_CHECK_CUDA(cudaMalloc(&qb, size_t(N) * columns));
@@ -592,19 +598,19 @@ void wgrad_shapes() {
       fill(sa, scale_rows * M, kOne);
       fill(sb, scale_rows * N, kOne);
       // Poisoned unlike each other, so that an output one form leaves unwritten cannot compare equal.
-      for (int f = 0; f < 4; ++f) {
+      for (int f = 0; f < kFormCount; ++f) {
         BENCH_CHECK_CUDA(cudaMalloc(&D[f], count * sizeof(float)));
         BENCH_CHECK_CUDA(cudaMemset(D[f], 0xFC + f, count * sizeof(float)));
       }
       // The data GEMM of the same FLOPs: A [capacity, K = N] rows, B [E, N' = M, K].
       Fp8GemmOperands data(capacity, E, M, N, 13, 14);
       std::vector<std::function<void()>> contenders;
-      for (int f = 0; f < 4; ++f) {
+      for (int f = 0; f < kFormCount; ++f) {
         float* const d = D[f];
         const Form form = kForms[f];
         contenders.push_back([=] {
           BENCH_CHECK_OK(megamoe::kernels::fp8_wgrad_gemm(qa, sa, M, qb, sb, N, offsets, E, capacity, d, false,
-                                                          nullptr, 0, form.overlap, form.cluster));
+                                                          nullptr, 0, form.overlap, form.cluster, form.tile_columns));
         });
       }
       // Overlapped (as the layer's data GEMMs whose A comes by TMA), then plain.
@@ -622,7 +628,7 @@ void wgrad_shapes() {
       std::vector<float> first(count), other(count);
       BENCH_CHECK_CUDA(cudaMemcpy(first.data(), D[0], count * sizeof(float), cudaMemcpyDeviceToHost));
       bool same = true;
-      for (int f = 1; f < 4; ++f) {
+      for (int f = 1; f < kFormCount; ++f) {
         BENCH_CHECK_CUDA(cudaMemcpy(other.data(), D[f], count * sizeof(float), cudaMemcpyDeviceToHost));
         if (std::memcmp(first.data(), other.data(), count * sizeof(float)) != 0) {
           std::fprintf(stderr, "bench_fp8_gemm --wgrad: %s %s: the %s form's D differs from the plain loop's\n",
@@ -632,15 +638,16 @@ void wgrad_shapes() {
       }
       const double flops = 2.0 * double(capacity) * double(M) * double(N);
       const auto rate = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
-      const double best = std::min(std::min(t[0], t[1]), std::min(t[2], t[3]));
-      std::printf("| %s (%lld, %lld) | %lld | %lld | %.1f | %.1f | %.1f | %.1f | x %.3f | %.1f | %.1f | x %.3f | %s |\n",
+      const double best128 = std::min(std::min(t[0], t[1]), std::min(t[2], t[3]));
+      const double best = std::min(best128, t[4]);
+      std::printf("| %s (%lld, %lld) | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | x %.3f | x %.3f | %.1f | %.1f | "
+                  "x %.3f | %s |\n",
                   g.name, static_cast<long long>(H), static_cast<long long>(I), static_cast<long long>(M),
-                  static_cast<long long>(N), rate(t[0]), rate(t[1]), rate(t[2]), rate(t[3]), t[0] / best, rate(t[4]),
-                  rate(t[5]), t[4] / best, same ? "yes" : "NO");
-      for (void* p : {static_cast<void*>(qa), static_cast<void*>(qb), static_cast<void*>(sa), static_cast<void*>(sb),
-                      static_cast<void*>(D[0]), static_cast<void*>(D[1]), static_cast<void*>(D[2]),
-                      static_cast<void*>(D[3])})
+                  static_cast<long long>(N), rate(t[0]), rate(t[1]), rate(t[2]), rate(t[3]), rate(t[4]), t[0] / best,
+                  best128 / t[4], rate(t[5]), rate(t[6]), t[5] / best, same ? "yes" : "NO");
+      for (void* p : {static_cast<void*>(qa), static_cast<void*>(qb), static_cast<void*>(sa), static_cast<void*>(sb)})
         BENCH_CHECK_CUDA(cudaFree(p));
+      for (float* d : D) BENCH_CHECK_CUDA(cudaFree(d));
       data.release();
       if (!same) std::exit(1);
     }

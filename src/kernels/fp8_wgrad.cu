@@ -39,10 +39,10 @@ Status operand_map(CUtensorMap* map, const uint8_t* q, int64_t rows, int64_t col
   return make_bf16_tensor_map(map, q, 2, dims, box);
 }
 
-// Scales [columns / 128, rows] of 16 bits, boxes of one K block's 128 rows.
-Status scale_map(CUtensorMap* map, const TokenMajorScale* s, int64_t rows, int64_t columns) {
+// Scales [columns / 128, rows] of 16 bits, boxes of one K block's box_rows rows.
+Status scale_map(CUtensorMap* map, const TokenMajorScale* s, int64_t rows, int64_t columns, uint32_t box_rows) {
   const uint64_t dims[2] = {static_cast<uint64_t>(rows), static_cast<uint64_t>(columns / 128)};
-  const uint32_t box[2] = {128, 1};
+  const uint32_t box[2] = {box_rows, 1};
   return make_u16_tensor_map_2d(map, s, dims, box);
 }
 
@@ -66,7 +66,7 @@ Status launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMa
 Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
                       const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
                       float* D, bool accumulate, cudaStream_t stream, int max_ctas, bool overlap_promotion,
-                      int cluster) {
+                      int cluster, int tile_columns) {
   MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));
   if (max_ctas < 0) return Status::invalid("fp8 wgrad GEMM: max_ctas must be >= 0, got " + std::to_string(max_ctas));
   if (cluster != 1 && cluster != 2)
@@ -74,16 +74,19 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, c
   if (max_ctas > 0 && max_ctas < cluster)
     return Status::invalid("fp8 wgrad GEMM: max_ctas (" + std::to_string(max_ctas) + ") is below one cluster of " +
                            std::to_string(cluster) + " CTAs");
+  if (tile_columns != 128 && tile_columns != 192)
+    return Status::invalid("fp8 wgrad GEMM: tile_columns must be 128 or 192, got " + std::to_string(tile_columns));
+  if (tile_columns == 192 && (overlap_promotion || cluster != 1))
+    return Status::invalid("fp8 wgrad GEMM: 192-column tiles run the plain loop in single CTAs");
   if (cluster == 2 && M % 256 != 0)
     return Status::invalid("fp8 wgrad GEMM: 2-CTA clusters pair m-tiles, so M must be a multiple of 256, got M=" +
                            std::to_string(M));
   int num_sms = 0;
   MEGAMOE_RETURN_IF_ERROR(hopper_device_sms("fp8 wgrad GEMM", &num_sms));
   const int64_t columns = token_major_columns(capacity, experts);
-  CUtensorMap tm_a{}, tm_sa{}, tm_sb{};
+  CUtensorMap tm_a{}, tm_sa{};
   MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_a, qa, M, columns, 128));
-  MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sa, sa, M, columns));
-  MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sb, sb, N, columns));
+  MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sa, sa, M, columns, 128));
   Fp8WgradParams p{};
   p.offsets = offsets;
   p.experts = experts;
@@ -92,14 +95,17 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, c
   p.N = static_cast<int>(N);
   p.D = D;
   p.accumulate = accumulate ? 1 : 0;
-  const int64_t tiles = static_cast<int64_t>(experts) * (M / 128) * (N / 128);
-  // B's box is the rows one CTA of the configuration loads (half the panel in a cluster pair).
+  // B's box is the rows one CTA of the configuration loads (half the panel in a cluster pair), its scales' box
+  // the tile's columns.
   const auto run = [&](auto config) -> Status {
     using Cfg = decltype(config);
-    CUtensorMap tm_b{};
+    CUtensorMap tm_b{}, tm_sb{};
     MEGAMOE_RETURN_IF_ERROR(operand_map(&tm_b, qb, N, columns, Cfg::kBRowsLoaded));
+    MEGAMOE_RETURN_IF_ERROR(scale_map(&tm_sb, sb, N, columns, Cfg::kBN));
+    const int64_t tiles = static_cast<int64_t>(experts) * (M / 128) * ((N + Cfg::kBN - 1) / Cfg::kBN);
     return launch<Cfg>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
   };
+  if (tile_columns == 192) return run(Fp8WgradConfig<false, 1, 192>{});
   if (cluster == 2) return overlap_promotion ? run(Fp8WgradConfig<true, 2>{}) : run(Fp8WgradConfig<false, 2>{});
   return overlap_promotion ? run(Fp8WgradConfig<true>{}) : run(Fp8WgradConfig<false>{});
 }
@@ -110,6 +116,7 @@ Status fp8_wgrad_preload() {
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<true>>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 2>>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<true, 2>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 1, 192>>));
   return Status::ok();
 }
 

@@ -31,7 +31,7 @@ namespace megamoe::kernels {
 Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
                       const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
                       float* D, bool accumulate, cudaStream_t stream, int max_ctas = 0,
-                      bool overlap_promotion = false, int cluster = 1);
+                      bool overlap_promotion = false, int cluster = 1, int tile_columns = 128);
 
 // Loads the kernel now (see fp8_quantize_preload).
 Status fp8_wgrad_preload();

@@ -1,15 +1,16 @@
 // The FP8 weight-gradient GEMM kernel (fp8_wgrad.hpp), composed like the FP8 GEMM (fp8_gemm_kernel.cuh): one
-// persistent, warp-specialised CTA of 384 threads per SM, tile 128 x 128 of one expert's [M, N] output, one
-// 128-deep K block (128 routed rows) per stage; alone or in 2-CTA clusters, where a work item is a pair of
+// persistent, warp-specialised CTA of 384 threads per SM, tile 128 x BN of one expert's [M, N] output (BN 128,
+// or 192: fewer shared-memory bytes per output element, the plain loop in single CTAs), one 128-deep K block
+// (128 routed rows) per stage; alone or in 2-CTA clusters, where a work item is a pair of
 // vertically adjacent tiles sharing their B panel (each CTA loads one half of it and multicasts it to both,
 // so a stage costs the L2 three quarters of its operand bytes, as in the FP8 GEMM). The reduction is
 // K-grouped: an expert's K blocks are its segment of the token-major copies (kernels/fp8_token_major.hpp),
 // which starts at a multiple of 128 columns.
-//   warpgroup 0, the producer: thread 0 loads a stage's A box (the tile's 128 rows of qa) and B box (its 128
-//     rows of qb, or in a cluster its half of them, multicast) with TMA; thread 32 the stage's 128 + 128
-//     scales (load_channel_scales: each CTA its own);
+//   warpgroup 0, the producer: thread 0 loads a stage's A box (the tile's 128 rows of qa) and B box (its BN
+//     rows of qb, or in a cluster its half of them, multicast; rows past N load as zeros) with TMA; thread 32
+//     the stage's 128 + BN scales (load_channel_scales: each CTA its own);
 //   warpgroups 1 and 2, the consumers: 64 rows each, mma_tile_fp8_channel_scaled, then the fp32 epilogue
-//     (stored, or added to what D holds).
+//     (stored, or added to what D holds; columns past N are not stored).
 // An expert without rows still has its tiles: they store zeros (or add nothing).
 #pragma once
 
@@ -43,13 +44,16 @@ struct Fp8WgradParams {
 
 // kOverlap_: the consumers' loop is mma_tile_fp8_channel_scaled_overlapped (232 registers for them, 40 for
 // the producer). kCluster_: 1, or 2 for the pairs of m-tiles sharing B (M a multiple of 256, fp8_wgrad.cu).
-template <bool kOverlap_ = false, int kCluster_ = 1>
+// kBN_: 128, or 192 with the plain loop in single CTAs (two 96-register accumulators a consumer thread; the
+// overlapped loop's third would not fit).
+template <bool kOverlap_ = false, int kCluster_ = 1, int kBN_ = 128>
 struct Fp8WgradConfig {
   static constexpr bool kOverlap = kOverlap_;
   static constexpr int kCluster = kCluster_;
-  static constexpr int kBN = 128;
-  // 5 x 32 KB stages + their scale slots + two 8 KB fp32 staging boxes + the numbering's tables.
-  static constexpr int kStages = 5;
+  static constexpr int kBN = kBN_;
+  static_assert(kBN == 128 || (kBN == 192 && !kOverlap && kCluster == 1), "192 columns: plain loop, single CTAs");
+  // 5 x 32 KB stages (or 4 x 40 KB) + their scale slots + two 8 KB fp32 staging boxes + the numbering's tables.
+  static constexpr int kStages = kBN == 128 ? 5 : 4;
   // The bf16-pair view of the e4m3 operands: kBK = 64 "bf16" = 128 e4m3 = one K block (fp8_mainloop.cuh).
   using Shape = device::MainloopShape<device::GemmForm::kNT, kBN, kStages, kCluster>;
   // Numbered over routed rows: one stage = 128 of them.
@@ -66,7 +70,7 @@ struct Fp8WgradConfig {
   struct alignas(1024) SharedStorage {
     uint8_t stages[kStages][Shape::kStageBytes];
     uint8_t staging[2][device::kBoxBytes];
-    device::StageChannelScales scales[kStages];
+    device::StageChannelScales<kBN> scales[kStages];
     uint64_t full[kStages];
     uint64_t empty[kStages];
     typename Tiles::Storage tiles;
@@ -162,7 +166,7 @@ __global__ void __launch_bounds__(kFp8WgradThreads, 1)
   using Shape = typename Cfg::Shape;
   auto& smem = device::shared_storage<typename Cfg::SharedStorage>();
   const int tid = threadIdx.x;
-  const typename Cfg::Tiles tiles{&smem.tiles, p.experts, p.N / Shape::kBN, p.M, 0};
+  const typename Cfg::Tiles tiles{&smem.tiles, p.experts, (p.N + Shape::kBN - 1) / Shape::kBN, p.M, 0};
   if (tid == 0) {
     const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
     pipe.init(Cfg::kFullArrivals, Cfg::kEmptyArrivals);

@@ -1,8 +1,8 @@
 // The FP8 weight-gradient GEMM (kernels/fp8_wgrad.hpp) on token-major operands made by
 // kernels/fp8_token_major.hpp, against its contract computed in double from the same E4M3 codes and
 // power-of-two scales:
-// experts with a full and a partial K block, an empty expert (zeros), one of a single row; the accumulating
-// form bitwise the stored result added to what D held.
+// experts with a full and a partial K block, an empty expert (zeros), one of a single row; in 128- and in
+// 192-column tiles; the accumulating form bitwise the stored result added to what D held.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -75,79 +75,82 @@ TEST(Fp8WgradGemmGpuTest, MatchesTheContractOnTokenMajorOperands) {
   ASSERT_FALSE(::testing::Test::HasFailure()) << "building the token-major operands failed";
   auto &qa = ops.qa, &qb = ops.qb;
   auto &sa = ops.sa, &sb = ops.sb;
-  DeviceBuffer<float> d(experts * M * N);  // poisoned (NaN): every element must be written
-  ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts, capacity,
-                                      d.get(), false, nullptr)
-                  .is_ok());
-  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-  const std::vector<float> got = d.download();
   const std::vector<uint8_t> ha = qa.download(), hb = qb.download();
   const std::vector<kernels::TokenMajorScale> hsa = sa.download(), hsb = sb.download();
-
-  double num = 0.0, den = 0.0;
-  int64_t bad = 0, nan = 0;
-  std::string first_bad;
-  for (int e = 0; e < experts; ++e) {
-    const int64_t n_e = offsets[e + 1] - offsets[e];
-    const int64_t start = kernels::token_major_start(offsets[e], e);
-    const int64_t blocks = (n_e + 127) / 128;
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) {
-        double want = 0.0, mag = 0.0;
-        for (int64_t kb = 0; kb < blocks; ++kb) {
-          const int64_t col0 = start + 128 * kb;
-          const double scale = static_cast<double>(kernels::token_major_scale_value(hsa[(col0 / 128) * M + m])) *
-                               kernels::token_major_scale_value(hsb[(col0 / 128) * N + n]);
-          double block = 0.0, block_mag = 0.0;
-          for (int64_t k = 0; k < 128; ++k) {
-            const double term = static_cast<double>(fp8::e4m3_to_float(ha[m * columns + col0 + k])) *
-                                fp8::e4m3_to_float(hb[n * columns + col0 + k]);
-            block += term;
-            block_mag += std::fabs(term);
+  for (const int tile_columns : {128, 192}) {
+    SCOPED_TRACE("tile columns " + std::to_string(tile_columns));
+    DeviceBuffer<float> d(experts * M * N);  // poisoned (NaN): every element must be written
+    ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
+                                        capacity, d.get(), false, nullptr, 0, false, 1, tile_columns)
+                    .is_ok());
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<float> got = d.download();
+    double num = 0.0, den = 0.0;
+    int64_t bad = 0, nan = 0;
+    std::string first_bad;
+    for (int e = 0; e < experts; ++e) {
+      const int64_t n_e = offsets[e + 1] - offsets[e];
+      const int64_t start = kernels::token_major_start(offsets[e], e);
+      const int64_t blocks = (n_e + 127) / 128;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double want = 0.0, mag = 0.0;
+          for (int64_t kb = 0; kb < blocks; ++kb) {
+            const int64_t col0 = start + 128 * kb;
+            const double scale = static_cast<double>(kernels::token_major_scale_value(hsa[(col0 / 128) * M + m])) *
+                                 kernels::token_major_scale_value(hsb[(col0 / 128) * N + n]);
+            double block = 0.0, block_mag = 0.0;
+            for (int64_t k = 0; k < 128; ++k) {
+              const double term = static_cast<double>(fp8::e4m3_to_float(ha[m * columns + col0 + k])) *
+                                  fp8::e4m3_to_float(hb[n * columns + col0 + k]);
+              block += term;
+              block_mag += std::fabs(term);
+            }
+            want += scale * block;
+            mag += std::fabs(scale) * block_mag;
           }
-          want += scale * block;
-          mag += std::fabs(scale) * block_mag;
+          const double g = got[(e * M + m) * N + n];
+          if (std::isnan(g)) {
+            ++nan;
+            continue;
+          }
+          if (n_e == 0) {
+            bad += g != 0.0;
+            continue;
+          }
+          num += (g - want) * (g - want);
+          den += want * want;
+          if (!(std::fabs(g - want) <= kMagTol * mag) && bad++ == 0)
+            first_bad = "expert " + std::to_string(e) + " (" + std::to_string(m) + ", " + std::to_string(n) +
+                        "): got " + std::to_string(g) + " want " + std::to_string(want);
         }
-        const double g = got[(e * M + m) * N + n];
-        if (std::isnan(g)) {
-          ++nan;
-          continue;
-        }
-        if (n_e == 0) {
-          bad += g != 0.0;
-          continue;
-        }
-        num += (g - want) * (g - want);
-        den += want * want;
-        if (!(std::fabs(g - want) <= kMagTol * mag) && bad++ == 0)
-          first_bad = "expert " + std::to_string(e) + " (" + std::to_string(m) + ", " + std::to_string(n) +
-                      "): got " + std::to_string(g) + " want " + std::to_string(want);
-      }
-  }
-  const double rel = std::sqrt(num / den);
-  std::printf("[fp8_wgrad_test] rel err %.3e\n", rel);
-  EXPECT_EQ(nan, 0) << "unwritten outputs";
-  EXPECT_EQ(bad, 0) << first_bad;
-  EXPECT_LE(rel, kFrobeniusTol);
+    }
+    const double rel = std::sqrt(num / den);
+    std::printf("[fp8_wgrad_test] rel err %.3e\n", rel);
+    EXPECT_EQ(nan, 0) << "unwritten outputs";
+    EXPECT_EQ(bad, 0) << first_bad;
+    EXPECT_LE(rel, kFrobeniusTol);
 
-  // Accumulating: what D held plus the same result, one fp32 add each.
-  std::vector<float> before(got.size());
-  for (size_t i = 0; i < before.size(); ++i) before[i] = 0.25f * static_cast<float>(i % 7) - 0.5f;
-  DeviceBuffer<float> d_acc(before.size());
-  d_acc.upload(before);
-  ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
-                                      capacity, d_acc.get(), true, nullptr)
-                  .is_ok());
-  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-  const std::vector<float> accumulated = d_acc.download();
-  int64_t differ = 0;
-  for (size_t i = 0; i < got.size(); ++i) differ += accumulated[i] != before[i] + got[i];
-  EXPECT_EQ(differ, 0) << "accumulate must be the stored result added to D";
+    // Accumulating: what D held plus the same result, one fp32 add each.
+    std::vector<float> before(got.size());
+    for (size_t i = 0; i < before.size(); ++i) before[i] = 0.25f * static_cast<float>(i % 7) - 0.5f;
+    DeviceBuffer<float> d_acc(before.size());
+    d_acc.upload(before);
+    ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
+                                        capacity, d_acc.get(), true, nullptr, 0, false, 1, tile_columns)
+                    .is_ok());
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<float> accumulated = d_acc.download();
+    int64_t differ = 0;
+    for (size_t i = 0; i < got.size(); ++i) differ += accumulated[i] != before[i] + got[i];
+    EXPECT_EQ(differ, 0) << "accumulate must be the stored result added to D";
+  }
 }
 
-// The overlapped promotion (each K block promoted while the next one's wgmma run) and the 2-CTA cluster pairs
-// (B multicast) against the plain loop in single CTAs, on experts of 0 to 6 K blocks (odd and even counts,
-// the overlapped loop's pairs and its tail): bitwise the same D, stored and accumulated.
+// The overlapped promotion (each K block promoted while the next one's wgmma run), the 2-CTA cluster pairs
+// (B multicast) and the 192-column tiles (N = 256: the second one 64 columns wide) against the plain loop in
+// single CTAs, on experts of 0 to 6 K blocks (odd and even counts, the overlapped loop's pairs and its tail):
+// bitwise the same D, stored and accumulated.
 TEST(Fp8WgradGemmGpuTest, OverlappedPromotionAndClusterPairsAreBitwiseThePlainLoop) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const uint32_t seed = std::random_device{}();
@@ -171,14 +174,16 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionAndClusterPairsAreBitwiseThePlainLo
   struct Form {
     bool overlap;
     int cluster;
+    int tile_columns;
   };
   // max_ctas 2, 3 and 6: CTAs (and one or three clusters) that take several tiles each, each starting where the
   // previous one left the ring.
   for (const int max_ctas : {0, 2, 3, 6})
   for (const bool accumulate : {false, true})
-  for (const Form form : {Form{false, 2}, Form{true, 1}, Form{true, 2}}) {
+  for (const Form form : {Form{false, 2, 128}, Form{true, 1, 128}, Form{true, 2, 128}, Form{false, 1, 192}}) {
     SCOPED_TRACE(std::string(accumulate ? "accumulating" : "storing") + ", max_ctas " + std::to_string(max_ctas) +
-                 (form.overlap ? ", overlapped" : ", plain") + ", cluster " + std::to_string(form.cluster));
+                 (form.overlap ? ", overlapped" : ", plain") + ", cluster " + std::to_string(form.cluster) +
+                 ", tile columns " + std::to_string(form.tile_columns));
     // Poisoned unless accumulating: plain with NaN, the other with a finite pattern, so that an output either
     // form leaves unwritten is counted (NaN) or differs.
     DeviceBuffer<float> plain(start.size()), other(start.size());
@@ -193,7 +198,7 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionAndClusterPairsAreBitwiseThePlainLo
                     .is_ok());
     ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
                                         capacity, other.get(), accumulate, nullptr, max_ctas, form.overlap,
-                                        form.cluster)
+                                        form.cluster, form.tile_columns)
                     .is_ok());
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<float> want = plain.download(), got = other.download();
@@ -239,6 +244,16 @@ TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {
   EXPECT_EQ(form(128, 0, 2), StatusCode::kInvalidArgument);
   EXPECT_EQ(form(256, 0, 3), StatusCode::kInvalidArgument);
   EXPECT_EQ(form(256, 0, 0), StatusCode::kInvalidArgument);
+  // Tiles of 128 or 192 columns, the 192-column ones with the plain loop in single CTAs.
+  const auto tiles = [&](int tile_columns, bool overlap, int cluster) {
+    return kernels::fp8_wgrad_gemm(q.get(), s.get(), 256, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
+                                   nullptr, 0, overlap, cluster, tile_columns)
+        .code();
+  };
+  EXPECT_EQ(tiles(64, false, 1), StatusCode::kInvalidArgument);
+  EXPECT_EQ(tiles(256, false, 1), StatusCode::kInvalidArgument);
+  EXPECT_EQ(tiles(192, true, 1), StatusCode::kInvalidArgument);
+  EXPECT_EQ(tiles(192, false, 2), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -43,29 +43,29 @@ __device__ __forceinline__ const float* tile_scales(const StageScales& slot, int
 inline constexpr int kScaleArrivals = 1;  // full-barrier arrivals per stage of the thread that loads the scales
 
 // Both operands scaled per row and K block (the weight gradients' token-major operands,
-// kernels/fp8_token_major.hpp): one stage's 128 scales of the tile's A rows and 128 of its B rows (the output
-// columns), each one TMA box of a K-block-major scale tensor [k_blocks, rows]; tiles start at multiples of
-// 128 rows there, so the boxes need no offset. One producer thread loads both with one transaction count.
+// kernels/fp8_token_major.hpp): one stage's 128 scales of the tile's A rows and kColumns of its B rows (the
+// output columns), each one TMA box of a K-block-major scale tensor [k_blocks, rows]; tiles start at multiples
+// of their size there, so the boxes need no offset. One producer thread loads both with one transaction count.
 // The scales are powers of two kept as the upper halves of their fp32 bits (kernels/fp8_layout.hpp's
 // TokenMajorScale): every consumer thread reads 32 column scales a K block, and at 4 bytes each those reads
 // took as many shared-memory wavefronts as two thirds of the wgmma operands (docs/FP8.md, "The weight
 // gradients").
+template <int kColumns = 128>
 struct alignas(128) StageChannelScales {
   uint16_t a[128];
-  uint16_t b[128];
+  uint16_t b[kColumns];
 };
 
 // A scale of StageChannelScales as fp32.
 __device__ __forceinline__ float widen_channel_scale(uint16_t bits) {
   return __uint_as_float(static_cast<uint32_t>(bits) << 16);
 }
-inline constexpr uint32_t kStageChannelScaleBytes = sizeof(StageChannelScales);
 
-template <int kStages>
+template <int kStages, int kColumns>
 __device__ __forceinline__ void load_channel_scales(const StagePipeline<kStages>& pipe, const PipeState<kStages>& st,
-                                                    StageChannelScales* slot, const CUtensorMap* map_sa,
+                                                    StageChannelScales<kColumns>* slot, const CUtensorMap* map_sa,
                                                     const CUtensorMap* map_sb, int m0, int n0, int kb) {
-  pipe.producer_expect_tx(st, kStageChannelScaleBytes);
+  pipe.producer_expect_tx(st, static_cast<uint32_t>(sizeof(slot->a) + sizeof(slot->b)));
   tma_load_2d(slot->a, map_sa, m0, kb, pipe.full_barrier(st));
   tma_load_2d(slot->b, map_sb, n0, kb, pipe.full_barrier(st));
 }

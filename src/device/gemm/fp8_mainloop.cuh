@@ -272,9 +272,9 @@ template <class Shape>
 __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::kBN / 2],
                                                             const StagePipeline<Shape::kStages>& pipe,
                                                             PipeState<Shape::kStages>& st, uint8_t* stages,
-                                                            const StageChannelScales* scales, int k_tiles, int cwg,
-                                                            int lt, uint32_t cta_rank) {
-  static_assert(Shape::kBN == 128 && Shape::kBM == 128, "128 x 128 tiles");
+                                                            const StageChannelScales<Shape::kBN>* scales,
+                                                            int k_tiles, int cwg, int lt, uint32_t cta_rank) {
+  static_assert(Shape::kBM == 128 && (Shape::kBN == 128 || Shape::kBN == 192), "128 x 128 or 128 x 192 tiles");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
   float partial[kN];  // overwritten by each block's first wgmma; zeroed so that it is never read undefined
@@ -285,7 +285,7 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
     constexpr int s = decltype(stage)::value;
     const PipeState<Shape::kStages> here{s, phase};
     issue_fp8_block_at<Shape, s>(partial, stages, cwg);
-    const StageChannelScales& slot = scales[s];
+    const StageChannelScales<Shape::kBN>& slot = scales[s];
     const float row_scale[2] = {widen_channel_scale(slot.a[64 * cwg + Fragment::row(warp, lane, 0)]),
                                 widen_channel_scale(slot.a[64 * cwg + Fragment::row(warp, lane, 1)])};
     // The next block's stage while the tensor cores run (as mma_tile_fp8_blockwise). The column scales are
@@ -312,7 +312,7 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled_overlapped(float (&a
                                                                        const StagePipeline<Shape::kStages>& pipe,
                                                                        PipeState<Shape::kStages>& st,
                                                                        uint8_t* stages,
-                                                                       const StageChannelScales* scales,
+                                                                       const StageChannelScales<>* scales,
                                                                        int k_tiles_in, int cwg, int lt,
                                                                        uint32_t cta_rank) {
   static_assert(Shape::kBN == 128 && Shape::kBM == 128, "128 x 128 tiles");
@@ -329,7 +329,7 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled_overlapped(float (&a
         constexpr int b = decltype(buffer)::value;
         pipe.consumer_wait(st);
         issue_fp8_block_on<Shape>(partial[b], stages, st.index, cwg);
-        const StageChannelScales& slot = scales[st.index];
+        const StageChannelScales<>& slot = scales[st.index];
         row_scale[b][0] = widen_channel_scale(slot.a[64 * cwg + Fragment::row(warp, lane, 0)]);
         row_scale[b][1] = widen_channel_scale(slot.a[64 * cwg + Fragment::row(warp, lane, 1)]);
       },

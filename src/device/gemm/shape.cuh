@@ -25,7 +25,7 @@ struct MainloopShape {
   static constexpr int kCluster = kCluster_;
   static constexpr int kConsumerGroups = 2;
   static constexpr bool kKGrouped = kForm == GemmForm::kTN;
-  static_assert(kBN == 128 || kBN == 256, "tiles are 128 x 128 or 128 x 256");
+  static_assert(kBN == 128 || kBN == 192 || kBN == 256, "tiles are 128 x 128, 128 x 192 or 128 x 256");
   static_assert(kCluster == 1 || kCluster == 2, "clusters of 1 or 2 CTAs");
 
   static constexpr int kABytes = kBM * kBK * 2;
