@@ -15,8 +15,9 @@
 // (fp8_mainloop.cuh's overlapped loop; bitwise the same D; slower, docs/PERF.md run 112). cluster: 2 runs
 // pairs of vertically adjacent tiles in 2-CTA clusters that share their B panel through multicast (M a
 // multiple of 256, and max_ctas 0 or at least 2, else refused; bitwise the same D; slower in runs 111-112,
-// where the L2 was not the limit), 1 single CTAs. offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous
-// on `stream`.
+// where the L2 was not the limit), 1 single CTAs. tile_columns: 128, or 192 (128 x 192 tiles, the plain loop in
+// single CTAs only, else refused; bitwise the same D; 1-2.5% faster on three of the four benchmark shapes, run
+// 125). offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous on `stream`.
 #pragma once
 
 #include <cuda_runtime_api.h>
