@@ -28,12 +28,8 @@
 // (ep_layer_test.cu), with no NaN; an expert no token chose has gradients exactly 0, and so do a masked
 // slot's d_topk_weights and a fully masked token's out and d_x rows; synchronize_and_check() must be OK.
 // One exception to the tensor-wide relative error: d_topk_weights of a rank with fewer than 16 routed
-// slots. Each entry is one dot product <d_out_t, y_j> = <da, a> whose value can be near zero while the
-// bf16 rounding of a (and of h) stays of the size of its terms: on one entry the relative error exceeds
-// 1e-2 for about 15% of random draws (a bf16 emulation of the GPU's arithmetic; 2% with 3 entries, 1e-7
-// with 16). Such entries are checked one by one: |got - want| <= 1e-2 * max(|want|, sum_i |da_i a_i|,
-// sum_h |d_out_h y_h|), the error bound of a dot product at 1e-2 of its conditioning scale (the bf16
-// emulation stays below 2.5e-3 of it).
+// slots, checked entry by entry against its dot product's conditioning scale (ep_layer_problem.hpp,
+// DotProductScales).
 // Some valid cases run twice and must give the same bits. The forward and backward paths cycle with the
 // seed (seed % 4: modular, fused forward, fused backward, both fused).
 //
@@ -80,7 +76,7 @@ using testing::ep_problem::to_float;
 using testing::ep_problem::upload;
 
 constexpr double kTolerance = 1e-2;          // the layer test's bound (ep_layer_test.cu), not loosened
-constexpr int64_t kMinSlotsForNorm = 16;      // fewer routed slots: d_topk_weights entry by entry
+using testing::ep_problem::kMinSlotsForNorm;  // fewer routed slots: d_topk_weights entry by entry
 constexpr double kWaitTimeoutSeconds = 10.0;  // a hang becomes a failure
 // Routed rows x H x I per case: the single-threaded reference costs about 10 ns per unit (forward,
 // backward and weight gradients), so at most about 30 ms per case, plus regenerating the routed experts'
@@ -642,51 +638,13 @@ class CaseRun {
              " values are numbers after a failed call (must all be NaN)");
   }
 
-  // The size of the rounding error of one d_topk_weights entry: sum |da_i a_i| (the GPU's <da, a>), or
-  // sum |d_out_h y_h| (<d_out, y>) if larger. Weights are regenerated from their hash once per expert.
-  double dot_condition(int r, int64_t t, int64_t expert) {
-    const Problem& p = k_.p;
-    const int64_t H = p.config.hidden, I = p.config.intermediate;
-    auto it = weight_cache_.find(expert);
-    if (it == weight_cache_.end()) {
-      std::vector<double> w13(2 * I * H), w2(H * I);
-      for (int64_t i = 0; i < 2 * I * H; ++i) w13[i] = p.w13_value(expert, i);
-      for (int64_t i = 0; i < H * I; ++i) w2[i] = p.w2_value(expert, i);
-      it = weight_cache_.emplace(expert, std::make_pair(std::move(w13), std::move(w2))).first;
-    }
-    const std::vector<double>& w13 = it->second.first;
-    const std::vector<double>& w2 = it->second.second;
-    const float* x = p.x[r].data() + t * H;
-    const float* d_out = p.d_out[r].data() + t * H;
-    std::vector<double> a(I), da(I, 0.0);
-    for (int64_t i = 0; i < I; ++i) {
-      double g = 0, up = 0;
-      for (int64_t h = 0; h < H; ++h) {
-        g += w13[i * H + h] * x[h];
-        up += w13[(I + i) * H + h] * x[h];
-      }
-      a[i] = g / (1.0 + std::exp(-g)) * up;
-    }
-    double by_da = 0, by_y = 0;
-    for (int64_t h = 0; h < H; ++h) {
-      double y = 0;
-      for (int64_t i = 0; i < I; ++i) {
-        y += w2[h * I + i] * a[i];
-        da[i] += d_out[h] * w2[h * I + i];
-      }
-      by_y += std::fabs(d_out[h] * y);
-    }
-    for (int64_t i = 0; i < I; ++i) by_da += std::fabs(da[i] * a[i]);
-    return std::max(by_da, by_y);
-  }
-
   const Case& k_;
   Failures& f_;
   int R_;
   std::unique_ptr<VirtualRankGroup> group_;
   std::vector<RankTensors> t_;
   std::vector<DeviceBuffer<int32_t>> idx32_;
-  std::map<int64_t, std::pair<std::vector<double>, std::vector<double>>> weight_cache_;
+  testing::ep_problem::DotProductScales dot_scales_{k_.p};
 };
 
 std::string fmt(double v) {
@@ -744,7 +702,7 @@ void CaseRun::compare(const Expected& e, const Snapshot& got, const char* stage,
         const double want = e.d_weights[r][i];
         const double err = std::fabs(static_cast<double>(got.d_weights[r][i]) - want);
         if (err <= kTolerance * std::fabs(want)) continue;  // the scale is at least |want|: no need to compute it
-        const double scale = std::max(std::fabs(want), dot_condition(r, i / K, idx[i]));
+        const double scale = std::max(std::fabs(want), dot_scales_.of(r, i / K, idx[i]));
         if (!(err <= kTolerance * scale))
           f_.add(where + "d_topk_weights[" + std::to_string(i / K) + ", " + std::to_string(i % K) + "] = " +
                  fmt(got.d_weights[r][i]) + ", reference " + fmt(e.d_weights[r][i]) + ": error " + fmt(err) +

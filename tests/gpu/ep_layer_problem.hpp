@@ -93,6 +93,62 @@ struct Problem {
   }
 };
 
+// d_topk_weights of a rank with few routed slots, entry by entry. Each entry is one dot product
+// <d_out_t, y_j> = <da, a> whose value can be near zero while the bf16 rounding of a (and of h) stays of the size
+// of its terms, so a relative norm over a handful of entries measures cancellation, not accuracy: such entries
+// are held to |got - want| <= 1e-2 * max(|want|, sum_i |da_i a_i|, sum_h |d_out_h y_h|), the error bound of a
+// dot product at 1e-2 of its conditioning scale. A bf16 emulation of the GPU's arithmetic stays below 2.5e-3 of
+// it; on one entry the relative error exceeds 1e-2 for about 15% of random draws (2% with 3 entries, 1e-7 with
+// 16: kMinSlotsForNorm). Run 123's seed 4096172831 (docs/PERF.md run 124): a rank of one token and 7 slots,
+// the GPU's entry -0.4329 against -0.3968, which is what a computed from the bf16 h gives on the CPU.
+inline constexpr int64_t kMinSlotsForNorm = 16;
+
+// The conditioning scale of the entry of token t (rank r) and `expert`: sum |da_i a_i| (the GPU's <da, a>), or
+// sum |d_out_h y_h| (<d_out, y>) if larger, in double from the problem's exact inputs. Each expert's weights
+// are regenerated from their hash once.
+class DotProductScales {
+ public:
+  explicit DotProductScales(const Problem& p) : p_(p) {}
+  double of(int r, int64_t t, int64_t expert) {
+    const int64_t H = p_.config.hidden, I = p_.config.intermediate;
+    auto it = weights_.find(expert);
+    if (it == weights_.end()) {
+      std::vector<double> w13(2 * I * H), w2(H * I);
+      for (int64_t i = 0; i < 2 * I * H; ++i) w13[i] = p_.w13_value(expert, i);
+      for (int64_t i = 0; i < H * I; ++i) w2[i] = p_.w2_value(expert, i);
+      it = weights_.emplace(expert, std::make_pair(std::move(w13), std::move(w2))).first;
+    }
+    const std::vector<double>& w13 = it->second.first;
+    const std::vector<double>& w2 = it->second.second;
+    const float* x = p_.x[r].data() + t * H;
+    const float* d_out = p_.d_out[r].data() + t * H;
+    std::vector<double> a(I), da(I, 0.0);
+    for (int64_t i = 0; i < I; ++i) {
+      double g = 0, up = 0;
+      for (int64_t h = 0; h < H; ++h) {
+        g += w13[i * H + h] * x[h];
+        up += w13[(I + i) * H + h] * x[h];
+      }
+      a[i] = g / (1.0 + std::exp(-g)) * up;
+    }
+    double by_da = 0, by_y = 0;
+    for (int64_t h = 0; h < H; ++h) {
+      double y = 0;
+      for (int64_t i = 0; i < I; ++i) {
+        y += w2[h * I + i] * a[i];
+        da[i] += d_out[h] * w2[h * I + i];
+      }
+      by_y += std::fabs(d_out[h] * y);
+    }
+    for (int64_t i = 0; i < I; ++i) by_da += std::fabs(da[i] * a[i]);
+    return std::max(by_da, by_y);
+  }
+
+ private:
+  const Problem& p_;
+  std::map<int64_t, std::pair<std::vector<double>, std::vector<double>>> weights_;
+};
+
 // The reference on a compact single-rank problem holding the routed experts only.
 struct Expected {
   std::vector<std::vector<float>> out, d_x, d_weights;  // per rank
