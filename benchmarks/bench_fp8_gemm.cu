@@ -548,10 +548,9 @@ void k_sweep(int cluster) {
 
 // The FP8 layer's weight gradients (kernels/fp8_wgrad.hpp) at the benchmark configuration: 16 experts of 8192
 // routed rows (K of the GEMM), dW13 = dh^T x (M = 2I, N = H) and dW2 = dy^T a (M = H, N = I) for (H, I) =
-// (2048, 768) and (4096, 1536). Six forms: the plain and the overlapped loop, in single CTAs and in 2-CTA
-// cluster pairs sharing B, the plain loop in 128 x 192 tiles, and the plain loop with its scale products by
-// multiplies (Fp8WgradTuning::exponent_products off; the others form them as sums of exponents). Scales 1, so
-// that all six must agree bit for bit. Each shape also against the data
+// (2048, 768) and (4096, 1536). Five forms: the plain and the overlapped loop, in single CTAs and in 2-CTA
+// cluster pairs sharing B, and the plain loop in 128 x 192 tiles. Scales 1, so that all five must agree bit for
+// bit. Each shape also against the data
 // GEMM of the same FLOPs (8192 rows an expert, N = M, K = N), whose promotion is one scale a row (overlapped,
 // as in the layer, and plain): what the weight gradient's two scales a value cost, at equal work.
 void wgrad_shapes() {
@@ -564,20 +563,17 @@ void wgrad_shapes() {
     bool overlap;
     int cluster;
     int tile_columns;
-    bool exponent_products;
   };
-  constexpr int kFormCount = 6;
-  constexpr Form kForms[kFormCount] = {{"plain", false, 1, 128, true},
-                                       {"overlapped", true, 1, 128, true},
-                                       {"plain, pairs", false, 2, 128, true},
-                                       {"overlapped, pairs", true, 2, 128, true},
-                                       {"plain, 192 columns", false, 1, 192, true},
-                                       {"plain, multiplies", false, 1, 128, false}};
+  constexpr int kFormCount = 5;
+  constexpr Form kForms[kFormCount] = {{"plain", false, 1, 128},
+                                       {"overlapped", true, 1, 128},
+                                       {"plain, pairs", false, 2, 128},
+                                       {"overlapped, pairs", true, 2, 128},
+                                       {"plain, 192 columns", false, 1, 192}};
   std::printf("FP8 weight gradients: 16 experts x 8192 routed rows, interleaved (median of 30), TFLOP/s\n");
   std::printf("| gradient (H, I) | M | N | plain | overlapped | plain, pairs | overlapped, pairs | plain, 192 columns | "
-              "plain, multiplies | best / plain | 192 columns / best of 128 | plain / plain by multiplies | "
-              "data GEMM, same FLOPs | data GEMM, plain loop | best / data GEMM | bitwise |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+              "best / plain | 192 columns / best of 128 | data GEMM, same FLOPs | data GEMM, plain loop | "
+              "best / data GEMM | bitwise |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   const int64_t layer_shapes[2][2] = {{2048, 768}, {4096, 1536}};
   for (const auto& hi : layer_shapes) {
     const int64_t H = hi[0], I = hi[1];
@@ -612,14 +608,9 @@ void wgrad_shapes() {
       for (int f = 0; f < kFormCount; ++f) {
         float* const d = D[f];
         const Form form = kForms[f];
-        megamoe::kernels::Fp8WgradTuning tuning;
-        tuning.overlap_promotion = form.overlap;
-        tuning.cluster = form.cluster;
-        tuning.tile_columns = form.tile_columns;
-        tuning.exponent_products = form.exponent_products;
         contenders.push_back([=] {
           BENCH_CHECK_OK(megamoe::kernels::fp8_wgrad_gemm(qa, sa, M, qb, sb, N, offsets, E, capacity, d, false,
-                                                          nullptr, tuning));
+                                                          nullptr, 0, form.overlap, form.cluster, form.tile_columns));
         });
       }
       // Overlapped (as the layer's data GEMMs whose A comes by TMA), then plain.
@@ -649,11 +640,11 @@ void wgrad_shapes() {
       const auto rate = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
       const double best128 = std::min(std::min(t[0], t[1]), std::min(t[2], t[3]));
       const double best = std::min(best128, t[4]);
-      std::printf("| %s (%lld, %lld) | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | x %.3f | x %.3f | "
-                  "x %.3f | %.1f | %.1f | x %.3f | %s |\n",
+      std::printf("| %s (%lld, %lld) | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | x %.3f | x %.3f | %.1f | %.1f | "
+                  "x %.3f | %s |\n",
                   g.name, static_cast<long long>(H), static_cast<long long>(I), static_cast<long long>(M),
-                  static_cast<long long>(N), rate(t[0]), rate(t[1]), rate(t[2]), rate(t[3]), rate(t[4]), rate(t[5]),
-                  t[0] / best, best128 / t[4], t[5] / t[0], rate(t[6]), rate(t[7]), t[6] / best, same ? "yes" : "NO");
+                  static_cast<long long>(N), rate(t[0]), rate(t[1]), rate(t[2]), rate(t[3]), rate(t[4]), t[0] / best,
+                  best128 / t[4], rate(t[5]), rate(t[6]), t[5] / best, same ? "yes" : "NO");
       for (void* p : {static_cast<void*>(qa), static_cast<void*>(qb), static_cast<void*>(sa), static_cast<void*>(sb)})
         BENCH_CHECK_CUDA(cudaFree(p));
       for (float* d : D) BENCH_CHECK_CUDA(cudaFree(d));

@@ -234,17 +234,11 @@ struct ExpertParallelLayer::Impl {
   kernels::Fp8GemmTuning fp8_gemm1_tuning() const {
     return config.hidden / 128 >= 32 ? fp8_paired_tuning() : fp8_tuning();
   }
-  // A weight gradient of N columns: the overlapped loop where Fp8PromotionOverlap::kAll asks for it, else the plain
-  // loop, in 128 x 192 tiles when they cover N whole: dW2 (N = I) 2-4% faster than in 128 x 128 tiles at both
-  // benchmark shapes; dW13 (N = H, whose last 192-column tile is partly empty) measured mixed, from 4% faster at
-  // H = 2048 to 1% slower at 4096 (docs/PERF.md run 125).
-  kernels::Fp8WgradTuning fp8_wgrad_tuning(int64_t N) const {
-    kernels::Fp8WgradTuning tuning;
-    tuning.max_ctas = max_blocks;
-    tuning.overlap_promotion = fp8_overlap == Fp8PromotionOverlap::kAll;
-    tuning.tile_columns = !tuning.overlap_promotion && N % 192 == 0 ? 192 : 128;
-    return tuning;
-  }
+  bool fp8_wgrad_overlap() const { return fp8_overlap == Fp8PromotionOverlap::kAll; }
+  // A weight gradient of N columns in 128 x 192 tiles when they cover N whole (the plain loop only): dW2
+  // (N = I) 2-4% faster than in 128 x 128 tiles at both benchmark shapes; dW13 (N = H, whose last 192-column
+  // tile is partly empty) measured mixed, from 4% faster at H = 2048 to 1% slower at 4096 (docs/PERF.md run 125).
+  int fp8_wgrad_tile_columns(int64_t N) const { return !fp8_wgrad_overlap() && N % 192 == 0 ? 192 : 128; }
   // Weight gradients: expert row counts are uneven in training, so their work items are handed out
   // dynamically, longest first (each rank's own counter in its workspace; the two calls are stream-ordered).
   kernels::GemmTuning weight_grad_tuning() const {
@@ -484,10 +478,11 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
                                                              buffer<uint8_t>(l.xt_q), scales(l.xt_s), stream));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), scales(l.dyt_s), H, buffer<uint8_t>(l.at_q),
                                                   scales(l.at_s), I, offsets, EL, C, args.d_w2,
-                                                  args.accumulate_weight_grads, stream, fp8_wgrad_tuning(I)));
+                                                  args.accumulate_weight_grads, stream, max_blocks,
+                                                  fp8_wgrad_overlap(), 1, fp8_wgrad_tile_columns(I)));
   return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dht_q), scales(l.dht_s), 2 * I, buffer<uint8_t>(l.xt_q),
                                  scales(l.xt_s), H, offsets, EL, C, args.d_w13, args.accumulate_weight_grads, stream,
-                                 fp8_wgrad_tuning(H));
+                                 max_blocks, fp8_wgrad_overlap(), 1, fp8_wgrad_tile_columns(H));
 }
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -65,9 +65,8 @@ Status launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMa
 
 Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
                       const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
-                      float* D, bool accumulate, cudaStream_t stream, const Fp8WgradTuning& tuning) {
-  const int max_ctas = tuning.max_ctas, cluster = tuning.cluster, tile_columns = tuning.tile_columns;
-  const bool overlap_promotion = tuning.overlap_promotion;
+                      float* D, bool accumulate, cudaStream_t stream, int max_ctas, bool overlap_promotion,
+                      int cluster, int tile_columns) {
   MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));
   if (max_ctas < 0) return Status::invalid("fp8 wgrad GEMM: max_ctas must be >= 0, got " + std::to_string(max_ctas));
   if (cluster != 1 && cluster != 2)
@@ -96,7 +95,6 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, c
   p.N = static_cast<int>(N);
   p.D = D;
   p.accumulate = accumulate ? 1 : 0;
-  p.exponent_products = tuning.exponent_products ? 1 : 0;
   // B's box is the rows one CTA of the configuration loads (half the panel in a cluster pair), its scales' box
   // the tile's columns.
   const auto run = [&](auto config) -> Status {

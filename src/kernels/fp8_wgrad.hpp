@@ -10,9 +10,14 @@
 // two scales, one fused multiply-add per element), D [experts, M, N] is fp32, stored or, with accumulate,
 // added to (one fp32 rounding). An expert without rows gets zeros (or nothing added).
 // Limits, checked: M and N positive multiples of 128, 1 <= experts <= 1024, capacity in [0, 2^31 - 128 experts);
-// qa, qb, sa, sb and D 16-byte aligned; offsets: device int32 [experts + 1] (clamped into [0, capacity]). The
-// launch shape and loop form are Fp8WgradTuning's; every form gives the same D bit for bit. Sm_90 only.
-// Asynchronous on `stream`.
+// qa, qb, sa, sb and D 16-byte aligned; max_ctas >= 0 caps the persistent grid (0: every SM; virtual ranks
+// sharing a GPU pass their share); overlap_promotion promotes each K block while the next one's wgmma run
+// (fp8_mainloop.cuh's overlapped loop; bitwise the same D; slower, docs/PERF.md run 112). cluster: 2 runs
+// pairs of vertically adjacent tiles in 2-CTA clusters that share their B panel through multicast (M a
+// multiple of 256, and max_ctas 0 or at least 2, else refused; bitwise the same D; slower in runs 111-112,
+// where the L2 was not the limit), 1 single CTAs. tile_columns: 128, or 192 (128 x 192 tiles, the plain loop in
+// single CTAs only, else refused; bitwise the same D; 1-2.5% faster on three of the four benchmark shapes, run
+// 125). offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous on `stream`.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -24,27 +29,10 @@
 
 namespace megamoe::kernels {
 
-struct Fp8WgradTuning {
-  // Caps the persistent grid (0: every SM; virtual ranks sharing a GPU pass their share); >= 0, and 0 or at
-  // least one cluster.
-  int max_ctas = 0;
-  // Each K block promoted while the next one's wgmma run (fp8_mainloop.cuh's overlapped loop; slower, docs/PERF.md
-  // run 112).
-  bool overlap_promotion = false;
-  // 2: pairs of vertically adjacent tiles in 2-CTA clusters sharing their B panel through multicast (M a
-  // multiple of 256; slower in runs 111-112, where the L2 was not the limit); 1: single CTAs.
-  int cluster = 1;
-  // 128, or 192 (128 x 192 tiles: the plain loop in single CTAs only; 1-2.5% faster on three of the four
-  // benchmark shapes, run 125).
-  int tile_columns = 128;
-  // Form the scale products as sums of exponents wherever a stage's scales allow it with the same bits
-  // (block_scales.cuh), else by multiplies; false: multiplies everywhere (what the tests compare with).
-  bool exponent_products = true;
-};
-
 Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
                       const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
-                      float* D, bool accumulate, cudaStream_t stream, const Fp8WgradTuning& tuning = {});
+                      float* D, bool accumulate, cudaStream_t stream, int max_ctas = 0,
+                      bool overlap_promotion = false, int cluster = 1, int tile_columns = 128);
 
 // Loads the kernel now (see fp8_quantize_preload).
 Status fp8_wgrad_preload();

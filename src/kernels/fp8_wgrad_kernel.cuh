@@ -8,8 +8,7 @@
 // which starts at a multiple of 128 columns.
 //   warpgroup 0, the producer: thread 0 loads a stage's A box (the tile's 128 rows of qa) and B box (its BN
 //     rows of qb, or in a cluster its half of them, multicast; rows past N load as zeros) with TMA; thread 32
-//     the stage's 128 + BN scales (load_channel_scales: each CTA its own); warp 2 checks each stage's scales
-//     once they have landed, whether their products may be formed as sums of exponents (ScaleProductForms);
+//     the stage's 128 + BN scales (load_channel_scales: each CTA its own);
 //   warpgroups 1 and 2, the consumers: 64 rows each, mma_tile_fp8_channel_scaled, then the fp32 epilogue
 //     (stored, or added to what D holds; columns past N are not stored).
 // An expert without rows still has its tiles: they store zeros (or add nothing).
@@ -41,7 +40,6 @@ struct Fp8WgradParams {
   int M, N;                // output rows and columns of each expert (multiples of 128)
   float* D;                // [experts, M, N] fp32
   int accumulate;          // 1: D += the gradient
-  int exponent_products;   // 0: every scale product by a multiply (Fp8WgradTuning::exponent_products)
 };
 
 // kOverlap_: the consumers' loop is mma_tile_fp8_channel_scaled_overlapped (232 registers for them, 40 for
@@ -63,10 +61,8 @@ struct Fp8WgradConfig {
   // Rows of B one CTA loads per stage (the tensor map's box, fp8_wgrad.cu).
   static constexpr int kBRowsLoaded = kBN / kCluster;
   static constexpr int kFullArrivals = 2;  // the operand thread's transaction count, the scale thread's
-  // The consumers' releases and the checking warp's, once it has read the stage's scales.
-  static constexpr int kEmptyArrivals = device::kFp8ChannelEmptyArrivals<Shape> + 1;
+  static constexpr int kEmptyArrivals = device::kFp8ChannelEmptyArrivals<Shape>;
   static constexpr int kScaleThread = 32;
-  static constexpr int kCheckWarp = 2;  // producer warp that checks each stage's scales
   static constexpr int kProducerRegs = kOverlap ? 40 : 56;
   static constexpr int kConsumerRegs = kOverlap ? 232 : 224;
   static_assert(device::kRegisterSplitFits<kFp8WgradThreads, kProducerRegs, kConsumerRegs>, "register budget");
@@ -77,13 +73,8 @@ struct Fp8WgradConfig {
     device::StageChannelScales<kBN> scales[kStages];
     uint64_t full[kStages];
     uint64_t empty[kStages];
-    uint64_t checked[kStages];
-    uint32_t by_exponents[kStages];
     typename Tiles::Storage tiles;
   };
-  static __device__ __forceinline__ device::ScaleProductForms<kStages> forms(SharedStorage& smem) {
-    return {smem.checked, smem.by_exponents};
-  }
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");
 };
@@ -93,42 +84,13 @@ __device__ __forceinline__ int wgrad_k_column(const device::TileCoord& tile, int
   return static_cast<int>(token_major_start(tile.row0, tile.e)) + 128 * kt;
 }
 
-// The checking warp: walks the ring as the consumers do and, for each stage once its data has landed, publishes
-// whether the scale products may be formed as sums of exponents, then releases its read of the stage.
-template <class Cfg>
-__device__ __forceinline__ void fp8_wgrad_scale_checker(const Fp8WgradParams& p, typename Cfg::SharedStorage& smem,
-                                                        const typename Cfg::Tiles& tiles,
-                                                        const device::StaticSchedule& sched, int rank, int lane) {
-  using Shape = typename Cfg::Shape;
-  const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
-  const device::ScaleProductForms<Shape::kStages> forms = Cfg::forms(smem);
-  device::PipeState<Shape::kStages> st;
-  for (int j = 0;; ++j) {
-    const int t = sched.item(j);
-    if (t >= tiles.total_now()) break;
-    const int k_tiles = tiles.decode(t, rank).k_tiles;
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      pipe.consumer_wait(st);
-      const bool exponents =
-          p.exponent_products != 0 && device::channel_scales_multiply_as_exponents(smem.scales[st.index], lane);
-      if (lane == 0) forms.publish(st.index, exponents);
-      pipe.consumer_release_warp(st, lane);
-      st.advance();
-    }
-  }
-}
-
 template <class Cfg>
 __device__ __forceinline__ void fp8_wgrad_producer(const CUtensorMap* tm_a, const CUtensorMap* tm_b,
                                                    const CUtensorMap* tm_sa, const CUtensorMap* tm_sb,
-                                                   const Fp8WgradParams& p, typename Cfg::SharedStorage& smem,
+                                                   typename Cfg::SharedStorage& smem,
                                                    const typename Cfg::Tiles& tiles,
                                                    const device::StaticSchedule& sched, int rank, int ptid) {
   using Shape = typename Cfg::Shape;
-  if (ptid / 32 == Cfg::kCheckWarp) {
-    fp8_wgrad_scale_checker<Cfg>(p, smem, tiles, sched, rank, ptid & 31);
-    return;
-  }
   if (ptid != 0 && ptid != Cfg::kScaleThread) return;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   device::PipeState<Shape::kStages> st;
@@ -184,10 +146,10 @@ __device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, type
     const device::TileCoord tile = tiles.decode(t, rank);
     if constexpr (Cfg::kOverlap) {
       device::mma_tile_fp8_channel_scaled_overlapped<Shape>(acc, pipe, st, smem.stages[0], smem.scales,
-                                                            Cfg::forms(smem), max(tile.k_tiles, 0), cwg, lt, rank);
+                                                            max(tile.k_tiles, 0), cwg, lt, rank);
     } else {
-      device::mma_tile_fp8_channel_scaled<Shape>(acc, pipe, st, smem.stages[0], smem.scales, Cfg::forms(smem),
-                                                 max(tile.k_tiles, 0), cwg, lt, rank);
+      device::mma_tile_fp8_channel_scaled<Shape>(acc, pipe, st, smem.stages[0], smem.scales, max(tile.k_tiles, 0),
+                                                 cwg, lt, rank);
     }
     float* d = p.D + static_cast<int64_t>(tile.e) * p.M * p.N;
     device::epilogue_fp32<kBN>(acc, d, p.M, p.N, tile.m_idx * Shape::kBM + 64 * cwg, tile.n_idx * kBN,
@@ -208,7 +170,6 @@ __global__ void __launch_bounds__(kFp8WgradThreads, 1)
   if (tid == 0) {
     const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
     pipe.init(Cfg::kFullArrivals, Cfg::kEmptyArrivals);
-    Cfg::forms(smem).init();
     device::mbarrier_init_fence();
   }
   device::begin_dependent_grid();  // the offsets and both operands come from earlier kernels
@@ -224,7 +185,7 @@ __global__ void __launch_bounds__(kFp8WgradThreads, 1)
   const int warpgroup = Cfg::kOverlap ? __shfl_sync(0xffffffffu, tid / 128, 0) : tid / 128;
   if (warpgroup == 0) {
     device::setmaxnreg_dec<Cfg::kProducerRegs>();
-    fp8_wgrad_producer<Cfg>(&tm_a, &tm_b, &tm_sa, &tm_sb, p, smem, tiles, sched, rank, tid);
+    fp8_wgrad_producer<Cfg>(&tm_a, &tm_b, &tm_sa, &tm_sb, smem, tiles, sched, rank, tid);
   } else {
     device::setmaxnreg_inc<Cfg::kConsumerRegs>();
     if (warpgroup == 1) {

@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -81,10 +80,8 @@ TEST(Fp8WgradGemmGpuTest, MatchesTheContractOnTokenMajorOperands) {
   for (const int tile_columns : {128, 192}) {
     SCOPED_TRACE("tile columns " + std::to_string(tile_columns));
     DeviceBuffer<float> d(experts * M * N);  // poisoned (NaN): every element must be written
-    kernels::Fp8WgradTuning tuning;
-    tuning.tile_columns = tile_columns;
     ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
-                                        capacity, d.get(), false, nullptr, tuning)
+                                        capacity, d.get(), false, nullptr, 0, false, 1, tile_columns)
                     .is_ok());
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<float> got = d.download();
@@ -140,7 +137,7 @@ TEST(Fp8WgradGemmGpuTest, MatchesTheContractOnTokenMajorOperands) {
     DeviceBuffer<float> d_acc(before.size());
     d_acc.upload(before);
     ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
-                                        capacity, d_acc.get(), true, nullptr, tuning)
+                                        capacity, d_acc.get(), true, nullptr, 0, false, 1, tile_columns)
                     .is_ok());
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<float> accumulated = d_acc.download();
@@ -196,16 +193,12 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionAndClusterPairsAreBitwiseThePlainLo
     } else {
       MEGAMOE_ASSERT_CUDA(cudaMemset(other.get(), 0xFE, start.size() * sizeof(float)));
     }
-    kernels::Fp8WgradTuning tuning;
-    tuning.max_ctas = max_ctas;
     ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
-                                        capacity, plain.get(), accumulate, nullptr, tuning)
+                                        capacity, plain.get(), accumulate, nullptr, max_ctas, false, 1)
                     .is_ok());
-    tuning.overlap_promotion = form.overlap;
-    tuning.cluster = form.cluster;
-    tuning.tile_columns = form.tile_columns;
     ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
-                                        capacity, other.get(), accumulate, nullptr, tuning)
+                                        capacity, other.get(), accumulate, nullptr, max_ctas, form.overlap,
+                                        form.cluster, form.tile_columns)
                     .is_ok());
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<float> want = plain.download(), got = other.download();
@@ -216,74 +209,6 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionAndClusterPairsAreBitwiseThePlainLo
     }
     EXPECT_EQ(unwritten, 0) << "unwritten outputs";
     EXPECT_EQ(differ, 0) << "differs from the plain loop in single CTAs";
-  }
-}
-
-// The scale products formed as sums of exponents (the default) against multiplies everywhere
-// (Fp8WgradTuning::exponent_products = false), bit for bit, on scales that allow the sums and on K blocks that do
-// not: products past the largest float (rows and columns scaled by 2^90), below the smallest normal one (2^-100),
-// and an infinite element (its group's scale is +inf). Every loop form and tile width; the outputs touched by the
-// extreme blocks are not all finite, the others are.
-TEST(Fp8WgradGemmGpuTest, ExponentProductsAreBitwiseTheMultiplies) {
-  MEGAMOE_SKIP_WITHOUT_GPU();
-  const uint32_t seed = std::random_device{}();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  const std::vector<int32_t> offsets = {0, 300, 300, 700, 701};  // 3, 0, 4 and 1 K blocks
-  const int experts = 4;
-  const int64_t capacity = 720, M = 256, N = 384;
-  std::vector<float> a_rows(capacity * M), b_rows(capacity * N);
-  for (float& v : a_rows) v = normal(rng);
-  for (float& v : b_rows) v = normal(rng);
-  // Expert 0's second K block (routed rows 128-255): channels 0-127 of both operands huge.
-  for (int64_t t = 128; t < 256; ++t) {
-    for (int64_t c = 0; c < 128; ++c) a_rows[t * M + c] *= std::ldexp(1.0f, 90);
-    for (int64_t c = 0; c < 128; ++c) b_rows[t * N + c] *= std::ldexp(1.0f, 90);
-  }
-  // Expert 2's first K block (routed rows 300-427): channels 128-255 of both operands tiny.
-  for (int64_t t = 300; t < 428; ++t) {
-    for (int64_t c = 128; c < 256; ++c) a_rows[t * M + c] *= std::ldexp(1.0f, -100);
-    for (int64_t c = 128; c < 256; ++c) b_rows[t * N + c] *= std::ldexp(1.0f, -100);
-  }
-  a_rows[650 * M + 5] = std::numeric_limits<float>::infinity();  // expert 2's last K block
-  DeviceBuffer<int32_t> d_offsets(offsets.size());
-  d_offsets.upload(offsets);
-  TokenMajorOperands ops(a_rows, M, b_rows, N, d_offsets, experts, capacity);
-  ASSERT_FALSE(::testing::Test::HasFailure()) << "building the token-major operands failed";
-  struct Form {
-    bool overlap;
-    int cluster;
-    int tile_columns;
-  };
-  for (const Form form : {Form{false, 1, 128}, Form{true, 1, 128}, Form{false, 2, 128}, Form{true, 2, 128},
-                          Form{false, 1, 192}}) {
-    SCOPED_TRACE(std::string(form.overlap ? "overlapped" : "plain") + ", cluster " + std::to_string(form.cluster) +
-                 ", tile columns " + std::to_string(form.tile_columns));
-    kernels::Fp8WgradTuning tuning;
-    tuning.overlap_promotion = form.overlap;
-    tuning.cluster = form.cluster;
-    tuning.tile_columns = form.tile_columns;
-    DeviceBuffer<float> by_exponents(experts * M * N), by_multiplies(experts * M * N);
-    ASSERT_TRUE(kernels::fp8_wgrad_gemm(ops.qa.get(), ops.sa.get(), M, ops.qb.get(), ops.sb.get(), N, d_offsets.get(),
-                                        experts, capacity, by_exponents.get(), false, nullptr, tuning)
-                    .is_ok());
-    tuning.exponent_products = false;
-    ASSERT_TRUE(kernels::fp8_wgrad_gemm(ops.qa.get(), ops.sa.get(), M, ops.qb.get(), ops.sb.get(), N, d_offsets.get(),
-                                        experts, capacity, by_multiplies.get(), false, nullptr, tuning)
-                    .is_ok());
-    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-    const std::vector<float> got = by_exponents.download(), want = by_multiplies.download();
-    int64_t differ = 0, not_finite = 0, not_finite_elsewhere = 0;
-    for (size_t i = 0; i < want.size(); ++i) {
-      differ += std::memcmp(&got[i], &want[i], sizeof(float)) != 0;
-      const int64_t e = static_cast<int64_t>(i) / (M * N), m = (static_cast<int64_t>(i) / N) % M;
-      const bool extreme = (e == 0 && m < 128) || (e == 2 && m < 256);
-      if (!std::isfinite(want[i])) (extreme ? not_finite : not_finite_elsewhere) += 1;
-    }
-    EXPECT_EQ(differ, 0) << "the sums of exponents differ from the multiplies";
-    EXPECT_GT(not_finite, 0) << "the extreme blocks were to overflow (or carry the infinite element)";
-    EXPECT_EQ(not_finite_elsewhere, 0) << "outputs outside the extreme blocks' rows are not finite";
   }
 }
 
@@ -310,11 +235,8 @@ TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {
   // The launch form: max_ctas (0 or at least one cluster), cluster pairs (an even number of m-tiles), and only 1
   // and 2 as cluster sizes.
   const auto form = [&](int64_t M, int max_ctas, int cluster) {
-    kernels::Fp8WgradTuning tuning;
-    tuning.max_ctas = max_ctas;
-    tuning.cluster = cluster;
     return kernels::fp8_wgrad_gemm(q.get(), s.get(), M, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
-                                   nullptr, tuning)
+                                   nullptr, max_ctas, false, cluster)
         .code();
   };
   EXPECT_EQ(form(128, -1, 1), StatusCode::kInvalidArgument);
@@ -324,12 +246,8 @@ TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {
   EXPECT_EQ(form(256, 0, 0), StatusCode::kInvalidArgument);
   // Tiles of 128 or 192 columns, the 192-column ones with the plain loop in single CTAs.
   const auto tiles = [&](int tile_columns, bool overlap, int cluster) {
-    kernels::Fp8WgradTuning tuning;
-    tuning.overlap_promotion = overlap;
-    tuning.cluster = cluster;
-    tuning.tile_columns = tile_columns;
     return kernels::fp8_wgrad_gemm(q.get(), s.get(), 256, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
-                                   nullptr, tuning)
+                                   nullptr, 0, overlap, cluster, tile_columns)
         .code();
   };
   EXPECT_EQ(tiles(64, false, 1), StatusCode::kInvalidArgument);

@@ -61,61 +61,6 @@ __device__ __forceinline__ float widen_channel_scale(uint16_t bits) {
   return __uint_as_float(static_cast<uint32_t>(bits) << 16);
 }
 
-// Whether every product of a row scale and a column scale of the slot can be formed as a sum of exponents, with
-// the bits a multiply gives (one warp, every lane gets the answer): all scales positive powers of two (no sign or
-// significand bits, exponent fields 1..254) whose products are normal floats, i.e. biased exponents ea, eb with
-// 1 <= ea + eb - 127 <= 254 for every pair. The layer's scales (power_of_two_scale_from_amax) are such except
-// for infinite or all-NaN groups and far outside the values of training; a slot that is not such is promoted
-// with multiplies (promote_block_channels), so the bits never depend on the form.
-template <int kColumns>
-__device__ __forceinline__ bool channel_scales_multiply_as_exponents(const StageChannelScales<kColumns>& slot,
-                                                                     int lane) {
-  static_assert(kColumns % 2 == 0, "scales are read two at a time");
-  const uint32_t* a = reinterpret_cast<const uint32_t*>(slot.a);
-  const uint32_t* b = reinterpret_cast<const uint32_t*>(slot.b);
-  uint32_t a_min = 0xffu, a_max = 0u, b_min = 0xffu, b_max = 0u, other_bits = 0u;
-  const auto take = [&](uint32_t pair, uint32_t& low, uint32_t& high) {
-    const uint32_t e0 = (pair >> 7) & 0xffu, e1 = (pair >> 23) & 0xffu;
-    low = min(low, min(e0, e1));
-    high = max(high, max(e0, e1));
-    other_bits |= pair & 0x807f807fu;  // signs and significands
-  };
-#pragma unroll
-  for (int i = lane; i < 64; i += 32) take(a[i], a_min, a_max);
-#pragma unroll
-  for (int i = lane; i < kColumns / 2; i += 32) take(b[i], b_min, b_max);
-  a_min = __reduce_min_sync(0xffffffffu, a_min);
-  a_max = __reduce_max_sync(0xffffffffu, a_max);
-  b_min = __reduce_min_sync(0xffffffffu, b_min);
-  b_max = __reduce_max_sync(0xffffffffu, b_max);
-  other_bits = __reduce_or_sync(0xffffffffu, other_bits);
-  return other_bits == 0u && a_min >= 1u && b_min >= 1u && a_max <= 254u && b_max <= 254u && a_min + b_min >= 128u &&
-         a_max + b_max <= 381u;
-}
-
-// Per stage of the ring, the verdict of channel_scales_multiply_as_exponents on the stage's slot: written by one
-// checking warp of the producer warpgroup once the slot has landed, announced on `checked` (one arrival a lap);
-// the consumers wait for it before they promote the stage's block.
-template <int kStages>
-struct ScaleProductForms {
-  uint64_t* checked;        // [kStages]
-  uint32_t* by_exponents;   // [kStages]: 1 when every product may be formed as a sum of exponents
-
-  __device__ void init() const {
-    for (int s = 0; s < kStages; ++s) mbarrier_init(&checked[s], 1);
-  }
-  // The checking warp, lane 0: the verdict, then the arrival that releases it (release semantics).
-  __device__ __forceinline__ void publish(int stage, bool exponents) const {
-    by_exponents[stage] = exponents ? 1u : 0u;
-    mbarrier_arrive(&checked[stage]);
-  }
-  // A consumer: the verdict of the stage of this lap.
-  __device__ __forceinline__ bool wait(int stage, uint32_t phase) const {
-    mbarrier_wait(&checked[stage], phase);
-    return *reinterpret_cast<const volatile uint32_t*>(&by_exponents[stage]) != 0u;
-  }
-};
-
 template <int kStages, int kColumns>
 __device__ __forceinline__ void load_channel_scales(const StagePipeline<kStages>& pipe, const PipeState<kStages>& st,
                                                     StageChannelScales<kColumns>* slot, const CUtensorMap* map_sa,

@@ -268,14 +268,11 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[S
 template <class Shape>
 inline constexpr int kFp8ChannelEmptyArrivals = kFp8EmptyArrivals<Shape, false>;
 
-// forms: each stage's verdict on forming the scale products as sums of exponents (block_scales.cuh), waited for
-// before the stage's promotion; either form gives the same bits.
 template <class Shape>
 __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::kBN / 2],
                                                             const StagePipeline<Shape::kStages>& pipe,
                                                             PipeState<Shape::kStages>& st, uint8_t* stages,
                                                             const StageChannelScales<Shape::kBN>* scales,
-                                                            const ScaleProductForms<Shape::kStages>& forms,
                                                             int k_tiles, int cwg, int lt, uint32_t cta_rank) {
   static_assert(Shape::kBM == 128 && (Shape::kBN == 128 || Shape::kBN == 192), "128 x 128 or 128 x 192 tiles");
   constexpr int kN = Shape::kBN / 2;
@@ -299,14 +296,9 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled(float (&acc)[Shape::
       next.advance();
       pipe.consumer_wait(next);
     }
-    const bool by_exponents = forms.wait(s, phase);
     wgmma_wait<0>();
     fence_accumulators(partial);
-    if (by_exponents) {
-      promote_block_channels_by_exponents(acc, partial, row_scale, slot.b, lane);
-    } else {
-      promote_block_channels(acc, partial, row_scale, slot.b, lane);
-    }
+    promote_block_channels(acc, partial, row_scale, slot.b, lane);
     release_fp8_stage<Shape, false>(pipe, here, lt, cta_rank);
   });
 }
@@ -321,7 +313,6 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled_overlapped(float (&a
                                                                        PipeState<Shape::kStages>& st,
                                                                        uint8_t* stages,
                                                                        const StageChannelScales<>* scales,
-                                                                       const ScaleProductForms<Shape::kStages>& forms,
                                                                        int k_tiles_in, int cwg, int lt,
                                                                        uint32_t cta_rank) {
   static_assert(Shape::kBN == 128 && Shape::kBM == 128, "128 x 128 tiles");
@@ -344,14 +335,8 @@ __device__ __forceinline__ void mma_tile_fp8_channel_scaled_overlapped(float (&a
       },
       [&](auto buffer, const PipeState<Shape::kStages>& done) {
         constexpr int b = decltype(buffer)::value;
-        // The verdict shuffled from lane 0, so that ptxas sees a uniform branch with a wgmma in flight.
-        const bool by_exponents = __shfl_sync(0xffffffffu, forms.wait(done.index, done.phase) ? 1 : 0, 0) != 0;
         fence_accumulators(partial[b]);
-        if (by_exponents) {
-          promote_block_channels_by_exponents(acc, partial[b], row_scale[b], scales[done.index].b, lane);
-        } else {
-          promote_block_channels(acc, partial[b], row_scale[b], scales[done.index].b, lane);
-        }
+        promote_block_channels(acc, partial[b], row_scale[b], scales[done.index].b, lane);
         release_fp8_stage<Shape, false>(pipe, done, lt, cta_rank);
       });
 }

@@ -71,28 +71,4 @@ __device__ __forceinline__ void promote_block_channels(float (&acc)[kN], const f
   }
 }
 
-// The same sums with each product formed from the bits of the two scales (powers of two whose product is a
-// normal float, which channel_scales_multiply_as_exponents established for the block): the product of 2^kr and
-// 2^kc is the column scale's bits plus kr << 23, an integer add, bit for bit the multiply's result. The low column
-// of a pair takes one shift-and-add, the high one a mask (shared by the thread's two rows) and an add, so the
-// FP32 pipe keeps only the FFMAs (docs/PERF.md runs 128-129: the multiplies were most of the promotion's cost).
-template <int kN>
-__device__ __forceinline__ void promote_block_channels_by_exponents(float (&acc)[kN], const float (&partial)[kN],
-                                                                    const float (&row_scale)[2],
-                                                                    const uint16_t* col_scales, int lane) {
-  constexpr uint32_t kOneBits = 127u << 23;
-  const uint32_t row_delta[2] = {__float_as_uint(row_scale[0]) - kOneBits, __float_as_uint(row_scale[1]) - kOneBits};
-#pragma unroll
-  for (int j = 0; j < kN / 4; ++j) {
-    const uint32_t pair = *reinterpret_cast<const uint32_t*>(col_scales + Fragment::col(lane, j));
-    const uint32_t high = pair & 0xffff0000u;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r0 = Fragment::reg(j, h, 0), r1 = Fragment::reg(j, h, 1);
-      acc[r0] = __fmaf_rn(partial[r0], __uint_as_float((pair << 16) + row_delta[h]), acc[r0]);
-      acc[r1] = __fmaf_rn(partial[r1], __uint_as_float(high + row_delta[h]), acc[r1]);
-    }
-  }
-}
-
 }  // namespace megamoe::device
