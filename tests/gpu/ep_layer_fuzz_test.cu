@@ -697,17 +697,8 @@ void CaseRun::compare(const Expected& e, const Snapshot& got, const char* stage,
       check(got.d_weights[r], e.d_weights[r], where + "d_topk_weights");
     } else {
       if (nans > 0) f_.add(where + "d_topk_weights: " + std::to_string(nans) + " NaN");
-      for (int64_t i = 0; i < T * K; ++i) {
-        if (idx[i] < 0 || std::isnan(got.d_weights[r][i])) continue;
-        const double want = e.d_weights[r][i];
-        const double err = std::fabs(static_cast<double>(got.d_weights[r][i]) - want);
-        if (err <= kTolerance * std::fabs(want)) continue;  // the scale is at least |want|: no need to compute it
-        const double scale = std::max(std::fabs(want), dot_scales_.of(r, i / K, idx[i]));
-        if (!(err <= kTolerance * scale))
-          f_.add(where + "d_topk_weights[" + std::to_string(i / K) + ", " + std::to_string(i % K) + "] = " +
-                 fmt(got.d_weights[r][i]) + ", reference " + fmt(e.d_weights[r][i]) + ": error " + fmt(err) +
-                 " > 1e-2 x its dot product's scale " + fmt(scale));
-      }
+      for (const std::string& entry : dot_scales_.entries_beyond_scale(r, got.d_weights[r], e.d_weights[r], kTolerance))
+        f_.add(where + "d_topk_weights" + entry);
     }
     // Weight gradients of every local expert: the routed ones against the reference, the others 0.
     const int64_t n13 = 2 * c.intermediate * H, n2 = H * c.intermediate;

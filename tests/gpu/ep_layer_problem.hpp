@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "gpu_test_util.hpp"
@@ -142,6 +144,29 @@ class DotProductScales {
     }
     for (int64_t i = 0; i < I; ++i) by_da += std::fabs(da[i] * a[i]);
     return std::max(by_da, by_y);
+  }
+
+  // The routed entries of rank r's d_topk_weights `got` (reference `want`) farther from it than `tolerance`
+  // times their dot product's scale, one message each ("[t, j] = ..."); NaN entries are left to the caller's
+  // count of them.
+  std::vector<std::string> entries_beyond_scale(int r, const std::vector<float>& got, const std::vector<float>& want,
+                                                double tolerance) {
+    const int64_t K = p_.config.top_k;
+    const std::vector<int64_t>& idx = p_.idx[r];
+    std::vector<std::string> beyond;
+    for (size_t i = 0; i < idx.size(); ++i) {
+      if (idx[i] < 0 || std::isnan(got[i])) continue;
+      const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+      if (err <= tolerance * std::fabs(want[i])) continue;  // the scale is at least |want|: no need to compute it
+      const double scale = std::max(std::fabs(static_cast<double>(want[i])), of(r, i / K, idx[i]));
+      if (err <= tolerance * scale) continue;
+      char line[200];
+      std::snprintf(line, sizeof(line), "[%lld, %lld] = %.3e, reference %.3e: error %.3e > %.0e x its dot product's "
+                    "scale %.3e", static_cast<long long>(i / K), static_cast<long long>(i % K), got[i], want[i], err,
+                    tolerance, scale);
+      beyond.emplace_back(line);
+    }
+    return beyond;
   }
 
  private:
