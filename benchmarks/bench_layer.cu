@@ -143,10 +143,15 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
     std::string last = records.front().name;
     double idle_ms = 0;
     int count = 0;
+    // Gaps of 20 us and more one by one (kernel index, length): a gap that recurs every step differs from one
+    // that a single step takes.
+    std::string long_gaps;
     for (size_t i = 1; i < records.size(); ++i) {
       const auto& k = records[i];
       if (k.start_ns > covered) {
         const double ms = static_cast<double>(k.start_ns - covered) * 1e-6;
+        if (ms >= 0.02 && long_gaps.size() < 400)
+          long_gaps += " " + std::to_string(i) + ":" + std::to_string(static_cast<int>(ms * 1e3)) + "us";
         auto& g = gaps[last + " -> " + k.name];
         g.first += 1;
         g.second += ms;
@@ -161,6 +166,7 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
     const double span_ms = static_cast<double>(covered - records.front().start_ns) * 1e-6;
     std::printf("  kernels' span %.3f ms per %s, of which idle between kernels %.3f ms (%.1f gaps, %.1f us each)\n",
                 span_ms / iters, per, idle_ms / iters, double(count) / iters, count > 0 ? idle_ms / count * 1e3 : 0.0);
+    if (!long_gaps.empty()) std::printf("    gaps of 20 us and more (kernel index: length):%s\n", long_gaps.c_str());
     std::vector<std::pair<double, std::string>> widest;
     for (const auto& [pair, g] : gaps) widest.push_back({g.second / g.first * 1e3, pair});
     std::sort(widest.rbegin(), widest.rend());

@@ -11,7 +11,6 @@
 #include "kernels/cuda_check.hpp"
 #include "kernels/ep_kernels.hpp"
 #include "kernels/fp8_gemm.hpp"
-#include "kernels/fp8_gather_rows.hpp"
 #include "kernels/fp8_quantize.hpp"
 #include "kernels/fp8_swiglu_backward.hpp"
 #include "kernels/fp8_token_major.hpp"
@@ -257,13 +256,17 @@ struct ExpertParallelLayer::Impl {
     return g;
   }
   // The received e4m3 rows q (scales row-major, as they travel) copied into expert order in the workspace's
-  // rows_q / rows_s: the A operand of GEMM1 (x) and of the dgrad (d_out) through TMA (fp8_gather_rows.hpp).
-  Status fp8_rows_in_expert_order(const ep::Params& p, const uint8_t* q, const float* scales) const {
+  // rows_q / rows_s, the A operand of GEMM1 (x) and of the dgrad (d_out) through TMA, and from the same read
+  // of them their token-major copy for a weight gradient (qt / st; with row_weight, dy = w dOut): the bytes of
+  // gather_rows_e4m3 and token_major_quantize_e4m3, in one pass (fp8_token_major.hpp).
+  Status fp8_rows_in_expert_order(const ep::Params& p, const uint8_t* q, const float* scales, const float* row_weight,
+                                  uint8_t* qt, kernels::TokenMajorScale* st) const {
     const ep::WorkspaceLayout& l = p.layout;
     const int64_t C = p.shape.row_capacity;
-    return kernels::gather_rows_e4m3(q, scales, received_source_rows(), buffer<int32_t>(l.row_src), config.hidden,
-                                     expert_offsets() + config.experts_per_rank(), C, buffer<uint8_t>(l.rows_q),
-                                     buffer<float>(l.rows_s), kernels::fp8_scale_pitch(C), placement.stream);
+    return kernels::token_major_quantize_e4m3_gathering(
+        q, scales, received_source_rows(), buffer<int32_t>(l.row_src), row_weight, config.hidden, expert_offsets(),
+        static_cast<int>(config.experts_per_rank()), C, qt, st, buffer<uint8_t>(l.rows_q), buffer<float>(l.rows_s),
+        kernels::fp8_scale_pitch(C), placement.stream);
   }
   // An FP8 GEMM's output stored unrounded (fp32, contiguous): GEMM1's h, the dgrad's g.
   static kernels::Fp8GemmRows fp32_rows(float* d_fp32) {
@@ -343,8 +346,12 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
   const QuantizedWeights& w = fp8_weights;
   auto* a_q = buffer<uint8_t>(p.layout.a_q);
   auto* a_s = buffer<float>(p.layout.a_s);
-  MEGAMOE_RETURN_IF_ERROR(
-      fp8_rows_in_expert_order(p, buffer<uint8_t>(p.layout.recv_xq), buffer<float>(p.layout.recv_xs)));
+  // x's token-major copy for the backward's dW13 comes with the rows' copy into expert order: the rows are read
+  // once for both (a forward with no backward after it pays for the copy, docs/FP8.md).
+  MEGAMOE_RETURN_IF_ERROR(fp8_rows_in_expert_order(p, buffer<uint8_t>(p.layout.recv_xq),
+                                                   buffer<float>(p.layout.recv_xs), nullptr,
+                                                   buffer<uint8_t>(p.layout.xt_q),
+                                                   buffer<kernels::TokenMajorScale>(p.layout.xt_s)));
   // GEMM1 with the SwiGLU epilogue: the fp32 h for the backward and a's codes and scales of the expert rows.
   kernels::Fp8GemmRows gemm1_out = fp32_rows(buffer<float>(p.layout.h_f32));
   gemm1_out.swiglu_a_q = a_q;
@@ -429,7 +436,9 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
                                                                    buffer<float>(l.w13t_s), stream));
   }
   auto* g = buffer<float>(l.g_f32);
-  MEGAMOE_RETURN_IF_ERROR(fp8_rows_in_expert_order(p, buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts)));
+  MEGAMOE_RETURN_IF_ERROR(fp8_rows_in_expert_order(p, buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts),
+                                                   buffer<float>(l.row_weight), buffer<uint8_t>(l.dyt_q),
+                                                   buffer<kernels::TokenMajorScale>(l.dyt_s)));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_grouped_gemm_nt(buffer<uint8_t>(l.rows_q), buffer<float>(l.rows_s),
                                                        buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s), nullptr,
                                                        expert_offsets(), EL, C, static_cast<int>(I),
@@ -456,26 +465,16 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
   return weight_gradients_fp8(p, args);
 }
 
-// dW2 = dy^T a and dW13 = dh^T x on token-major copies quantized along the routed rows (docs/FP8.md): dy = w
-// dOut and x from their dispatched e4m3 rows; a and dh from the SwiGLU step, which recomputed them in fp32 from
-// h, g and the routing weight.
+// dW2 = dy^T a and dW13 = dh^T x on token-major copies quantized along the routed rows (docs/FP8.md), all
+// written before: dy = w dOut and x from their dispatched e4m3 rows, each with its rows' copy into expert order;
+// a and dh by the SwiGLU step, which recomputed them in fp32 from h, g and the routing weight.
 Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, const BackwardArgs& args) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
   cudaStream_t stream = placement.stream;
   const ep::WorkspaceLayout& l = p.layout;
-  const int64_t source_rows = received_source_rows();
   const int32_t* offsets = expert_offsets();
-  const auto* row_src = buffer<int32_t>(l.row_src);
-  const auto* row_weight = buffer<float>(l.row_weight);
   const auto scales = [this](int64_t offset) { return buffer<kernels::TokenMajorScale>(offset); };
-  MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_e4m3(
-      buffer<uint8_t>(l.recv_doutq), buffer<float>(l.recv_douts), source_rows, row_src, row_weight, H, offsets, EL, C,
-      buffer<uint8_t>(l.dyt_q), scales(l.dyt_s), stream));
-  // a^T and dh^T were written with dh (expert_mlp_backward_fp8).
-  MEGAMOE_RETURN_IF_ERROR(kernels::token_major_quantize_e4m3(buffer<uint8_t>(l.recv_xq), buffer<float>(l.recv_xs),
-                                                             source_rows, row_src, nullptr, H, offsets, EL, C,
-                                                             buffer<uint8_t>(l.xt_q), scales(l.xt_s), stream));
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), scales(l.dyt_s), H, buffer<uint8_t>(l.at_q),
                                                   scales(l.at_s), I, offsets, EL, C, args.d_w2,
                                                   args.accumulate_weight_grads, stream, max_blocks,
@@ -535,7 +534,6 @@ Status preload_kernels() {
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_quantize_preload());
   MEGAMOE_RETURN_IF_ERROR(kernels::token_major_preload());
   MEGAMOE_RETURN_IF_ERROR(kernels::swiglu_backward_fp8_preload());
-  MEGAMOE_RETURN_IF_ERROR(kernels::gather_rows_preload());
   MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_preload());
   return kernels::grouped_gemm_preload();
 }

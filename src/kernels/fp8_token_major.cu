@@ -69,11 +69,14 @@ struct Outputs {
 // m = 0 .. kPieces - 1, expand() their values. A row that reads as
 // zeros gets an all-zero Raw, which every expand() turns into +0 values (0 * anything finite here is +0:
 // the value of code 0 times 0 times 0; silu(0) * 0; swiglu_backward(0, 0, 0)).
+// kKeepsRows: the type also keeps each routed row's raw input in expert order (keep(), called once per row,
+// slab and lane with the raw values expand() takes, for the group's own rows only).
 
 __device__ __forceinline__ float4 load_float4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
 
 struct Fp32Rows {
   static constexpr int kPieces = 1, kOutputs = 1, kMinBlocks = 4;
+  static constexpr bool kKeepsRows = false;
   const float* rows;
   int64_t channels;
   using Raw = float4;
@@ -94,6 +97,7 @@ struct Fp32Rows {
 // throughput). Four pieces (16-byte loads) spill at the 80 registers of three blocks an SM.
 struct E4m3Rows {
   static constexpr int kPieces = 2, kOutputs = 1, kMinBlocks = 4;
+  static constexpr bool kKeepsRows = false;
   const uint8_t* q;
   const float* scales;
   int64_t source_rows;
@@ -133,10 +137,29 @@ struct E4m3Rows {
   }
 };
 
+// E4m3Rows that also copy each routed row, codes and scales as they are, into expert order: routed row r to
+// row r of rows_q [capacity, channels] with its scales K-block-major at rows_s[kb * pitch + r] (what
+// gather_rows_e4m3 writes, the A operand of the layer's FP8 GEMMs). The copy comes from the loads the
+// transposition makes anyway, so the rows are read once for both (docs/FP8.md). A lane holds 8 codes of a row:
+// the eight lanes of a row store one 64-byte run of it, and the lane whose run starts a K block stores that
+// block's scale.
+struct E4m3GatheringRows : E4m3Rows {
+  static constexpr bool kKeepsRows = true;
+  static constexpr int kMinBlocks = 3;  // 79 registers; at 64 it spills
+  uint8_t* rows_q;
+  float* rows_s;
+  int64_t pitch;
+  __device__ __forceinline__ void keep(const Raw& raw, int64_t r, int64_t j) const {
+    *reinterpret_cast<uint2*>(rows_q + r * channels + j) = make_uint2(raw.codes[0], raw.codes[1]);
+    if (j % kGroup == 0) rows_s[(j / kGroup) * pitch + r] = raw.scale;
+  }
+};
+
 // a = silu(g) u of GEMM1's fp32 output h [rows, 2I] (gate columns, then up), I channels: the forward's
 // activation, recomputed with the epilogues' arithmetic (device/epilogue/transforms.cuh).
 struct SwigluRows {
   static constexpr int kPieces = 1, kOutputs = 1, kMinBlocks = 3;
+  static constexpr bool kKeepsRows = false;
   const float* h;
   int64_t I;
   struct Raw {
@@ -160,6 +183,7 @@ struct SwigluRows {
 // Input channel j gives dh's channels j (dg) and I + j (du), so g and h are read once.
 struct SwigluGradRows {
   static constexpr int kPieces = 1, kOutputs = 2, kMinBlocks = 2;
+  static constexpr bool kKeepsRows = false;
   const float* g;
   const float* h;
   const float* row_weight;
@@ -267,6 +291,11 @@ __global__ void __launch_bounds__(kThreads, Rows::kMinBlocks)
   for (int slab = slab_begin; slab < slab_end; ++slab) {
 #pragma unroll
     for (int i = 0; i < kSteps; ++i) {
+      if constexpr (Rows::kKeepsRows) {
+        // Rows past the group's end belong to the next expert (or to no one): not this block's to write.
+        if (first_row + kRowStride * i < group.rows)
+          rows.keep(raw[i], group.first + first_row + kRowStride * i, static_cast<int64_t>(slab) * kWidth + channel);
+      }
       float v[Rows::kOutputs][4 * kPieces];
       rows.expand(raw[i], row_refs[first_row + kRowStride * i], v);
 #pragma unroll
@@ -364,6 +393,31 @@ Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t 
                 channels, offsets, experts, capacity, stream);
 }
 
+Status token_major_quantize_e4m3_gathering(const uint8_t* q, const float* scales, int64_t source_rows,
+                                           const int32_t* row_src, const float* row_weight, int64_t channels,
+                                           const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt,
+                                           TokenMajorScale* st, uint8_t* rows_q, float* rows_s, int64_t rows_s_pitch,
+                                           cudaStream_t stream) {
+  constexpr const char* kWhat = "token_major_quantize_e4m3_gathering";
+  MEGAMOE_RETURN_IF_ERROR(check_common(kWhat, channels, offsets, experts, capacity, qt, st));
+  if (source_rows < 0) return Status::invalid(std::string(kWhat) + ": source_rows must be >= 0");
+  if (rows_s_pitch < capacity)
+    return Status::invalid(std::string(kWhat) + ": rows_s_pitch must be at least capacity=" +
+                           std::to_string(capacity) + ", got " + std::to_string(rows_s_pitch));
+  if (capacity == 0) return Status::ok();
+  if (q == nullptr || scales == nullptr || row_src == nullptr || rows_q == nullptr || rows_s == nullptr)
+    return Status::invalid(std::string(kWhat) + ": null pointer");
+  if ((reinterpret_cast<uintptr_t>(q) & 7u) != 0 || (reinterpret_cast<uintptr_t>(rows_q) & 7u) != 0)
+    return Status::invalid(std::string(kWhat) + ": q and rows_q must be 8-byte aligned");
+  E4m3GatheringRows rows;
+  static_cast<E4m3Rows&>(rows) = E4m3Rows{q, scales, source_rows, row_src, row_weight, channels};
+  rows.rows_q = rows_q;
+  rows.rows_s = rows_s;
+  rows.pitch = rows_s_pitch;
+  return launch("token_major_quantize_kernel<E4m3GatheringRows>", rows, Outputs<1>{{{qt, st, channels, 0}}}, channels,
+                offsets, experts, capacity, stream);
+}
+
 Status token_major_quantize_swiglu(const float* h, int64_t I, const int32_t* offsets, int experts, int64_t capacity,
                                    uint8_t* qt, TokenMajorScale* st, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_swiglu", I, offsets, experts, capacity, qt, st));
@@ -402,6 +456,7 @@ Status token_major_preload() {
   cudaFuncAttributes attributes{};
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<Fp32Rows>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<E4m3Rows>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<E4m3GatheringRows>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<SwigluRows>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<SwigluGradRows>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, token_major_quantize_kernel<SwigluPairRows>));

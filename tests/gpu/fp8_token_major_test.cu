@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "gpu_test_util.hpp"
+#include "kernels/fp8_gather_rows.hpp"
+#include "kernels/fp8_layout.hpp"
 #include "kernels/fp8_quantize.hpp"
 #include "kernels/fp8_token_major.hpp"
 #include "megamoe/fp8.hpp"
@@ -159,6 +161,108 @@ void check_gathered_e4m3_rows(int64_t channels) {
     };
     expect_token_major(kOffsets, kCapacity, channels, value, qt.download(), st.download());
   }
+}
+
+// The gathering form (token_major_quantize_e4m3_gathering): its token-major copy bit for bit the plain form's,
+// its rows in expert order bit for bit gather_rows_e4m3's (the rows of an index out of range: zero codes and a
+// zero scale, where the gather clamps), and nothing written past the routed rows (poison kept), with and
+// without the routing weight; 256 and 768 channels.
+void check_gathering_form(int64_t channels) {
+  SCOPED_TRACE("channels " + std::to_string(channels));
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  constexpr int64_t kSourceRows = 200;
+  std::vector<float> source(kSourceRows * channels);
+  for (float& v : source) v = random_value(rng);
+  std::vector<uint8_t> q(source.size());
+  std::vector<float> s(kSourceRows * (channels / 128));
+  fp8::quantize_rows_1x128(source.data(), kSourceRows, channels, q.data(), s.data());
+  std::uniform_int_distribution<int32_t> pick(0, kSourceRows - 1);
+  std::uniform_real_distribution<float> weight(0.01f, 1.0f);
+  std::vector<int32_t> row_src(kCapacity);
+  std::vector<float> row_weight(kCapacity);
+  for (int64_t r = 0; r < kCapacity; ++r) {
+    row_src[r] = pick(rng);
+    row_weight[r] = weight(rng);
+  }
+  row_src[7] = -1;
+  row_src[150] = kSourceRows;
+  const int experts = static_cast<int>(kOffsets.size()) - 1;
+  const int64_t columns = kernels::token_major_columns(kCapacity, experts);
+  const int64_t pitch = kernels::fp8_scale_pitch(kCapacity), blocks = channels / 128;
+  const int64_t used = kOffsets.back();
+  DeviceBuffer<uint8_t> d_q(q.size());
+  DeviceBuffer<float> d_s(s.size()), d_weight(row_weight.size());
+  DeviceBuffer<int32_t> d_src(row_src.size()), d_offsets(kOffsets.size());
+  d_q.upload(q);
+  d_s.upload(s);
+  d_weight.upload(row_weight);
+  d_src.upload(row_src);
+  d_offsets.upload(kOffsets);
+  for (const bool weighted : {false, true}) {
+    SCOPED_TRACE(weighted ? "with the routing weight" : "without a weight");
+    const float* w = weighted ? d_weight.get() : nullptr;
+    DeviceBuffer<uint8_t> qt(channels * columns), qt_twin(channels * columns), rows_q(kCapacity * channels);
+    DeviceBuffer<kernels::TokenMajorScale> st(columns / 128 * channels), st_twin(columns / 128 * channels);
+    DeviceBuffer<float> rows_s(blocks * pitch);
+    const Status status = kernels::token_major_quantize_e4m3_gathering(
+        d_q.get(), d_s.get(), kSourceRows, d_src.get(), w, channels, d_offsets.get(), experts, kCapacity, qt.get(),
+        st.get(), rows_q.get(), rows_s.get(), pitch, nullptr);
+    ASSERT_TRUE(status.is_ok()) << status.to_string();
+    ASSERT_TRUE(kernels::token_major_quantize_e4m3(d_q.get(), d_s.get(), kSourceRows, d_src.get(), w, channels,
+                                                   d_offsets.get(), experts, kCapacity, qt_twin.get(), st_twin.get(),
+                                                   nullptr)
+                    .is_ok());
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    EXPECT_EQ(differing_bytes(qt.download(), qt_twin.download()), 0);
+    EXPECT_EQ(differing_bytes(st.download(), st_twin.download()), 0);
+    const std::vector<uint8_t> got_q = rows_q.download();
+    const std::vector<float> got_s = rows_s.download();
+    int64_t bad_q = 0, bad_s = 0, poison_lost = 0;
+    for (int64_t r = 0; r < kCapacity; ++r) {
+      const bool routed = r < used, valid = row_src[r] >= 0 && row_src[r] < kSourceRows;
+      for (int64_t c = 0; c < channels; ++c) {
+        const uint8_t v = got_q[r * channels + c];
+        if (!routed) poison_lost += v != 0xFF;
+        else bad_q += v != (valid ? q[row_src[r] * channels + c] : 0);
+      }
+      for (int64_t kb = 0; kb < blocks; ++kb) {
+        const uint32_t v = bits_of(got_s[kb * pitch + r]);
+        if (!routed) poison_lost += v != 0xFFFFFFFFu;
+        else bad_s += v != (valid ? bits_of(s[row_src[r] * blocks + kb]) : 0u);
+      }
+    }
+    for (int64_t kb = 0; kb < blocks; ++kb)
+      for (int64_t r = kCapacity; r < pitch; ++r) poison_lost += bits_of(got_s[kb * pitch + r]) != 0xFFFFFFFFu;
+    EXPECT_EQ(bad_q, 0);
+    EXPECT_EQ(bad_s, 0);
+    EXPECT_EQ(poison_lost, 0) << "the copy wrote past the routed rows";
+    // The valid rows are gather_rows_e4m3's bytes (the twin the layer ran before).
+    DeviceBuffer<uint8_t> gathered_q(kCapacity * channels);
+    DeviceBuffer<float> gathered_s(blocks * pitch);
+    ASSERT_TRUE(kernels::gather_rows_e4m3(d_q.get(), d_s.get(), kSourceRows, d_src.get(), channels,
+                                          d_offsets.get() + experts, kCapacity, gathered_q.get(), gathered_s.get(),
+                                          pitch, nullptr)
+                    .is_ok());
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<uint8_t> twin_q = gathered_q.download();
+    const std::vector<float> twin_s = gathered_s.download();
+    int64_t differ = 0;
+    for (int64_t r = 0; r < used; ++r) {
+      if (row_src[r] < 0 || row_src[r] >= kSourceRows) continue;
+      differ += std::memcmp(&got_q[r * channels], &twin_q[r * channels], channels) != 0;
+      for (int64_t kb = 0; kb < blocks; ++kb)
+        differ += bits_of(got_s[kb * pitch + r]) != bits_of(twin_s[kb * pitch + r]);
+    }
+    EXPECT_EQ(differ, 0) << "rows or scales unlike gather_rows_e4m3's";
+  }
+}
+
+TEST(Fp8TokenMajorGpuTest, GatheringFormIsTheGatherAndTheTokenMajorCopyBitExactly) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  check_gathering_form(kChannels);
+  check_gathering_form(768);
 }
 
 TEST(Fp8TokenMajorGpuTest, GatheredE4m3RowsMatchTheCpuRuleBitExactly) {
@@ -335,6 +439,20 @@ TEST(Fp8TokenMajorGpuTest, BadArgumentsAreRefused) {
                                                  offsets.get(), 4, kCapacity, qt.get(), st.get(), nullptr)
                   .code(),
               StatusCode::kInvalidArgument);
+  }
+  {  // the gathering form: its rows' scale pitch and alignment
+    DeviceBuffer<uint8_t> q(10 * kChannels + 8), rows_q(kCapacity * kChannels + 8);
+    DeviceBuffer<float> scales(10 * kChannels / 128), rows_s(kChannels / 128 * kernels::fp8_scale_pitch(kCapacity));
+    DeviceBuffer<int32_t> row_src(kCapacity);
+    const auto call = [&](int64_t pitch, uint8_t* out_q) {
+      return kernels::token_major_quantize_e4m3_gathering(q.get(), scales.get(), 10, row_src.get(), nullptr, kChannels,
+                                                          offsets.get(), 4, kCapacity, qt.get(), st.get(), out_q,
+                                                          rows_s.get(), pitch, nullptr)
+          .code();
+    };
+    EXPECT_EQ(call(kCapacity - 1, rows_q.get()), StatusCode::kInvalidArgument);
+    EXPECT_EQ(call(kCapacity, rows_q.get() + 4), StatusCode::kInvalidArgument);
+    EXPECT_EQ(call(kCapacity, nullptr), StatusCode::kInvalidArgument);
   }
   EXPECT_EQ(kernels::token_major_quantize_swiglu_pair(rows.get(), rows.get(), rows.get(), 128, offsets.get(), 4,
                                                       kCapacity, qt.get(), st.get(), qt.get() + 1, st.get(), nullptr)
