@@ -466,7 +466,10 @@ Result run(int64_t H, int64_t I, int iters) {
       // and kBackToBack steps enqueued before one wait (per step), the GPU-bound figure a training loop whose
       // host runs ahead sees. bf16 and FP8 alternate.
       // Then the same steps with the kernels in plain stream order (no dependent launch), step for step.
-      constexpr int kBackToBack = 10;
+      // MEGAMOE_BENCH_STEPS_PER_WAIT changes the count (a cost paid once per wait shows as a per-step time that
+      // falls with it).
+      const char* per_wait = std::getenv("MEGAMOE_BENCH_STEPS_PER_WAIT");
+      const int kBackToBack = per_wait != nullptr && std::atoi(per_wait) > 0 ? std::atoi(per_wait) : 10;
       std::vector<float> bf16_host, fp8_host, bf16_b2b, fp8_b2b, bf16_b2b_plain, fp8_b2b_plain;
       const auto host_ms = [](const std::function<void()>& body) {
         const auto t0 = std::chrono::steady_clock::now();
