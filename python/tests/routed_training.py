@@ -48,7 +48,7 @@ def loss_curve(precision, *, steps=300, tokens=256, hidden=256, inter=256, exper
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
