@@ -66,7 +66,7 @@ Status launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMa
 Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
                       const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
                       float* D, bool accumulate, cudaStream_t stream, int max_ctas, bool overlap_promotion,
-                      int cluster, int tile_columns) {
+                      int cluster, int tile_columns, bool transpose_d) {
   MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));
   if (max_ctas < 0) return Status::invalid("fp8 wgrad GEMM: max_ctas must be >= 0, got " + std::to_string(max_ctas));
   if (cluster != 1 && cluster != 2)
@@ -95,6 +95,7 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, c
   p.N = static_cast<int>(N);
   p.D = D;
   p.accumulate = accumulate ? 1 : 0;
+  p.transpose_d = transpose_d ? 1 : 0;
   // B's box is the rows one CTA of the configuration loads (half the panel in a cluster pair), its scales' box
   // the tile's columns.
   const auto run = [&](auto config) -> Status {

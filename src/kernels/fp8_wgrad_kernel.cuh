@@ -38,8 +38,9 @@ struct Fp8WgradParams {
   int experts;
   int capacity;            // routed rows (offsets are clamped into [0, capacity])
   int M, N;                // output rows and columns of each expert (multiples of 128)
-  float* D;                // [experts, M, N] fp32
+  float* D;                // [experts, M, N] fp32, or [experts, N, M] with transpose_d
   int accumulate;          // 1: D += the gradient
+  int transpose_d;         // 1: each D[e] stored transposed
 };
 
 // kOverlap_: the consumers' loop is mma_tile_fp8_channel_scaled_overlapped (232 registers for them, 40 for
@@ -152,8 +153,13 @@ __device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, type
                                                  cwg, lt, rank);
     }
     float* d = p.D + static_cast<int64_t>(tile.e) * p.M * p.N;
-    device::epilogue_fp32<kBN>(acc, d, p.M, p.N, tile.m_idx * Shape::kBM + 64 * cwg, tile.n_idx * kBN,
-                               p.accumulate != 0, smem.staging[cwg], 2 + cwg, lt);
+    const int m0 = tile.m_idx * Shape::kBM + 64 * cwg, n0 = tile.n_idx * kBN;
+    if (p.transpose_d != 0) {
+      device::epilogue_fp32_transposed<kBN>(acc, d, p.M, p.N, m0, n0, p.accumulate != 0, smem.staging[cwg], 2 + cwg,
+                                            lt);
+    } else {
+      device::epilogue_fp32<kBN>(acc, d, p.M, p.N, m0, n0, p.accumulate != 0, smem.staging[cwg], 2 + cwg, lt);
+    }
   }
 }
 
