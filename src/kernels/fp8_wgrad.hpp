@@ -19,7 +19,8 @@
 // single CTAs only, else refused; bitwise the same D; 1-2.5% faster on three of the four benchmark shapes, run
 // 125). transpose_d: D is [experts, N, M], each D[e] stored transposed (the same values: D^T = B^T A, so
 // that the layer's dW13 = dh^T x can be formed as x^T dh, whose N = 2I takes 192-column tiles; the epilogue
-// of the engine's K-grouped form, a warp's lanes storing 32 consecutive floats of a row of D[e]).
+// of the engine's K-grouped form, a warp's lanes storing 32 consecutive floats of a row of D[e]; single CTAs
+// only, else refused).
 // offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous on `stream`.
 #pragma once
 
