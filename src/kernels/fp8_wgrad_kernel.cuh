@@ -158,8 +158,7 @@ __device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, type
     float* d = p.D + static_cast<int64_t>(tile.e) * p.M * p.N;
     const int m0 = tile.m_idx * Shape::kBM + 64 * cwg, n0 = tile.n_idx * kBN;
     if constexpr (Cfg::kTransposeD) {
-      device::epilogue_fp32_transposed<kBN>(acc, d, p.M, p.N, m0, n0, p.accumulate != 0, smem.staging[cwg], 2 + cwg,
-                                            lt);
+      device::epilogue_fp32_transposed_direct<kBN>(acc, d, p.M, p.N, m0, n0, p.accumulate != 0, lt);
     } else {
       device::epilogue_fp32<kBN>(acc, d, p.M, p.N, m0, n0, p.accumulate != 0, smem.staging[cwg], 2 + cwg, lt);
     }
