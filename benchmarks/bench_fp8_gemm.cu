@@ -548,9 +548,10 @@ void k_sweep(int cluster) {
 
 // The FP8 layer's weight gradients (kernels/fp8_wgrad.hpp) at the benchmark configuration: 16 experts of 8192
 // routed rows (K of the GEMM), dW13 = dh^T x (M = 2I, N = H) and dW2 = dy^T a (M = H, N = I) for (H, I) =
-// (2048, 768) and (4096, 1536). Five forms: the plain and the overlapped loop, in single CTAs and in 2-CTA
-// cluster pairs sharing B, and the plain loop in 128 x 192 tiles. Scales 1, so that all five must agree bit for
-// bit. Each shape also against the data
+// (2048, 768) and (4096, 1536). Seven forms: the plain and the overlapped loop, in single CTAs and in 2-CTA
+// cluster pairs sharing B, the plain loop in 128 x 192 tiles, and the plain loop on the operands swapped with D
+// stored transposed (D^T = B^T A, as the layer forms dW13) in 128 x 128 and 128 x 192 tiles. Scales 1, so that
+// all seven must agree bit for bit. Each shape also against the data
 // GEMM of the same FLOPs (8192 rows an expert, N = M, K = N), whose promotion is one scale a row (overlapped,
 // as in the layer, and plain): what the weight gradient's two scales a value cost, at equal work.
 void wgrad_shapes() {
@@ -563,17 +564,21 @@ void wgrad_shapes() {
     bool overlap;
     int cluster;
     int tile_columns;
+    bool swapped;
   };
-  constexpr int kFormCount = 5;
-  constexpr Form kForms[kFormCount] = {{"plain", false, 1, 128},
-                                       {"overlapped", true, 1, 128},
-                                       {"plain, pairs", false, 2, 128},
-                                       {"overlapped, pairs", true, 2, 128},
-                                       {"plain, 192 columns", false, 1, 192}};
+  constexpr int kFormCount = 7;
+  constexpr Form kForms[kFormCount] = {{"plain", false, 1, 128, false},
+                                       {"overlapped", true, 1, 128, false},
+                                       {"plain, pairs", false, 2, 128, false},
+                                       {"overlapped, pairs", true, 2, 128, false},
+                                       {"plain, 192 columns", false, 1, 192, false},
+                                       {"swapped, transposed D", false, 1, 128, true},
+                                       {"swapped, transposed D, 192 columns", false, 1, 192, true}};
   std::printf("FP8 weight gradients: 16 experts x 8192 routed rows, interleaved (median of 30), TFLOP/s\n");
   std::printf("| gradient (H, I) | M | N | plain | overlapped | plain, pairs | overlapped, pairs | plain, 192 columns | "
-              "best / plain | 192 columns / best of 128 | data GEMM, same FLOPs | data GEMM, plain loop | "
-              "best / data GEMM | bitwise |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+              "swapped, transposed D | swapped, transposed D, 192 columns | best / plain | best swapped / best | "
+              "data GEMM, same FLOPs | data GEMM, plain loop | best / data GEMM | bitwise |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   const int64_t layer_shapes[2][2] = {{2048, 768}, {4096, 1536}};
   for (const auto& hi : layer_shapes) {
     const int64_t H = hi[0], I = hi[1];
@@ -609,8 +614,13 @@ void wgrad_shapes() {
         float* const d = D[f];
         const Form form = kForms[f];
         contenders.push_back([=] {
-          BENCH_CHECK_OK(megamoe::kernels::fp8_wgrad_gemm(qa, sa, M, qb, sb, N, offsets, E, capacity, d, false,
-                                                          nullptr, 0, form.overlap, form.cluster, form.tile_columns));
+          if (form.swapped)
+            BENCH_CHECK_OK(megamoe::kernels::fp8_wgrad_gemm(qb, sb, N, qa, sa, M, offsets, E, capacity, d, false,
+                                                            nullptr, 0, false, 1, form.tile_columns, true));
+          else
+            BENCH_CHECK_OK(megamoe::kernels::fp8_wgrad_gemm(qa, sa, M, qb, sb, N, offsets, E, capacity, d, false,
+                                                            nullptr, 0, form.overlap, form.cluster,
+                                                            form.tile_columns));
         });
       }
       // Overlapped (as the layer's data GEMMs whose A comes by TMA), then plain.
@@ -627,24 +637,26 @@ void wgrad_shapes() {
       BENCH_CHECK_CUDA(cudaDeviceSynchronize());
       std::vector<float> first(count), other(count);
       BENCH_CHECK_CUDA(cudaMemcpy(first.data(), D[0], count * sizeof(float), cudaMemcpyDeviceToHost));
-      bool same = true;
+      // A swapped form that differs is reported (its timing still stands); any other ends the benchmark.
+      bool same = true, swapped_same = true;
       for (int f = 1; f < kFormCount; ++f) {
         BENCH_CHECK_CUDA(cudaMemcpy(other.data(), D[f], count * sizeof(float), cudaMemcpyDeviceToHost));
         if (std::memcmp(first.data(), other.data(), count * sizeof(float)) != 0) {
           std::fprintf(stderr, "bench_fp8_gemm --wgrad: %s %s: the %s form's D differs from the plain loop's\n",
                        g.name, std::to_string(H).c_str(), kForms[f].name);
-          same = false;
+          (kForms[f].swapped ? swapped_same : same) = false;
         }
       }
       const double flops = 2.0 * double(capacity) * double(M) * double(N);
       const auto rate = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
       const double best128 = std::min(std::min(t[0], t[1]), std::min(t[2], t[3]));
-      const double best = std::min(best128, t[4]);
-      std::printf("| %s (%lld, %lld) | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | x %.3f | x %.3f | %.1f | %.1f | "
-                  "x %.3f | %s |\n",
+      const double best = std::min(best128, t[4]), best_swapped = std::min(t[5], t[6]);
+      std::printf("| %s (%lld, %lld) | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | x %.3f | x %.3f | "
+                  "%.1f | %.1f | x %.3f | %s |\n",
                   g.name, static_cast<long long>(H), static_cast<long long>(I), static_cast<long long>(M),
-                  static_cast<long long>(N), rate(t[0]), rate(t[1]), rate(t[2]), rate(t[3]), rate(t[4]), t[0] / best,
-                  best128 / t[4], rate(t[5]), rate(t[6]), t[5] / best, same ? "yes" : "NO");
+                  static_cast<long long>(N), rate(t[0]), rate(t[1]), rate(t[2]), rate(t[3]), rate(t[4]), rate(t[5]),
+                  rate(t[6]), t[0] / best, best / best_swapped, rate(t[7]), rate(t[8]),
+                  t[7] / std::min(best, best_swapped), !same ? "NO" : swapped_same ? "yes" : "yes; swapped NO");
       for (void* p : {static_cast<void*>(qa), static_cast<void*>(qb), static_cast<void*>(sa), static_cast<void*>(sb)})
         BENCH_CHECK_CUDA(cudaFree(p));
       for (float* d : D) BENCH_CHECK_CUDA(cudaFree(d));

@@ -235,8 +235,9 @@ struct ExpertParallelLayer::Impl {
   }
   bool fp8_wgrad_overlap() const { return fp8_overlap == Fp8PromotionOverlap::kAll; }
   // A weight gradient of N columns in 128 x 192 tiles when they cover N whole (the plain loop only): dW2
-  // (N = I) 2-4% faster than in 128 x 128 tiles at both benchmark shapes; dW13 (N = H, whose last 192-column
-  // tile is partly empty) measured mixed, from 4% faster at H = 2048 to 1% slower at 4096 (docs/PERF.md run 125).
+  // (N = I) 2-4% faster than in 128 x 128 tiles at both benchmark shapes (docs/PERF.md run 125); dW13 is
+  // formed as x^T dh so that its N is 2I (as dh^T x, N = H, whose last 192-column tile is partly empty, it
+  // measured mixed).
   int fp8_wgrad_tile_columns(int64_t N) const { return !fp8_wgrad_overlap() && N % 192 == 0 ? 192 : 128; }
   // Weight gradients: expert row counts are uneven in training, so their work items are handed out
   // dynamically, longest first (each rank's own counter in its workspace; the two calls are stream-ordered).
@@ -479,9 +480,12 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
                                                   scales(l.at_s), I, offsets, EL, C, args.d_w2,
                                                   args.accumulate_weight_grads, stream, max_blocks,
                                                   fp8_wgrad_overlap(), 1, fp8_wgrad_tile_columns(I)));
-  return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dht_q), scales(l.dht_s), 2 * I, buffer<uint8_t>(l.xt_q),
-                                 scales(l.xt_s), H, offsets, EL, C, args.d_w13, args.accumulate_weight_grads, stream,
-                                 max_blocks, fp8_wgrad_overlap(), 1, fp8_wgrad_tile_columns(H));
+  // dW13 = dh^T x formed as x^T dh and stored transposed (the same bits): its columns are then the 2I
+  // channels, which 192-column tiles divide (H need not).
+  return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.xt_q), scales(l.xt_s), H, buffer<uint8_t>(l.dht_q),
+                                 scales(l.dht_s), 2 * I, offsets, EL, C, args.d_w13, args.accumulate_weight_grads,
+                                 stream, max_blocks, fp8_wgrad_overlap(), 1, fp8_wgrad_tile_columns(2 * I),
+                                 /*transpose_d=*/true);
 }
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -66,7 +66,7 @@ Status launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMa
 Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
                       const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
                       float* D, bool accumulate, cudaStream_t stream, int max_ctas, bool overlap_promotion,
-                      int cluster, int tile_columns) {
+                      int cluster, int tile_columns, bool transpose_d) {
   MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));
   if (max_ctas < 0) return Status::invalid("fp8 wgrad GEMM: max_ctas must be >= 0, got " + std::to_string(max_ctas));
   if (cluster != 1 && cluster != 2)
@@ -78,6 +78,9 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, c
     return Status::invalid("fp8 wgrad GEMM: tile_columns must be 128 or 192, got " + std::to_string(tile_columns));
   if (tile_columns == 192 && (overlap_promotion || cluster != 1))
     return Status::invalid("fp8 wgrad GEMM: 192-column tiles run the plain loop in single CTAs");
+  if (transpose_d && cluster != 1)
+    return Status::invalid("fp8 wgrad GEMM: a transposed D runs in single CTAs (cluster 1), got cluster " +
+                           std::to_string(cluster));
   if (cluster == 2 && M % 256 != 0)
     return Status::invalid("fp8 wgrad GEMM: 2-CTA clusters pair m-tiles, so M must be a multiple of 256, got M=" +
                            std::to_string(M));
@@ -105,6 +108,10 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, c
     const int64_t tiles = static_cast<int64_t>(experts) * (M / 128) * ((N + Cfg::kBN - 1) / Cfg::kBN);
     return launch<Cfg>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
   };
+  if (transpose_d) {
+    if (tile_columns == 192) return run(Fp8WgradConfig<false, 1, 192, true>{});
+    return overlap_promotion ? run(Fp8WgradConfig<true, 1, 128, true>{}) : run(Fp8WgradConfig<false, 1, 128, true>{});
+  }
   if (tile_columns == 192) return run(Fp8WgradConfig<false, 1, 192>{});
   if (cluster == 2) return overlap_promotion ? run(Fp8WgradConfig<true, 2>{}) : run(Fp8WgradConfig<false, 2>{});
   return overlap_promotion ? run(Fp8WgradConfig<true>{}) : run(Fp8WgradConfig<false>{});
@@ -117,6 +124,12 @@ Status fp8_wgrad_preload() {
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 2>>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<true, 2>>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 1, 192>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 1, 128, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<true, 1, 128, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 1, 192, true>>));
   return Status::ok();
 }
 

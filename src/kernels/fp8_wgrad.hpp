@@ -17,7 +17,11 @@
 // multiple of 256, and max_ctas 0 or at least 2, else refused; bitwise the same D; slower in runs 111-112,
 // where the L2 was not the limit), 1 single CTAs. tile_columns: 128, or 192 (128 x 192 tiles, the plain loop in
 // single CTAs only, else refused; bitwise the same D; 1-2.5% faster on three of the four benchmark shapes, run
-// 125). offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous on `stream`.
+// 125). transpose_d: D is [experts, N, M], each D[e] stored transposed (the same values: D^T = B^T A, so
+// that the layer's dW13 = dh^T x can be formed as x^T dh, whose N = 2I takes 192-column tiles; the epilogue
+// of the engine's K-grouped form, a warp's lanes storing 32 consecutive floats of a row of D[e]; single CTAs
+// only, else refused).
+// offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous on `stream`.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -32,7 +36,8 @@ namespace megamoe::kernels {
 Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
                       const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
                       float* D, bool accumulate, cudaStream_t stream, int max_ctas = 0,
-                      bool overlap_promotion = false, int cluster = 1, int tile_columns = 128);
+                      bool overlap_promotion = false, int cluster = 1, int tile_columns = 128,
+                      bool transpose_d = false);
 
 // Loads the kernel now (see fp8_quantize_preload).
 Status fp8_wgrad_preload();

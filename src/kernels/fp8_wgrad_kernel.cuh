@@ -38,19 +38,23 @@ struct Fp8WgradParams {
   int experts;
   int capacity;            // routed rows (offsets are clamped into [0, capacity])
   int M, N;                // output rows and columns of each expert (multiples of 128)
-  float* D;                // [experts, M, N] fp32
+  float* D;                // [experts, M, N] fp32, or [experts, N, M] with the configuration's kTransposeD
   int accumulate;          // 1: D += the gradient
 };
 
 // kOverlap_: the consumers' loop is mma_tile_fp8_channel_scaled_overlapped (232 registers for them, 40 for
 // the producer). kCluster_: 1, or 2 for the pairs of m-tiles sharing B (M a multiple of 256, fp8_wgrad.cu).
 // kBN_: 128, or 192 with the plain loop in single CTAs (two 96-register accumulators a consumer thread; the
-// overlapped loop's third would not fit).
-template <bool kOverlap_ = false, int kCluster_ = 1, int kBN_ = 128>
+// overlapped loop's third would not fit). kTransposeD_: each D[e] stored transposed, in single CTAs (a
+// configuration of its own: a run-time choice between the two epilogues made every form 5-15% slower,
+// docs/PERF.md run 135).
+template <bool kOverlap_ = false, int kCluster_ = 1, int kBN_ = 128, bool kTransposeD_ = false>
 struct Fp8WgradConfig {
   static constexpr bool kOverlap = kOverlap_;
   static constexpr int kCluster = kCluster_;
   static constexpr int kBN = kBN_;
+  static constexpr bool kTransposeD = kTransposeD_;
+  static_assert(!kTransposeD || kCluster == 1, "transposed D: single CTAs");
   static_assert(kBN == 128 || (kBN == 192 && !kOverlap && kCluster == 1), "192 columns: plain loop, single CTAs");
   // 5 x 32 KB stages (or 4 x 40 KB) + their scale slots + two 8 KB fp32 staging boxes + the numbering's tables.
   static constexpr int kStages = kBN == 128 ? 5 : 4;
@@ -152,8 +156,12 @@ __device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, type
                                                  cwg, lt, rank);
     }
     float* d = p.D + static_cast<int64_t>(tile.e) * p.M * p.N;
-    device::epilogue_fp32<kBN>(acc, d, p.M, p.N, tile.m_idx * Shape::kBM + 64 * cwg, tile.n_idx * kBN,
-                               p.accumulate != 0, smem.staging[cwg], 2 + cwg, lt);
+    const int m0 = tile.m_idx * Shape::kBM + 64 * cwg, n0 = tile.n_idx * kBN;
+    if constexpr (Cfg::kTransposeD) {
+      device::epilogue_fp32_transposed_direct<kBN>(acc, d, p.M, p.N, m0, n0, p.accumulate != 0, lt);
+    } else {
+      device::epilogue_fp32<kBN>(acc, d, p.M, p.N, m0, n0, p.accumulate != 0, smem.staging[cwg], 2 + cwg, lt);
+    }
   }
 }
 

@@ -212,6 +212,63 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionAndClusterPairsAreBitwiseThePlainLo
   }
 }
 
+// transpose_d: the operands swapped and D stored transposed (D^T = B^T A, the form the layer's dW13 takes) is
+// the plain D, bitwise (each product a scale pair's and each K block's partial the same, summed in the same
+// order), stored and accumulated, in 128- and 192-column tiles (N' = 512: the last 192-column tile 128 wide),
+// with CTAs that take one or several tiles.
+TEST(Fp8WgradGemmGpuTest, TransposedOutputOfSwappedOperandsIsThePlainOutput) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> log_magnitude(-4.0f, 4.0f);
+  const std::vector<int32_t> offsets = {0, 300, 300, 1000, 1513, 1641, 1642};
+  const int experts = 6;
+  const int64_t capacity = 1700, M = 512, N = 256;
+  std::vector<float> a_rows(capacity * M), b_rows(capacity * N);
+  for (float& v : a_rows) v = normal(rng) * std::exp2(log_magnitude(rng));
+  for (float& v : b_rows) v = normal(rng) * std::exp2(log_magnitude(rng));
+  DeviceBuffer<int32_t> d_offsets(offsets.size());
+  d_offsets.upload(offsets);
+  TokenMajorOperands ops(a_rows, M, b_rows, N, d_offsets, experts, capacity);
+  ASSERT_FALSE(::testing::Test::HasFailure()) << "building the token-major operands failed";
+  std::vector<float> start(experts * M * N);
+  for (size_t i = 0; i < start.size(); ++i) start[i] = 0.125f * static_cast<float>(i % 9) - 0.5f;
+  for (const int max_ctas : {0, 3})
+  for (const bool accumulate : {false, true})
+  for (const int tile_columns : {128, 192}) {
+    SCOPED_TRACE(std::string(accumulate ? "accumulating" : "storing") + ", max_ctas " + std::to_string(max_ctas) +
+                 ", tile columns " + std::to_string(tile_columns));
+    DeviceBuffer<float> plain(start.size()), swapped(start.size());
+    if (accumulate) {
+      plain.upload(start);
+      swapped.upload(start);
+    } else {
+      MEGAMOE_ASSERT_CUDA(cudaMemset(swapped.get(), 0xFE, start.size() * sizeof(float)));
+    }
+    ASSERT_TRUE(kernels::fp8_wgrad_gemm(ops.qa.get(), ops.sa.get(), M, ops.qb.get(), ops.sb.get(), N,
+                                        d_offsets.get(), experts, capacity, plain.get(), accumulate, nullptr, max_ctas)
+                    .is_ok());
+    const Status status = kernels::fp8_wgrad_gemm(ops.qb.get(), ops.sb.get(), N, ops.qa.get(), ops.sa.get(), M,
+                                                  d_offsets.get(), experts, capacity, swapped.get(), accumulate,
+                                                  nullptr, max_ctas, false, 1, tile_columns, /*transpose_d=*/true);
+    ASSERT_TRUE(status.is_ok()) << status.to_string();
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<float> want = plain.download(), got = swapped.download();
+    int64_t differ = 0, unwritten = 0;
+    std::string first;
+    for (size_t i = 0; i < want.size(); ++i) {
+      unwritten += std::isnan(got[i]) || std::isnan(want[i]);
+      if (std::memcmp(&want[i], &got[i], sizeof(float)) != 0 && differ++ == 0)
+        first = "element " + std::to_string(i) + ": " + std::to_string(got[i]) + " against " +
+                std::to_string(want[i]);
+    }
+    EXPECT_EQ(unwritten, 0) << "unwritten outputs";
+    EXPECT_EQ(differ, 0) << "the transposed form differs from the plain one, first at " << first;
+  }
+}
+
 TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   DeviceBuffer<uint8_t> q(256 * 1024);
