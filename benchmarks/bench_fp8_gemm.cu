@@ -575,9 +575,9 @@ void wgrad_shapes() {
                                        {"swapped, transposed D", false, 1, 128, true},
                                        {"swapped, transposed D, 192 columns", false, 1, 192, true}};
   std::printf("FP8 weight gradients: 16 experts x 8192 routed rows, interleaved (median of 30), TFLOP/s\n");
-  std::printf("| gradient (H, I) | M | N | plain | overlapped | plain, pairs | overlapped, pairs | plain, 192 columns | "
-              "swapped, transposed D | swapped, transposed D, 192 columns | best / plain | best swapped / best | "
-              "data GEMM, same FLOPs | data GEMM, plain loop | best / data GEMM | bitwise |\n"
+  std::printf("| gradient (H, I) | M | N | plain | overlapped | plain, pairs | overlapped, pairs | "
+              "plain, 192 columns | swapped, transposed D | swapped, transposed D, 192 columns | best / plain | "
+              "best swapped / best | data GEMM, same FLOPs | data GEMM, plain loop | best / data GEMM | bitwise |\n"
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   const int64_t layer_shapes[2][2] = {{2048, 768}, {4096, 1536}};
   for (const auto& hi : layer_shapes) {
@@ -651,8 +651,8 @@ void wgrad_shapes() {
       const auto rate = [&](double ms) { return flops / (ms * 1e-3) / 1e12; };
       const double best128 = std::min(std::min(t[0], t[1]), std::min(t[2], t[3]));
       const double best = std::min(best128, t[4]), best_swapped = std::min(t[5], t[6]);
-      std::printf("| %s (%lld, %lld) | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | x %.3f | x %.3f | "
-                  "%.1f | %.1f | x %.3f | %s |\n",
+      std::printf("| %s (%lld, %lld) | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | x %.3f | "
+                  "x %.3f | %.1f | %.1f | x %.3f | %s |\n",
                   g.name, static_cast<long long>(H), static_cast<long long>(I), static_cast<long long>(M),
                   static_cast<long long>(N), rate(t[0]), rate(t[1]), rate(t[2]), rate(t[3]), rate(t[4]), rate(t[5]),
                   rate(t[6]), t[0] / best, best / best_swapped, rate(t[7]), rate(t[8]),

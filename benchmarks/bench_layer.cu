@@ -463,13 +463,14 @@ Result run(int64_t H, int64_t I, int iters) {
                   median(all_total), median(all_total) / median(default_total));
       // The timings above wait for each step, so the GPU idles while the host enqueues the next one's first
       // kernels and between kernels the host enqueues late. Here: the host's time to enqueue a step (median),
-      // and kBackToBack steps enqueued before one wait (per step), the GPU-bound figure a training loop whose
+      // and back_to_back steps enqueued before one wait (per step), the GPU-bound figure a training loop whose
       // host runs ahead sees. bf16 and FP8 alternate.
       // Then the same steps with the kernels in plain stream order (no dependent launch), step for step.
       // MEGAMOE_BENCH_STEPS_PER_WAIT changes the count (a cost paid once per wait shows as a per-step time that
       // falls with it).
       const char* per_wait = std::getenv("MEGAMOE_BENCH_STEPS_PER_WAIT");
-      const int kBackToBack = per_wait != nullptr && std::atoi(per_wait) > 0 ? std::atoi(per_wait) : 10;
+      const int parsed_per_wait = per_wait != nullptr ? std::atoi(per_wait) : 0;
+      const int back_to_back = parsed_per_wait > 0 ? parsed_per_wait : 10;
       std::vector<float> bf16_host, fp8_host, bf16_b2b, fp8_b2b, bf16_b2b_plain, fp8_b2b_plain;
       const auto host_ms = [](const std::function<void()>& body) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -478,13 +479,13 @@ Result run(int64_t H, int64_t I, int iters) {
       };
       const auto bf16_steps = [&](int s) {
         return timed(*group, [&] {
-                 for (int k = 0; k < kBackToBack; ++k) step_on(*group, (s + k) % kSets);
-               }) / kBackToBack;
+                 for (int k = 0; k < back_to_back; ++k) step_on(*group, (s + k) % kSets);
+               }) / back_to_back;
       };
       const auto fp8_steps = [&](int s) {
         return timed(*fp8_group, [&] {
-                 for (int k = 0; k < kBackToBack; ++k) BENCH_CHECK_OK(fp8_step((s + k) % kSets));
-               }) / kBackToBack;
+                 for (int k = 0; k < back_to_back; ++k) BENCH_CHECK_OK(fp8_step((s + k) % kSets));
+               }) / back_to_back;
       };
       for (int it = 0; it < iters; ++it) {
         const int s = it % kSets;
@@ -509,7 +510,7 @@ Result run(int64_t H, int64_t I, int iters) {
       }
       std::printf("  forward + backward, %d steps back to back (per step, median of %d): bf16 %.3f ms, fp8 %.3f ms "
                   "(bf16 / fp8 %.3fx); host time to enqueue one step: bf16 %.3f ms, fp8 %.3f ms\n",
-                  kBackToBack, iters, median(bf16_b2b), median(fp8_b2b), median(bf16_b2b) / median(fp8_b2b),
+                  back_to_back, iters, median(bf16_b2b), median(fp8_b2b), median(bf16_b2b) / median(fp8_b2b),
                   median(bf16_host), median(fp8_host));
       if (!g_fp8_only)
         std::printf("  the same in plain stream order (dependent launch on above): bf16 %.3f ms (x %.3f of plain), "

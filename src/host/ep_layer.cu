@@ -481,7 +481,8 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
                                                   args.accumulate_weight_grads, stream, max_blocks,
                                                   fp8_wgrad_overlap(), 1, fp8_wgrad_tile_columns(I)));
   // dW13 = dh^T x formed as x^T dh and stored transposed (the same bits): its columns are then the 2I
-  // channels, which 192-column tiles divide (H need not).
+  // channels, which 192-column tiles cover whole when 3 divides I, as at the benchmark shapes (otherwise
+  // 128-column tiles).
   return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.xt_q), scales(l.xt_s), H, buffer<uint8_t>(l.dht_q),
                                  scales(l.dht_s), 2 * I, offsets, EL, C, args.d_w13, args.accumulate_weight_grads,
                                  stream, max_blocks, fp8_wgrad_overlap(), 1, fp8_wgrad_tile_columns(2 * I),

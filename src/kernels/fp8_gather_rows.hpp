@@ -1,5 +1,7 @@
-// The dispatched E4M3 rows of the layer's experts copied into expert order (point: before the GEMMs whose A
-// operand they are, GEMM1's x and the dgrad's d_out). The FP8 GEMM reads a contiguous A through TMA boxes at
+// The dispatched E4M3 rows of the layer's experts copied into expert order, before the GEMMs whose A operand
+// they are (GEMM1's x and the dgrad's d_out). The layer makes this copy with the token-major quantizer of the
+// same rows (fp8_token_major.hpp, token_major_quantize_e4m3_gathering, one read of the rows for both); this
+// plain copy is its twin in the tests. The FP8 GEMM reads a contiguous A through TMA boxes at
 // the rate of its TMA-operand form; gathering rows by index inside it runs 0.75-0.80x that (docs/PERF.md runs
 // 57 and 61), so one copy pass of the rows (2 bytes of traffic per byte of A) buys back a fifth of those GEMMs.
 //

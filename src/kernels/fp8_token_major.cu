@@ -378,16 +378,23 @@ Status token_major_quantize_fp32(const float* rows, int64_t channels, const int3
                 Outputs<1>{{{qt, st, channels, 0}}}, channels, offsets, experts, capacity, stream);
 }
 
+// The inputs both E4M3 forms read (after check_common; capacity > 0).
+Status check_e4m3_inputs(const char* what, const uint8_t* q, const float* scales, const int32_t* row_src) {
+  if (q == nullptr || scales == nullptr || row_src == nullptr)
+    return Status::invalid(std::string(what) + ": null pointer");
+  if ((reinterpret_cast<uintptr_t>(q) & 7u) != 0)
+    return Status::invalid(std::string(what) + ": q must be 8-byte aligned");
+  return Status::ok();
+}
+
 Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t source_rows, const int32_t* row_src,
                                  const float* row_weight, int64_t channels, const int32_t* offsets, int experts,
                                  int64_t capacity, uint8_t* qt, TokenMajorScale* st, cudaStream_t stream) {
-  MEGAMOE_RETURN_IF_ERROR(check_common("token_major_quantize_e4m3", channels, offsets, experts, capacity, qt, st));
-  if (source_rows < 0) return Status::invalid("token_major_quantize_e4m3: source_rows must be >= 0");
+  constexpr const char* kWhat = "token_major_quantize_e4m3";
+  MEGAMOE_RETURN_IF_ERROR(check_common(kWhat, channels, offsets, experts, capacity, qt, st));
+  if (source_rows < 0) return Status::invalid(std::string(kWhat) + ": source_rows must be >= 0");
   if (capacity == 0) return Status::ok();
-  if (q == nullptr || scales == nullptr || row_src == nullptr)
-    return Status::invalid("token_major_quantize_e4m3: null pointer");
-  if ((reinterpret_cast<uintptr_t>(q) & 7u) != 0)
-    return Status::invalid("token_major_quantize_e4m3: q must be 8-byte aligned");
+  MEGAMOE_RETURN_IF_ERROR(check_e4m3_inputs(kWhat, q, scales, row_src));
   return launch("token_major_quantize_kernel<E4m3Rows>",
                 E4m3Rows{q, scales, source_rows, row_src, row_weight, channels}, Outputs<1>{{{qt, st, channels, 0}}},
                 channels, offsets, experts, capacity, stream);
@@ -405,15 +412,11 @@ Status token_major_quantize_e4m3_gathering(const uint8_t* q, const float* scales
     return Status::invalid(std::string(kWhat) + ": rows_s_pitch must be at least capacity=" +
                            std::to_string(capacity) + ", got " + std::to_string(rows_s_pitch));
   if (capacity == 0) return Status::ok();
-  if (q == nullptr || scales == nullptr || row_src == nullptr || rows_q == nullptr || rows_s == nullptr)
-    return Status::invalid(std::string(kWhat) + ": null pointer");
-  if ((reinterpret_cast<uintptr_t>(q) & 7u) != 0 || (reinterpret_cast<uintptr_t>(rows_q) & 7u) != 0)
-    return Status::invalid(std::string(kWhat) + ": q and rows_q must be 8-byte aligned");
-  E4m3GatheringRows rows;
-  static_cast<E4m3Rows&>(rows) = E4m3Rows{q, scales, source_rows, row_src, row_weight, channels};
-  rows.rows_q = rows_q;
-  rows.rows_s = rows_s;
-  rows.pitch = rows_s_pitch;
+  MEGAMOE_RETURN_IF_ERROR(check_e4m3_inputs(kWhat, q, scales, row_src));
+  if (rows_q == nullptr || rows_s == nullptr) return Status::invalid(std::string(kWhat) + ": null pointer");
+  if ((reinterpret_cast<uintptr_t>(rows_q) & 7u) != 0)
+    return Status::invalid(std::string(kWhat) + ": rows_q must be 8-byte aligned");
+  const E4m3GatheringRows rows{{q, scales, source_rows, row_src, row_weight, channels}, rows_q, rows_s, rows_s_pitch};
   return launch("token_major_quantize_kernel<E4m3GatheringRows>", rows, Outputs<1>{{{qt, st, channels, 0}}}, channels,
                 offsets, experts, capacity, stream);
 }

@@ -38,11 +38,13 @@ Status token_major_quantize_e4m3(const uint8_t* q, const float* scales, int64_t 
                                  int64_t capacity, uint8_t* qt, TokenMajorScale* st, cudaStream_t stream);
 
 // token_major_quantize_e4m3 that also copies the routed rows into expert order, codes and scales as they are:
-// routed row r (r < the clamped offsets[experts]) into row r of rows_q [capacity, channels] and its scales
-// K-block-major into rows_s [channels / 128, rows_s_pitch] (rows_s_pitch >= capacity): the bytes
-// gather_rows_e4m3 (fp8_gather_rows.hpp) writes for the same rows, from the one read of them that the
-// transposition makes. A row_src outside [0, source_rows) is copied as zero codes and a zero scale (the gather
-// clamps it). q and rows_q 8-byte aligned.
+// each row r of an expert's (clamped) rows, the rows its groups cover, into row r of rows_q [capacity,
+// channels] and its scales K-block-major into rows_s [channels / 128, rows_s_pitch] (rows_s_pitch >=
+// capacity), from the one read of them that the transposition makes. Other rows are not written. For offsets
+// from 0 and non-decreasing (the layer's) those are rows [0, offsets[experts]), and the bytes are what
+// gather_rows_e4m3 (fp8_gather_rows.hpp) writes with rows_used = offsets + experts, except that a row_src
+// outside [0, source_rows) is copied as zero codes and a zero scale (the gather clamps it). q and rows_q
+// 8-byte aligned.
 Status token_major_quantize_e4m3_gathering(const uint8_t* q, const float* scales, int64_t source_rows,
                                            const int32_t* row_src, const float* row_weight, int64_t channels,
                                            const int32_t* offsets, int experts, int64_t capacity, uint8_t* qt,

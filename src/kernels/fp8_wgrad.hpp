@@ -18,9 +18,9 @@
 // where the L2 was not the limit), 1 single CTAs. tile_columns: 128, or 192 (128 x 192 tiles, the plain loop in
 // single CTAs only, else refused; bitwise the same D; 1-2.5% faster on three of the four benchmark shapes, run
 // 125). transpose_d: D is [experts, N, M], each D[e] stored transposed (the same values: D^T = B^T A, so
-// that the layer's dW13 = dh^T x can be formed as x^T dh, whose N = 2I takes 192-column tiles; the epilogue
-// of the engine's K-grouped form, a warp's lanes storing 32 consecutive floats of a row of D[e]; single CTAs
-// only, else refused).
+// that the layer's dW13 = dh^T x can be formed as x^T dh, whose N = 2I 192-column tiles can cover whole; each
+// value stored straight from the accumulators, a warp's store one 32-byte sector in each of four rows of D[e]
+// (device/epilogue/epilogues.cuh, epilogue_fp32_transposed_direct); single CTAs only, else refused).
 // offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous on `stream`.
 #pragma once
 

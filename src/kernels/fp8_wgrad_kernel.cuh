@@ -10,7 +10,8 @@
 //     rows of qb, or in a cluster its half of them, multicast; rows past N load as zeros) with TMA; thread 32
 //     the stage's 128 + BN scales (load_channel_scales: each CTA its own);
 //   warpgroups 1 and 2, the consumers: 64 rows each, mma_tile_fp8_channel_scaled, then the fp32 epilogue
-//     (stored, or added to what D holds; columns past N are not stored).
+//     (stored, or added to what D holds; columns past N are not stored), through a staging box, or for a
+//     transposed D straight from the accumulators (whose configurations leave the staging boxes unused).
 // An expert without rows still has its tiles: they store zeros (or add nothing).
 #pragma once
 

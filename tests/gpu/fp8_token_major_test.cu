@@ -453,6 +453,16 @@ TEST(Fp8TokenMajorGpuTest, BadArgumentsAreRefused) {
     EXPECT_EQ(call(kCapacity - 1, rows_q.get()), StatusCode::kInvalidArgument);
     EXPECT_EQ(call(kCapacity, rows_q.get() + 4), StatusCode::kInvalidArgument);
     EXPECT_EQ(call(kCapacity, nullptr), StatusCode::kInvalidArgument);
+    const auto inputs = [&](const uint8_t* in_q, const float* in_s, float* out_s) {
+      return kernels::token_major_quantize_e4m3_gathering(in_q, in_s, 10, row_src.get(), nullptr, kChannels,
+                                                          offsets.get(), 4, kCapacity, qt.get(), st.get(),
+                                                          rows_q.get(), out_s, kCapacity, nullptr)
+          .code();
+    };
+    EXPECT_EQ(inputs(q.get() + 4, scales.get(), rows_s.get()), StatusCode::kInvalidArgument);  // q 8-byte aligned
+    EXPECT_EQ(inputs(q.get(), nullptr, rows_s.get()), StatusCode::kInvalidArgument);
+    EXPECT_EQ(inputs(q.get(), scales.get(), nullptr), StatusCode::kInvalidArgument);
+    EXPECT_EQ(inputs(q.get(), scales.get(), rows_s.get()), StatusCode::kOk);  // the call itself is well formed
   }
   EXPECT_EQ(kernels::token_major_quantize_swiglu_pair(rows.get(), rows.get(), rows.get(), 128, offsets.get(), 4,
                                                       kCapacity, qt.get(), st.get(), qt.get() + 1, st.get(), nullptr)

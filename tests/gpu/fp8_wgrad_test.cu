@@ -214,8 +214,8 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionAndClusterPairsAreBitwiseThePlainLo
 
 // transpose_d: the operands swapped and D stored transposed (D^T = B^T A, the form the layer's dW13 takes) is
 // the plain D, bitwise (each product a scale pair's and each K block's partial the same, summed in the same
-// order), stored and accumulated, in 128- and 192-column tiles (N' = 512: the last 192-column tile 128 wide),
-// with CTAs that take one or several tiles.
+// order), stored and accumulated, in 128-column tiles (plain and overlapped loop) and 192-column ones (N' =
+// 512: the last 192-column tile 128 wide), with CTAs that take one or several tiles.
 TEST(Fp8WgradGemmGpuTest, TransposedOutputOfSwappedOperandsIsThePlainOutput) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const uint32_t seed = std::random_device{}();
@@ -235,11 +235,16 @@ TEST(Fp8WgradGemmGpuTest, TransposedOutputOfSwappedOperandsIsThePlainOutput) {
   ASSERT_FALSE(::testing::Test::HasFailure()) << "building the token-major operands failed";
   std::vector<float> start(experts * M * N);
   for (size_t i = 0; i < start.size(); ++i) start[i] = 0.125f * static_cast<float>(i % 9) - 0.5f;
+  struct Form {
+    bool overlap;
+    int tile_columns;
+  };
   for (const int max_ctas : {0, 3})
   for (const bool accumulate : {false, true})
-  for (const int tile_columns : {128, 192}) {
+  for (const Form form : {Form{false, 128}, Form{true, 128}, Form{false, 192}}) {
+    const int tile_columns = form.tile_columns;
     SCOPED_TRACE(std::string(accumulate ? "accumulating" : "storing") + ", max_ctas " + std::to_string(max_ctas) +
-                 ", tile columns " + std::to_string(tile_columns));
+                 (form.overlap ? ", overlapped" : ", plain") + ", tile columns " + std::to_string(tile_columns));
     DeviceBuffer<float> plain(start.size()), swapped(start.size());
     if (accumulate) {
       plain.upload(start);
@@ -252,7 +257,8 @@ TEST(Fp8WgradGemmGpuTest, TransposedOutputOfSwappedOperandsIsThePlainOutput) {
                     .is_ok());
     const Status status = kernels::fp8_wgrad_gemm(ops.qb.get(), ops.sb.get(), N, ops.qa.get(), ops.sa.get(), M,
                                                   d_offsets.get(), experts, capacity, swapped.get(), accumulate,
-                                                  nullptr, max_ctas, false, 1, tile_columns, /*transpose_d=*/true);
+                                                  nullptr, max_ctas, form.overlap, 1, tile_columns,
+                                                  /*transpose_d=*/true);
     ASSERT_TRUE(status.is_ok()) << status.to_string();
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<float> want = plain.download(), got = swapped.download();
@@ -311,6 +317,15 @@ TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {
   EXPECT_EQ(tiles(256, false, 1), StatusCode::kInvalidArgument);
   EXPECT_EQ(tiles(192, true, 1), StatusCode::kInvalidArgument);
   EXPECT_EQ(tiles(192, false, 2), StatusCode::kInvalidArgument);
+  // A transposed D: single CTAs only (and 192 columns with the plain loop, as above).
+  const auto transposed = [&](int tile_columns, bool overlap, int cluster) {
+    return kernels::fp8_wgrad_gemm(q.get(), s.get(), 256, q.get(), s.get(), 128, offsets.get(), 2, 128, d.get(), false,
+                                   nullptr, 0, overlap, cluster, tile_columns, /*transpose_d=*/true)
+        .code();
+  };
+  EXPECT_EQ(transposed(128, false, 2), StatusCode::kInvalidArgument);
+  EXPECT_EQ(transposed(128, true, 2), StatusCode::kInvalidArgument);
+  EXPECT_EQ(transposed(192, true, 1), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

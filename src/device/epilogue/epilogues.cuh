@@ -336,8 +336,8 @@ __device__ __forceinline__ void epilogue_fp32_transposed(const float (&acc)[kBN 
 }
 
 // The same values as epilogue_fp32_transposed, stored straight from the fragment, without staging: a warp's
-// store writes, for four columns n of C (the lanes' pair slots), eight consecutive rows m each, one 32-byte
-// sector apiece. Short code and no barriers: the FP8 weight gradient's loop lost 7-11% to the staged form
+// store writes four rows n of C (the tile's columns in the lanes' pair slots), eight consecutive m in each,
+// one 32-byte sector apiece. Short code and no barriers: the FP8 weight gradient's loop lost 7-11% to the staged form
 // (docs/PERF.md run 136).
 template <int kBN, bool kAccumulate>
 __device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[kBN / 2], float* C, int M, int N,
