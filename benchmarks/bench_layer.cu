@@ -167,6 +167,27 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
     std::printf("  kernels' span %.3f ms per %s, of which idle between kernels %.3f ms (%.1f gaps, %.1f us each)\n",
                 span_ms / iters, per, idle_ms / iters, double(count) / iters, count > 0 ? idle_ms / count * 1e3 : 0.0);
     if (!long_gaps.empty()) std::printf("    gaps of 20 us and more (kernel index: length):%s\n", long_gaps.c_str());
+    // For the first such gap: when the host called the launch of the kernel after it, relative to the gap's
+    // start (late: the host; early: the GPU), and the runtime calls of 10 us or more that overlap the gap.
+    const auto& apis = profile.api_records();
+    uint64_t end_before = records.front().end_ns;
+    for (size_t i = 1; i < records.size(); ++i) {
+      const auto& k = records[i];
+      if (k.start_ns > end_before && k.start_ns - end_before >= 20000) {
+        const int64_t gap0 = static_cast<int64_t>(end_before);
+        std::printf("    gap before kernel %zu (%s), %.1f us:\n", i, k.name.c_str(), (k.start_ns - end_before) * 1e-3);
+        for (const auto& a : apis) {
+          const bool launch = a.correlation == k.correlation;
+          const bool overlaps = a.end_ns > end_before && a.start_ns < k.start_ns && a.end_ns - a.start_ns >= 10000;
+          if (launch || overlaps)
+            std::printf("      %s %s: from %+.1f to %+.1f us of the gap's start\n", launch ? "launch" : "call",
+                        a.name.c_str(), (static_cast<int64_t>(a.start_ns) - gap0) * 1e-3,
+                        (static_cast<int64_t>(a.end_ns) - gap0) * 1e-3);
+        }
+        break;
+      }
+      end_before = std::max(end_before, k.end_ns);
+    }
     std::vector<std::pair<double, std::string>> widest;
     for (const auto& [pair, g] : gaps) widest.push_back({g.second / g.first * 1e3, pair});
     std::sort(widest.rbegin(), widest.rend());

@@ -18,7 +18,15 @@ namespace megamoe::bench {
 struct KernelRecord {
   std::string name;
   uint64_t start_ns, end_ns;
+  uint32_t correlation = 0;  // the runtime call that launched it (ApiRecord::correlation)
   double ms() const { return static_cast<double>(end_ns - start_ns) * 1e-6; }
+};
+
+// A host call of the CUDA runtime, on the kernels' clock: where the host was while the GPU idled.
+struct ApiRecord {
+  std::string name;
+  uint64_t start_ns, end_ns;
+  uint32_t correlation;
 };
 
 class KernelProfile {
@@ -33,12 +41,19 @@ class KernelProfile {
     if (!check(cuptiActivityRegisterCallbacks(&KernelProfile::request, &KernelProfile::complete),
                "cuptiActivityRegisterCallbacks"))
       return false;
-    return check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityEnable");
+    if (!check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityEnable")) return false;
+    api_records_.clear();
+    return check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME), "cuptiActivityEnable(runtime)");
   }
+  // The runtime calls recorded by the last stop(), in start order.
+  const std::vector<ApiRecord>& api_records() const { return api_records_; }
   // Stops recording; the caller has synchronised the device. Returns the kernels in start order.
   std::vector<KernelRecord> stop() {
     check(cuptiActivityFlushAll(1), "cuptiActivityFlushAll");
     check(cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityDisable");
+    check(cuptiActivityDisable(CUPTI_ACTIVITY_KIND_RUNTIME), "cuptiActivityDisable(runtime)");
+    std::sort(api_records_.begin(), api_records_.end(),
+              [](const ApiRecord& a, const ApiRecord& b) { return a.start_ns < b.start_ns; });
     std::vector<KernelRecord> out = std::move(records_);
     records_.clear();
     std::sort(out.begin(), out.end(), [](const KernelRecord& a, const KernelRecord& b) { return a.start_ns < b.start_ns; });
@@ -64,7 +79,12 @@ class KernelProfile {
     while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
       if (record->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) {
         const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
-        instance().records_.push_back({short_name(k->name), k->start, k->end});
+        instance().records_.push_back({short_name(k->name), k->start, k->end, k->correlationId});
+      } else if (record->kind == CUPTI_ACTIVITY_KIND_RUNTIME) {
+        const auto* a = reinterpret_cast<const CUpti_ActivityAPI*>(record);
+        const char* name = nullptr;
+        if (cuptiGetCallbackName(CUPTI_CB_DOMAIN_RUNTIME_API, a->cbid, &name) != CUPTI_SUCCESS) name = nullptr;
+        instance().api_records_.push_back({name != nullptr ? name : "?", a->start, a->end, a->correlationId});
       }
     }
     std::free(buffer);
@@ -91,6 +111,7 @@ class KernelProfile {
     return name;
   }
   std::vector<KernelRecord> records_;
+  std::vector<ApiRecord> api_records_;
 };
 
 }  // namespace megamoe::bench
