@@ -169,6 +169,8 @@ void print_breakdown(const std::function<void(int)>& step, cudaStream_t stream, 
     if (!long_gaps.empty()) std::printf("    gaps of 20 us and more (kernel index: length):%s\n", long_gaps.c_str());
     // For the first such gap: when the host called the launch of the kernel after it, relative to the gap's
     // start (late: the host; early: the GPU), and the runtime calls of 10 us or more that overlap the gap.
+    // (Recording the runtime calls also took away the gap of milliseconds that the kernel records alone found
+    // after each profile's first kernel, docs/PERF.md runs 133-139.)
     const auto& apis = profile.api_records();
     uint64_t end_before = records.front().end_ns;
     for (size_t i = 1; i < records.size(); ++i) {
