@@ -109,6 +109,42 @@ TEST(Fp8TokenMajorGpuTest, Fp32RowsMatchTheCpuRuleBitExactly) {
                      qt.download(), st.download());
 }
 
+// Dispatched E4M3 rows as the layer receives them: kSourceRows random rows quantized 1 x 128, a source row and
+// a routing weight per routed row (rows 7 and 150 with indices out of range: they read as zeros), on the host
+// and uploaded.
+struct DispatchedE4m3Rows {
+  static constexpr int64_t kSourceRows = 200;
+  std::vector<uint8_t> q;
+  std::vector<float> s, row_weight;
+  std::vector<int32_t> row_src;
+  DeviceBuffer<uint8_t> d_q;
+  DeviceBuffer<float> d_s, d_weight;
+  DeviceBuffer<int32_t> d_src, d_offsets;
+
+  DispatchedE4m3Rows(int64_t channels, std::mt19937& rng)
+      : q(kSourceRows * channels), s(kSourceRows * (channels / 128)), row_weight(kCapacity),
+        row_src(kCapacity), d_q(q.size()), d_s(s.size()), d_weight(kCapacity), d_src(kCapacity),
+        d_offsets(kOffsets.size()) {
+    std::vector<float> source(kSourceRows * channels);
+    for (float& v : source) v = random_value(rng);
+    fp8::quantize_rows_1x128(source.data(), kSourceRows, channels, q.data(), s.data());
+    std::uniform_int_distribution<int32_t> pick(0, kSourceRows - 1);
+    std::uniform_real_distribution<float> weight(0.01f, 1.0f);
+    for (int64_t r = 0; r < kCapacity; ++r) {
+      row_src[r] = pick(rng);
+      row_weight[r] = weight(rng);
+    }
+    row_src[7] = -1;
+    row_src[150] = kSourceRows;
+    d_q.upload(q);
+    d_s.upload(s);
+    d_weight.upload(row_weight);
+    d_src.upload(row_src);
+    d_offsets.upload(kOffsets);
+  }
+  bool valid(int64_t r) const { return row_src[r] >= 0 && row_src[r] < kSourceRows; }
+};
+
 // Dispatched E4M3 rows gathered by index (one index out of range: zeros), dequantized, and with the routing
 // weight (dy = w dOut) or without (x); 256 channels (one run of slabs a block) and 768 (two, the second partial).
 void check_gathered_e4m3_rows(int64_t channels) {
@@ -116,33 +152,19 @@ void check_gathered_e4m3_rows(int64_t channels) {
   const uint32_t seed = std::random_device{}();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937 rng(seed);
-  constexpr int64_t kSourceRows = 200;
-  std::vector<float> source(kSourceRows * channels);
-  for (float& v : source) v = random_value(rng);
-  std::vector<uint8_t> q(source.size());
-  std::vector<float> s(kSourceRows * (channels / 128));
-  fp8::quantize_rows_1x128(source.data(), kSourceRows, channels, q.data(), s.data());
-  std::uniform_int_distribution<int32_t> pick(0, kSourceRows - 1);
-  std::uniform_real_distribution<float> weight(0.01f, 1.0f);
-  std::vector<int32_t> row_src(kCapacity);
-  std::vector<float> row_weight(kCapacity);
-  for (int64_t r = 0; r < kCapacity; ++r) {
-    row_src[r] = pick(rng);
-    row_weight[r] = weight(rng);
-  }
-  row_src[7] = -1;
-  row_src[150] = kSourceRows;  // both out of range: the rows read as zeros
-
+  const DispatchedE4m3Rows in(channels, rng);
+  constexpr int64_t kSourceRows = DispatchedE4m3Rows::kSourceRows;
+  const std::vector<uint8_t>& q = in.q;
+  const std::vector<float>& s = in.s;
+  const std::vector<float>& row_weight = in.row_weight;
+  const std::vector<int32_t>& row_src = in.row_src;
+  const DeviceBuffer<uint8_t>& d_q = in.d_q;
+  const DeviceBuffer<float>& d_s = in.d_s;
+  const DeviceBuffer<float>& d_weight = in.d_weight;
+  const DeviceBuffer<int32_t>& d_src = in.d_src;
+  const DeviceBuffer<int32_t>& d_offsets = in.d_offsets;
   const int experts = static_cast<int>(kOffsets.size()) - 1;
   const int64_t columns = kernels::token_major_columns(kCapacity, experts);
-  DeviceBuffer<uint8_t> d_q(q.size());
-  DeviceBuffer<float> d_s(s.size()), d_weight(row_weight.size());
-  DeviceBuffer<int32_t> d_src(row_src.size()), d_offsets(kOffsets.size());
-  d_q.upload(q);
-  d_s.upload(s);
-  d_weight.upload(row_weight);
-  d_src.upload(row_src);
-  d_offsets.upload(kOffsets);
   for (const bool weighted : {false, true}) {
     SCOPED_TRACE(weighted ? "with the routing weight" : "without a weight");
     DeviceBuffer<uint8_t> qt(channels * columns);
@@ -172,34 +194,20 @@ void check_gathering_form(int64_t channels) {
   const uint32_t seed = std::random_device{}();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937 rng(seed);
-  constexpr int64_t kSourceRows = 200;
-  std::vector<float> source(kSourceRows * channels);
-  for (float& v : source) v = random_value(rng);
-  std::vector<uint8_t> q(source.size());
-  std::vector<float> s(kSourceRows * (channels / 128));
-  fp8::quantize_rows_1x128(source.data(), kSourceRows, channels, q.data(), s.data());
-  std::uniform_int_distribution<int32_t> pick(0, kSourceRows - 1);
-  std::uniform_real_distribution<float> weight(0.01f, 1.0f);
-  std::vector<int32_t> row_src(kCapacity);
-  std::vector<float> row_weight(kCapacity);
-  for (int64_t r = 0; r < kCapacity; ++r) {
-    row_src[r] = pick(rng);
-    row_weight[r] = weight(rng);
-  }
-  row_src[7] = -1;
-  row_src[150] = kSourceRows;
+  const DispatchedE4m3Rows in(channels, rng);
+  constexpr int64_t kSourceRows = DispatchedE4m3Rows::kSourceRows;
+  const std::vector<uint8_t>& q = in.q;
+  const std::vector<float>& s = in.s;
+  const std::vector<int32_t>& row_src = in.row_src;
+  const DeviceBuffer<uint8_t>& d_q = in.d_q;
+  const DeviceBuffer<float>& d_s = in.d_s;
+  const DeviceBuffer<float>& d_weight = in.d_weight;
+  const DeviceBuffer<int32_t>& d_src = in.d_src;
+  const DeviceBuffer<int32_t>& d_offsets = in.d_offsets;
   const int experts = static_cast<int>(kOffsets.size()) - 1;
   const int64_t columns = kernels::token_major_columns(kCapacity, experts);
   const int64_t pitch = kernels::fp8_scale_pitch(kCapacity), blocks = channels / 128;
   const int64_t used = kOffsets.back();
-  DeviceBuffer<uint8_t> d_q(q.size());
-  DeviceBuffer<float> d_s(s.size()), d_weight(row_weight.size());
-  DeviceBuffer<int32_t> d_src(row_src.size()), d_offsets(kOffsets.size());
-  d_q.upload(q);
-  d_s.upload(s);
-  d_weight.upload(row_weight);
-  d_src.upload(row_src);
-  d_offsets.upload(kOffsets);
   for (const bool weighted : {false, true}) {
     SCOPED_TRACE(weighted ? "with the routing weight" : "without a weight");
     const float* w = weighted ? d_weight.get() : nullptr;
@@ -221,7 +229,7 @@ void check_gathering_form(int64_t channels) {
     const std::vector<float> got_s = rows_s.download();
     int64_t bad_q = 0, bad_s = 0, poison_lost = 0;
     for (int64_t r = 0; r < kCapacity; ++r) {
-      const bool routed = r < used, valid = row_src[r] >= 0 && row_src[r] < kSourceRows;
+      const bool routed = r < used, valid = in.valid(r);
       for (int64_t c = 0; c < channels; ++c) {
         const uint8_t v = got_q[r * channels + c];
         if (!routed) poison_lost += v != 0xFF;
@@ -250,7 +258,7 @@ void check_gathering_form(int64_t channels) {
     const std::vector<float> twin_s = gathered_s.download();
     int64_t differ = 0;
     for (int64_t r = 0; r < used; ++r) {
-      if (row_src[r] < 0 || row_src[r] >= kSourceRows) continue;
+      if (!in.valid(r)) continue;
       differ += std::memcmp(&got_q[r * channels], &twin_q[r * channels], channels) != 0;
       for (int64_t kb = 0; kb < blocks; ++kb)
         differ += bits_of(got_s[kb * pitch + r]) != bits_of(twin_s[kb * pitch + r]);

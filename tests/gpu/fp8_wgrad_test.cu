@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -147,30 +148,74 @@ TEST(Fp8WgradGemmGpuTest, MatchesTheContractOnTokenMajorOperands) {
   }
 }
 
+// A weight-gradient problem of six experts of 0 to 6 K blocks (odd and even counts: the overlapped loop's
+// pairs and its tail), M = 512 (two m-tile pairs) and N = 256 (two n-tiles), on which another form of the GEMM
+// must give bitwise the D of the plain loop in single CTAs, stored and accumulated.
+struct BitwiseFormProblem {
+  const std::vector<int32_t> offsets = {0, 300, 300, 1000, 1513, 1641, 1642};  // 3, 0, 6, 5, 1, 1 blocks
+  static constexpr int kExperts = 6;
+  static constexpr int64_t kCapacity = 1700, kM = 512, kN = 256;
+  DeviceBuffer<int32_t> d_offsets{offsets.size()};
+  std::unique_ptr<TokenMajorOperands> ops;
+  std::vector<float> start = std::vector<float>(kExperts * kM * kN);
+
+  // Rows of values from `value` (called once per element, A's rows first).
+  template <class Value>
+  explicit BitwiseFormProblem(Value&& value) {
+    std::vector<float> a_rows(kCapacity * kM), b_rows(kCapacity * kN);
+    for (float& v : a_rows) v = value();
+    for (float& v : b_rows) v = value();
+    d_offsets.upload(offsets);
+    ops = std::make_unique<TokenMajorOperands>(a_rows, kM, b_rows, kN, d_offsets, kExperts, kCapacity);
+    for (size_t i = 0; i < start.size(); ++i) start[i] = 0.125f * static_cast<float>(i % 9) - 0.5f;
+  }
+
+  // The plain loop's D against other(D, accumulate) (a GEMM call into D on these operands, [kExperts, kM, kN]).
+  // Poisoned unless accumulating: the plain D with NaN, the other with a finite pattern, so that an output either
+  // form leaves unwritten is counted (NaN) or differs.
+  template <class Other>
+  void expect_plain_bits(int max_ctas, bool accumulate, const char* what, Other&& other) const {
+    DeviceBuffer<float> plain(start.size()), got_d(start.size());
+    if (accumulate) {
+      plain.upload(start);
+      got_d.upload(start);
+    } else {
+      MEGAMOE_ASSERT_CUDA(cudaMemset(got_d.get(), 0xFE, start.size() * sizeof(float)));
+    }
+    ASSERT_TRUE(kernels::fp8_wgrad_gemm(ops->qa.get(), ops->sa.get(), kM, ops->qb.get(), ops->sb.get(), kN,
+                                        d_offsets.get(), kExperts, kCapacity, plain.get(), accumulate, nullptr,
+                                        max_ctas, false, 1)
+                    .is_ok());
+    const Status status = other(got_d.get(), accumulate);
+    ASSERT_TRUE(status.is_ok()) << status.to_string();
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<float> want = plain.download(), got = got_d.download();
+    int64_t differ = 0, unwritten = 0;
+    std::string first;
+    for (size_t i = 0; i < want.size(); ++i) {
+      unwritten += std::isnan(got[i]) || std::isnan(want[i]);
+      if (std::memcmp(&want[i], &got[i], sizeof(float)) != 0 && differ++ == 0)
+        first = "element " + std::to_string(i) + ": " + std::to_string(got[i]) + " against " +
+                std::to_string(want[i]);
+    }
+    EXPECT_EQ(unwritten, 0) << "unwritten outputs";
+    EXPECT_EQ(differ, 0) << what << " differs from the plain loop in single CTAs, first at " << first;
+  }
+};
+
 // The overlapped promotion (each K block promoted while the next one's wgmma run), the 2-CTA cluster pairs
 // (B multicast) and the 192-column tiles (N = 256: the second one 64 columns wide) against the plain loop in
-// single CTAs, on experts of 0 to 6 K blocks (odd and even counts, the overlapped loop's pairs and its tail):
-// bitwise the same D, stored and accumulated.
+// single CTAs: bitwise the same D, stored and accumulated.
 TEST(Fp8WgradGemmGpuTest, OverlappedPromotionAndClusterPairsAreBitwiseThePlainLoop) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const uint32_t seed = std::random_device{}();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  const std::vector<int32_t> offsets = {0, 300, 300, 1000, 1513, 1641, 1642};  // 3, 0, 6, 5, 1, 1 blocks
-  const int experts = 6;
-  const int64_t capacity = 1700, M = 512, N = 256;  // two m-tile pairs, two n-tiles
-  std::vector<float> a_rows(capacity * M), b_rows(capacity * N);
-  for (float& v : a_rows) v = normal(rng);
-  for (float& v : b_rows) v = normal(rng);
-  DeviceBuffer<int32_t> d_offsets(offsets.size());
-  d_offsets.upload(offsets);
-  TokenMajorOperands ops(a_rows, M, b_rows, N, d_offsets, experts, capacity);
+  const BitwiseFormProblem pr([&] { return normal(rng); });
   ASSERT_FALSE(::testing::Test::HasFailure()) << "building the token-major operands failed";
-  auto &qa = ops.qa, &qb = ops.qb;
-  auto &sa = ops.sa, &sb = ops.sb;
-  std::vector<float> start(experts * M * N);
-  for (size_t i = 0; i < start.size(); ++i) start[i] = 0.125f * static_cast<float>(i % 9) - 0.5f;
+  const TokenMajorOperands& ops = *pr.ops;
+  using P = BitwiseFormProblem;
   struct Form {
     bool overlap;
     int cluster;
@@ -184,31 +229,11 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionAndClusterPairsAreBitwiseThePlainLo
     SCOPED_TRACE(std::string(accumulate ? "accumulating" : "storing") + ", max_ctas " + std::to_string(max_ctas) +
                  (form.overlap ? ", overlapped" : ", plain") + ", cluster " + std::to_string(form.cluster) +
                  ", tile columns " + std::to_string(form.tile_columns));
-    // Poisoned unless accumulating: plain with NaN, the other with a finite pattern, so that an output either
-    // form leaves unwritten is counted (NaN) or differs.
-    DeviceBuffer<float> plain(start.size()), other(start.size());
-    if (accumulate) {
-      plain.upload(start);
-      other.upload(start);
-    } else {
-      MEGAMOE_ASSERT_CUDA(cudaMemset(other.get(), 0xFE, start.size() * sizeof(float)));
-    }
-    ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
-                                        capacity, plain.get(), accumulate, nullptr, max_ctas, false, 1)
-                    .is_ok());
-    ASSERT_TRUE(kernels::fp8_wgrad_gemm(qa.get(), sa.get(), M, qb.get(), sb.get(), N, d_offsets.get(), experts,
-                                        capacity, other.get(), accumulate, nullptr, max_ctas, form.overlap,
-                                        form.cluster, form.tile_columns)
-                    .is_ok());
-    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-    const std::vector<float> want = plain.download(), got = other.download();
-    int64_t differ = 0, unwritten = 0;
-    for (size_t i = 0; i < want.size(); ++i) {
-      differ += std::memcmp(&want[i], &got[i], sizeof(float)) != 0;
-      unwritten += std::isnan(got[i]) || std::isnan(want[i]);
-    }
-    EXPECT_EQ(unwritten, 0) << "unwritten outputs";
-    EXPECT_EQ(differ, 0) << "differs from the plain loop in single CTAs";
+    pr.expect_plain_bits(max_ctas, accumulate, "the form", [&](float* d, bool acc) {
+      return kernels::fp8_wgrad_gemm(ops.qa.get(), ops.sa.get(), P::kM, ops.qb.get(), ops.sb.get(), P::kN,
+                                     pr.d_offsets.get(), P::kExperts, P::kCapacity, d, acc, nullptr, max_ctas,
+                                     form.overlap, form.cluster, form.tile_columns);
+    });
   }
 }
 
@@ -223,18 +248,10 @@ TEST(Fp8WgradGemmGpuTest, TransposedOutputOfSwappedOperandsIsThePlainOutput) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_real_distribution<float> log_magnitude(-4.0f, 4.0f);
-  const std::vector<int32_t> offsets = {0, 300, 300, 1000, 1513, 1641, 1642};
-  const int experts = 6;
-  const int64_t capacity = 1700, M = 512, N = 256;
-  std::vector<float> a_rows(capacity * M), b_rows(capacity * N);
-  for (float& v : a_rows) v = normal(rng) * std::exp2(log_magnitude(rng));
-  for (float& v : b_rows) v = normal(rng) * std::exp2(log_magnitude(rng));
-  DeviceBuffer<int32_t> d_offsets(offsets.size());
-  d_offsets.upload(offsets);
-  TokenMajorOperands ops(a_rows, M, b_rows, N, d_offsets, experts, capacity);
+  const BitwiseFormProblem pr([&] { return normal(rng) * std::exp2(log_magnitude(rng)); });
   ASSERT_FALSE(::testing::Test::HasFailure()) << "building the token-major operands failed";
-  std::vector<float> start(experts * M * N);
-  for (size_t i = 0; i < start.size(); ++i) start[i] = 0.125f * static_cast<float>(i % 9) - 0.5f;
+  const TokenMajorOperands& ops = *pr.ops;
+  using P = BitwiseFormProblem;
   struct Form {
     bool overlap;
     int tile_columns;
@@ -242,36 +259,13 @@ TEST(Fp8WgradGemmGpuTest, TransposedOutputOfSwappedOperandsIsThePlainOutput) {
   for (const int max_ctas : {0, 3})
   for (const bool accumulate : {false, true})
   for (const Form form : {Form{false, 128}, Form{true, 128}, Form{false, 192}}) {
-    const int tile_columns = form.tile_columns;
     SCOPED_TRACE(std::string(accumulate ? "accumulating" : "storing") + ", max_ctas " + std::to_string(max_ctas) +
-                 (form.overlap ? ", overlapped" : ", plain") + ", tile columns " + std::to_string(tile_columns));
-    DeviceBuffer<float> plain(start.size()), swapped(start.size());
-    if (accumulate) {
-      plain.upload(start);
-      swapped.upload(start);
-    } else {
-      MEGAMOE_ASSERT_CUDA(cudaMemset(swapped.get(), 0xFE, start.size() * sizeof(float)));
-    }
-    ASSERT_TRUE(kernels::fp8_wgrad_gemm(ops.qa.get(), ops.sa.get(), M, ops.qb.get(), ops.sb.get(), N,
-                                        d_offsets.get(), experts, capacity, plain.get(), accumulate, nullptr, max_ctas)
-                    .is_ok());
-    const Status status = kernels::fp8_wgrad_gemm(ops.qb.get(), ops.sb.get(), N, ops.qa.get(), ops.sa.get(), M,
-                                                  d_offsets.get(), experts, capacity, swapped.get(), accumulate,
-                                                  nullptr, max_ctas, form.overlap, 1, tile_columns,
-                                                  /*transpose_d=*/true);
-    ASSERT_TRUE(status.is_ok()) << status.to_string();
-    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-    const std::vector<float> want = plain.download(), got = swapped.download();
-    int64_t differ = 0, unwritten = 0;
-    std::string first;
-    for (size_t i = 0; i < want.size(); ++i) {
-      unwritten += std::isnan(got[i]) || std::isnan(want[i]);
-      if (std::memcmp(&want[i], &got[i], sizeof(float)) != 0 && differ++ == 0)
-        first = "element " + std::to_string(i) + ": " + std::to_string(got[i]) + " against " +
-                std::to_string(want[i]);
-    }
-    EXPECT_EQ(unwritten, 0) << "unwritten outputs";
-    EXPECT_EQ(differ, 0) << "the transposed form differs from the plain one, first at " << first;
+                 (form.overlap ? ", overlapped" : ", plain") + ", tile columns " + std::to_string(form.tile_columns));
+    pr.expect_plain_bits(max_ctas, accumulate, "the transposed form", [&](float* d, bool acc) {
+      return kernels::fp8_wgrad_gemm(ops.qb.get(), ops.sb.get(), P::kN, ops.qa.get(), ops.sa.get(), P::kM,
+                                     pr.d_offsets.get(), P::kExperts, P::kCapacity, d, acc, nullptr, max_ctas,
+                                     form.overlap, 1, form.tile_columns, /*transpose_d=*/true);
+    });
   }
 }
 
