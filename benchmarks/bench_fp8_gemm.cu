@@ -427,13 +427,16 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
       BENCH_CHECK_OK(megamoe::kernels::fp8_grouped_gemm_nt(A, sa, B, sb, out, offsets, E, M, N, K, nullptr, tuning));
     }
   };
-  bf16* D_overlap;
-  BENCH_CHECK_CUDA(cudaMalloc(&D_overlap, size_t(M) * N * sizeof(bf16)));
-  BENCH_CHECK_CUDA(cudaMemset(D_overlap, 0xFF, size_t(M) * N * sizeof(bf16)));
+  bf16 *D_overlap, *D_overlap_pair;
+  for (bf16** d : {&D_overlap, &D_overlap_pair}) {
+    BENCH_CHECK_CUDA(cudaMalloc(d, size_t(M) * N * sizeof(bf16)));
+    BENCH_CHECK_CUDA(cudaMemset(*d, 0xFF, size_t(M) * N * sizeof(bf16)));
+  }
   const double flop = 2.0 * double(M) * N * K;
   LtGemm lt(rows_per_group, N, K, groups == 0 ? 1 : E, one);
   std::vector<std::function<void()>> contenders = {[&] { ours(1, D); }, [&] { ours(2, D_pair); },
-                                                   [&] { ours(1, D_overlap, true); }};
+                                                   [&] { ours(1, D_overlap, true); },
+                                                   [&] { ours(2, D_overlap_pair, true); }};
   if (lt.ok) contenders.push_back([&] { lt.run(A, B, D_ref); });
   // Dense: also cuBLASLt's blockwise kernel on our scales (sa's pitch is M here: M is a multiple of 4).
   std::unique_ptr<LtGemm> lt_block;
@@ -446,7 +449,7 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
   }
   const std::vector<double> t = interleaved_median_ms(contenders);
   BENCH_CHECK_CUDA(cudaDeviceSynchronize());
-  const double t_ours = t[0], t_pair = t[1], t_overlap = t[2], t_lt = lt.ok ? t[3] : 0.0;
+  const double t_ours = t[0], t_pair = t[1], t_overlap = t[2], t_overlap_pair = t[3], t_lt = lt.ok ? t[4] : 0.0;
   if (lt_block && lt_block->ok) {
     const double t_block = t.back();
     std::printf("%-30s cuBLASLt blockwise 1x128 / 128x128 (the recipe of ours; torch._scaled_mm's kernel) %8.3f ms "
@@ -470,7 +473,13 @@ void bench(const char* name, int groups, int64_t rows_per_group, int N, int K, c
   std::printf("%s overlapped promotion %8.3f ms %7.1f TFLOP/s | the plain loop in the same rounds %8.3f ms (overlapped "
               "x %.3f) | %zu outputs differ\n",
               name, t_overlap, flop / t_overlap * 1e-9, t_ours, t_ours / t_overlap, differ_overlap);
+  BENCH_CHECK_CUDA(cudaMemcpy(h2.data(), D_overlap_pair, h2.size() * 2, cudaMemcpyDeviceToHost));
+  size_t differ_overlap_pair = 0;
+  for (size_t i = 0; i < h1.size(); ++i) differ_overlap_pair += h1[i] != h2[i];
+  std::printf("%s overlapped promotion in pairs %8.3f ms %7.1f TFLOP/s | x %.3f the plain pairs | %zu outputs differ\n",
+              name, t_overlap_pair, flop / t_overlap_pair * 1e-9, t_pair / t_overlap_pair, differ_overlap_pair);
   BENCH_CHECK_CUDA(cudaFree(D_overlap));
+  BENCH_CHECK_CUDA(cudaFree(D_overlap_pair));
   std::printf("%-30s %8.3f ms %7.1f TFLOP/s | pairs %8.3f ms %7.1f TFLOP/s (x %.3f; %zu outputs differ) | cuBLASLt "
               "%8.3f ms %7.1f TFLOP/s | x %.3f / %.3f | rel err %.2e\n",
               name, t_ours, flop / t_ours * 1e-9, t_pair, flop / t_pair * 1e-9, t_ours / t_pair, differ, t_lt,

@@ -20,9 +20,10 @@ bench="$build_dir/bench_fp8_gemm"
 command -v ncu >/dev/null 2>&1 || { echo "ncu not found"; exit 1; }
 limit=${MEGAMOE_PROFILE_TIMEOUT:-300}
 
-# One interleaved round launches ours (single CTAs), ours (2-CTA pairs), cuBLASLt: the first round's three.
+# One interleaved round of the dense GEMM launches ours (single CTAs, 2-CTA pairs; the overlapped loop in
+# both), then cuBLASLt per-tensor and blockwise: the first round's six.
 which=(--dense-only)
-launches=3
+launches=6
 kernels='fp8_gemm_kernel|nvjet'
 ours=fp8_gemm_kernel
 if [ "${MEGAMOE_PROFILE_GATHERED:-0}" = 1 ]; then
