@@ -144,13 +144,12 @@ def run_config(name, shape, args):
     try:
         cfg = ops.LayerConfig(h, i, experts, top_k, max_tokens_per_rank=-(-tokens // ranks), num_ranks=ranks)
         key = ops.new_key()
-        per = experts // ranks
 
+        # Every rank's experts stay in the one w13 / w2 (as MegaMoE holds them): slicing them per rank would make
+        # autograd fill and add a full-size gradient tensor for each rank's slice.
         def megamoe_layer(x_, idx_, w_, w13_, w2_):
-            outs = ops.moe_ranks(list(torch.tensor_split(x_, ranks)), list(torch.tensor_split(idx_, ranks)),
-                                 list(torch.tensor_split(w_, ranks)),
-                                 [w13_[r * per:(r + 1) * per] for r in range(ranks)],
-                                 [w2_[r * per:(r + 1) * per] for r in range(ranks)], config=cfg, key=key)
+            outs = ops.moe_ranks_all_experts(list(torch.tensor_split(x_, ranks)), list(torch.tensor_split(idx_, ranks)),
+                                             list(torch.tensor_split(w_, ranks)), w13_, w2_, config=cfg, key=key)
             return outs[0] if ranks == 1 else torch.cat(outs)
 
         checks = ops.debug_checks()
