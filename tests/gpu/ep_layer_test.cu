@@ -587,11 +587,27 @@ TEST(EpLayerFp8Test, WeightsVersionKeepsTheTransposedWeightsInStep) {
   l.refill(l.other_w13.get(), p.seed_of(12));
   const DeviceBuffer<__nv_bfloat16>& other_w13 = l.other_w13;
   // d_x and d_w13 of one forward + backward with this version and these weights.
-  const auto step = [&](uint64_t version, const __nv_bfloat16* w13) {
+  // The other w13 (and this w2) quantized by the caller, for a pre-quantized call in between.
+  const LayerConfig& c = p.config;
+  const int64_t H = c.hidden, I = c.intermediate, EL = c.experts_per_rank();
+  DeviceBuffer<uint8_t> w13_q(static_cast<size_t>(EL * 2 * I * H)), w2_q(static_cast<size_t>(EL * H * I));
+  DeviceBuffer<float> w13_s(static_cast<size_t>(EL * 2 * I / 128 * (H / 128)));
+  DeviceBuffer<float> w2_s(static_cast<size_t>(EL * H / 128 * (I / 128)));
+  ASSERT_TRUE(
+      kernels::quantize_blocks_128x128_bf16(other_w13.get(), EL * 2 * I, H, w13_q.get(), w13_s.get(), nullptr).is_ok());
+  ASSERT_TRUE(kernels::quantize_blocks_128x128_bf16(t[0].w2.get(), EL * H, I, w2_q.get(), w2_s.get(), nullptr).is_ok());
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const auto step = [&](uint64_t version, const __nv_bfloat16* w13, bool prequantized = false) {
     Outputs o;
     run_gpu(p, *l.group, t, &o, 1, [&](int, ForwardArgs& f) {
       f.weights_version = version;
       f.w13 = w13;
+      if (prequantized) {
+        f.w13_fp8 = w13_q.get();
+        f.w13_scales = w13_s.get();
+        f.w2_fp8 = w2_q.get();
+        f.w2_scales = w2_s.get();
+      }
     });
     std::vector<float> all = o.d_x[0];
     for (const auto& [e, g] : o.d_w13) all.insert(all.end(), g.begin(), g.end());
@@ -608,6 +624,10 @@ TEST(EpLayerFp8Test, WeightsVersionKeepsTheTransposedWeightsInStep) {
   EXPECT_TRUE(same(fresh, step(4, t[0].w13.get()))) << "a new version makes both again";
   EXPECT_TRUE(same(fresh_other, step(0, other_w13.get()))) << "version 0 makes both again";
   EXPECT_TRUE(same(fresh, step(4, t[0].w13.get()))) << "version 0 in between leaves no promise";
+  // A pre-quantized call's backward transposes the caller's codes into the workspace; the version after it must
+  // not find those as its own.
+  EXPECT_TRUE(same(fresh_other, step(4, nullptr, true))) << "pre-quantized weights of the other w13";
+  EXPECT_TRUE(same(fresh, step(4, t[0].w13.get()))) << "a pre-quantized call in between leaves no promise";
 }
 
 // ForwardArgs' pre-quantized FP8 weights: given the codes and scales the layer's own quantization makes of
