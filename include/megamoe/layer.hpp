@@ -94,10 +94,9 @@ struct ForwardArgs {
   // call. Any other value promises that w13 and w2 hold the values they held in this layer's last call with
   // the same pointers and version, whose quantized copies are then reused: bump it whenever the weights
   // change (an optimizer step). A CUDA graph captured with a reused version replays without quantizing; a
-  // captured call never counts as the one that quantized a version. The quantized copies (with the
-  // backward's transposed copies, made by the same pass) live in the layer's workspace, one set: a graph whose
-  // capture quantized, or whose backward ran on pre-quantized weights, rewrites them when it replays, so a
-  // layer that replays such graphs must not mix in eager calls that reuse a version of other weights.
+  // captured call never counts as the one that quantized a version. The quantized copies live in the layer's
+  // workspace, one set: a graph whose capture quantized rewrites them when it replays, so a layer that
+  // replays such graphs must not mix in eager calls that reuse a version of other weights.
   uint64_t weights_version = 0;
   // fp8-blockwise only, optional: the expert weights already quantized, in the layout of the layer's own
   // quantization (fp8.hpp's 128 x 128 blocks of w13 as one [E_local * 2I, H] matrix and of w2 as one

@@ -189,12 +189,9 @@ struct ExpertParallelLayer::Impl {
   const void* quantized_w13 = nullptr;
   const void* quantized_w2 = nullptr;
   uint64_t quantized_version = 0;
-  // Whether the backward may read the workspace's transposed weights as they are: the latest forward made them
-  // with its quantization, or reused an eager quantization's (a repeated version), and the backward runs in the
-  // same capture state as that forward. Otherwise (pre-quantized weights, a reused version under capture, a
-  // capture state changed in between) the backward transposes the forward's quantized weights itself.
-  bool transposes_current = false;
-  cudaStreamCaptureStatus forward_capture = cudaStreamCaptureStatusNone;
+  // The version whose quantized weights the backward's transposed copies hold (0: none known), so that
+  // micro-batches between two weight updates transpose once.
+  uint64_t transposed_version = 0;
   // The quantized weights the latest FP8 forward's GEMMs read and its backward transposes: the workspace's
   // copies, or the caller's pre-quantized ones, read where they are (as bf16 weights are).
   struct QuantizedWeights {
@@ -329,8 +326,7 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward(const ep::Params& p, const 
 }
 
 // Blockwise FP8 (docs/FP8.md): the weights quantized in 128x128 blocks when they changed (the caller's
-// weights_version says so), with the transposed copies the backward's dgrads read made from the same codes;
-// h = xq W13q^T over the received e4m3 rows and their scales (copied into expert
+// weights_version says so); h = xq W13q^T over the received e4m3 rows and their scales (copied into expert
 // order first, so that the GEMM reads them through TMA), kept in fp32 (by arithmetic, not measured: from a
 // bf16 h about one element of a in 60 would round to the other e4m3 neighbour than the reference's, about 1%
 // of error in out); a = silu(g) u quantized in 1x128 groups along I by GEMM1's epilogue (from the same fp32
@@ -340,16 +336,13 @@ Status ExpertParallelLayer::Impl::expert_mlp_forward_fp8(const ep::Params& p, co
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
   cudaStream_t stream = placement.stream;
-  // W13 [E, 2I, H] -> W13q and its K-major copy [E, H, 2I]; W2 [E, H, I] -> W2q and [E, I, H] (the same codes,
-  // the block scales transposed).
+  // Expert weights [E, N, K] with N a multiple of 128 quantize as one matrix of E * N rows.
   if (quantize_weights) {
-    const ep::WorkspaceLayout& l = p.layout;
-    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16_transposed(
-        args.w13, EL, 2 * I, H, buffer<uint8_t>(l.w13_q), buffer<float>(l.w13_s), buffer<uint8_t>(l.w13t_q),
-        buffer<float>(l.w13t_s), stream));
-    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16_transposed(
-        args.w2, EL, H, I, buffer<uint8_t>(l.w2_q), buffer<float>(l.w2_s), buffer<uint8_t>(l.w2t_q),
-        buffer<float>(l.w2t_s), stream));
+    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(args.w13, EL * 2 * I, H,
+                                                                  buffer<uint8_t>(p.layout.w13_q),
+                                                                  buffer<float>(p.layout.w13_s), stream));
+    MEGAMOE_RETURN_IF_ERROR(kernels::quantize_blocks_128x128_bf16(args.w2, EL * H, I, buffer<uint8_t>(p.layout.w2_q),
+                                                                  buffer<float>(p.layout.w2_s), stream));
   }
   const QuantizedWeights& w = fp8_weights;
   auto* a_q = buffer<uint8_t>(p.layout.a_q);
@@ -433,8 +426,8 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward_fp8(const ep::Params& p, c
   cudaStream_t stream = placement.stream;
   const ep::WorkspaceLayout& l = p.layout;
   // The forward's quantized weights, K-major for the dgrads: W2q [E, H, I] -> [E, I, H], W13q [E, 2I, H] ->
-  // [E, H, 2I] (the same codes, the block scales transposed); made with the quantization, unless
-  // transpose_weights says they must be made here.
+  // [E, H, 2I] (the same codes, the block scales transposed); kept from an earlier backward of the same
+  // weights version when transpose_weights is false.
   if (transpose_weights) {
     MEGAMOE_RETURN_IF_ERROR(kernels::transpose_blocks_128x128_e4m3(fp8_weights.w2, fp8_weights.w2_scales, EL, H, I,
                                                                    buffer<uint8_t>(l.w2t_q), buffer<float>(l.w2t_s),
@@ -661,17 +654,12 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
       // quantized weights also make the backward's transposed copies stale (a reused version may come with
       // other pointers).
       m.quantized_version = 0;
+      if (!same_weights) m.transposed_version = 0;
       m.fp8_weights = args.prequantized()
                           ? Impl::QuantizedWeights{args.w13_fp8, args.w13_scales, args.w2_fp8, args.w2_scales}
                           : Impl::QuantizedWeights{m.buffer<uint8_t>(p.layout.w13_q), m.buffer<float>(p.layout.w13_s),
                                                    m.buffer<uint8_t>(p.layout.w2_q), m.buffer<float>(p.layout.w2_s)};
-      const bool quantize = !same_weights && !args.prequantized();
-      m.transposes_current = false;
-      MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward_fp8(p, args, quantize));
-      // A repeated version's transposed copies are its eager quantization's: under capture, whose replays may
-      // come after other weights' transposes, they are not relied on.
-      m.transposes_current = quantize || (same_weights && capture == cudaStreamCaptureStatusNone);
-      m.forward_capture = capture;
+      MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_forward_fp8(p, args, !same_weights && !args.prequantized()));
       // Under stream capture the quantization is only recorded (it runs when the graph does): no promise; nor
       // for pre-quantized weights, which are no copy of w13 / w2.
       if (capture == cudaStreamCaptureStatusNone && !args.prequantized()) {
@@ -754,11 +742,13 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradDispatched, stream));
 
   if (p.shape.fp8 != 0) {
-    // The forward's quantization made the transposed weights (ForwardArgs::weights_version keeps them with the
-    // quantized ones); made here for pre-quantized weights, and whenever the capture state says the forward's
-    // may not be what this call's kernels will find.
-    const bool transposed = m.transposes_current && m.forward_capture == capture;
+    // The transposed weights of a known, nonzero version are kept until the forward quantizes another one (the
+    // promise of ForwardArgs::weights_version); forgotten until this call's are enqueued, and under stream
+    // capture (only recorded there) never promised.
+    const bool transposed = m.quantized_version != 0 && m.transposed_version == m.quantized_version;
+    m.transposed_version = 0;
     MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_backward_fp8(p, args, !transposed));
+    if (capture == cudaStreamCaptureStatusNone) m.transposed_version = m.quantized_version;
   } else {
     MEGAMOE_RETURN_IF_ERROR(m.expert_mlp_backward(p, args));
   }

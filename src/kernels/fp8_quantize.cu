@@ -107,26 +107,25 @@ __global__ void swiglu_backward_quantize_rows_1x128_kernel(const float* __restri
 // One block of 256 threads per 128 x 128 weight block: thread t reads 8 values (16 bytes) of rows t / 16 +
 // 16 i, i = 0..7, at columns 8 (t % 16) .. + 7; the block's amax is reduced over warps in shared memory.
 constexpr int kBlockThreads = 256;
-constexpr int kBlockRowsPerPass = kBlockThreads / 16;
-
-// Thread t's share of one 128 x 128 block of bf16 (row pitch `cols`; rows past valid_rows read as zeros):
-// the codes of its 8 pieces of 8 values, two words a piece, and the block's scale.
-struct BlockShare {
-  uint32_t words[8][2];
-  float scale;
-};
-__device__ __forceinline__ BlockShare quantize_block_share(const __nv_bfloat16* __restrict__ block, int64_t cols,
-                                                           int64_t valid_rows, float* warp_amax) {
+__global__ void __launch_bounds__(kBlockThreads) quantize_blocks_128x128_kernel(const __nv_bfloat16* __restrict__ w,
+                                                                               int64_t rows, int64_t cols,
+                                                                               uint8_t* __restrict__ q,
+                                                                               float* __restrict__ scales) {
+  device::begin_dependent_grid();
+  __shared__ float warp_amax[kBlockThreads / 32];
+  const int64_t block_cols = cols / kGroup;
+  const int64_t br = blockIdx.x / block_cols, bc = blockIdx.x % block_cols;
   const int t = threadIdx.x;
+  const int64_t col = bc * kGroup + 8 * (t % 16);
   float v[8][8];
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int r = t / 16 + kBlockRowsPerPass * i;
+    const int64_t row = br * kGroup + t / 16 + 16 * i;
 #pragma unroll
     for (int k = 0; k < 8; ++k) v[i][k] = 0.0f;
-    if (r < valid_rows) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(block + r * cols + 8 * (t % 16));
+    if (row < rows) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(w + row * cols + col);
       const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -144,51 +143,52 @@ __device__ __forceinline__ BlockShare quantize_block_share(const __nv_bfloat16* 
   amax = warp_amax[0];
 #pragma unroll
   for (int i = 1; i < kBlockThreads / 32; ++i) amax = fmaxf(amax, warp_amax[i]);
-  BlockShare share;
-  share.scale = scale_from_amax(amax);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) e4m3_words_of(v[i], share.scale, share.words[i]);
-  return share;
-}
-
-__global__ void __launch_bounds__(kBlockThreads) quantize_blocks_128x128_kernel(const __nv_bfloat16* __restrict__ w,
-                                                                               int64_t rows, int64_t cols,
-                                                                               uint8_t* __restrict__ q,
-                                                                               float* __restrict__ scales) {
-  device::begin_dependent_grid();
-  __shared__ float warp_amax[kBlockThreads / 32];
-  const int64_t block_cols = cols / kGroup;
-  const int64_t br = blockIdx.x / block_cols, bc = blockIdx.x % block_cols;
-  const int t = threadIdx.x;
-  const int64_t offset = br * kGroup * cols + bc * kGroup;
-  const BlockShare share = quantize_block_share(w + offset, cols, rows - br * kGroup, warp_amax);
+  const float scale = scale_from_amax(amax);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int r = t / 16 + kBlockRowsPerPass * i;
-    if (br * kGroup + r >= rows) continue;
-    *reinterpret_cast<uint2*>(q + offset + r * cols + 8 * (t % 16)) = make_uint2(share.words[i][0], share.words[i][1]);
+    const int64_t row = br * kGroup + t / 16 + 16 * i;
+    if (row >= rows) continue;
+    uint32_t words[2];
+    e4m3_words_of(v[i], scale, words);
+    *reinterpret_cast<uint2*>(q + row * cols + col) = make_uint2(words[0], words[1]);
   }
-  if (t == 0) scales[blockIdx.x] = share.scale;
+  if (t == 0) scales[blockIdx.x] = scale;
 }
 
-// A 128 x 128 block of codes passes through shared memory as 32-bit words, row r's word w at position
-// w ^ transpose_swizzle(r) of its 128-byte row, so that both the writes of four consecutive rows (eight lanes a
-// row, or two rows of sixteen lanes) and the reads of 32 rows four apart (a lane each) hit 32 distinct banks.
-// Each thread then takes four rows x four columns a word at a time, transposes the 4 x 4 bytes in registers
-// (byte permutes) and stores four 4-byte pieces of columns: a warp's 32 lanes write one column's 128 rows, one
-// 128-byte line. (The earlier 64 x 64 tiles, read back a byte at a time with 4-way bank conflicts, moved 2
-// TB/s: docs/PERF.md.)
+// One block of 256 threads per 128 x 128 block of one group's [N, K] matrix, which carries its scale along.
+// The block's bytes pass through shared memory as 32-bit words, row r's word w at position
+// w ^ transpose_swizzle(r) of its 128-byte row, so that both the loads' four consecutive rows (eight lanes a
+// row) and the reads' 32 rows four apart (a lane each) hit 32 distinct banks. Each thread then takes four
+// rows x four columns a word at a time, transposes the 4 x 4 bytes in registers (byte permutes) and stores
+// four 4-byte pieces of columns: a warp's 32 lanes write one column's 128 rows, one 128-byte line. (The
+// earlier 64 x 64 tiles, read back a byte at a time with 4-way bank conflicts, moved 2 TB/s: docs/PERF.md.)
 constexpr int kTransposeBlock = 128;
-constexpr int kTileWords = kTransposeBlock * kTransposeBlock / 4;
 __device__ __forceinline__ int transpose_swizzle(int r) { return ((r >> 2) & 31) ^ (r & 3); }
-__device__ __forceinline__ void stage_word(uint32_t* tile, int r, int w, uint32_t value) {
-  tile[r * 32 + (w ^ transpose_swizzle(r))] = value;
-}
 
-// The staged block, transposed, into dst (row pitch `pitch` bytes; 256 threads; after a barrier that follows
-// every stage_word).
-__device__ __forceinline__ void store_tile_transposed(const uint32_t* tile, uint8_t* __restrict__ dst, int64_t pitch) {
-  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+__global__ void __launch_bounds__(256) transpose_blocks_128x128_kernel(const uint8_t* __restrict__ q,
+                                                                     const float* __restrict__ scales, int64_t N,
+                                                                     int64_t K, uint8_t* __restrict__ qt,
+                                                                     float* __restrict__ scales_t) {
+  device::begin_dependent_grid();
+  __shared__ uint32_t tile[kTransposeBlock * kTransposeBlock / 4];
+  const int64_t k_blocks = K / kTransposeBlock, n_blocks = N / kTransposeBlock;
+  const int64_t e = blockIdx.z, nb = blockIdx.x / k_blocks, kb = blockIdx.x % k_blocks;
+  const int64_t n0 = nb * kTransposeBlock, k0 = kb * kTransposeBlock;
+  const int t = static_cast<int>(threadIdx.x), lane = t % 32, warp = t / 32;
+  const uint8_t* src = q + (e * N + n0) * K + k0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = t / 8 + 32 * i, w0 = 4 * (t % 8);
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + r * K) + t % 8);
+    uint32_t* row = tile + r * 32;
+    const int swizzle = transpose_swizzle(r);
+    row[(w0 + 0) ^ swizzle] = v.x;
+    row[(w0 + 1) ^ swizzle] = v.y;
+    row[(w0 + 2) ^ swizzle] = v.z;
+    row[(w0 + 3) ^ swizzle] = v.w;
+  }
+  __syncthreads();
+  uint8_t* dst = qt + (e * K + k0) * N + n0;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int w = warp + 8 * k;  // bytes 4 w .. 4 w + 3 of rows 4 lane .. 4 lane + 3
@@ -204,64 +204,9 @@ __device__ __forceinline__ void store_tile_transposed(const uint32_t* tile, uint
     const uint32_t column[4] = {__byte_perm(low01, low23, 0x5410), __byte_perm(low01, low23, 0x7632),
                                 __byte_perm(high01, high23, 0x5410), __byte_perm(high01, high23, 0x7632)};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(dst + (4 * w + j) * pitch + 4 * lane) = column[j];
+    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(dst + (4 * w + j) * N + 4 * lane) = column[j];
   }
-}
-
-// One block of 256 threads per 128 x 128 block of one group's [N, K] matrix, which carries its scale along.
-__global__ void __launch_bounds__(256) transpose_blocks_128x128_kernel(const uint8_t* __restrict__ q,
-                                                                     const float* __restrict__ scales, int64_t N,
-                                                                     int64_t K, uint8_t* __restrict__ qt,
-                                                                     float* __restrict__ scales_t) {
-  device::begin_dependent_grid();
-  __shared__ uint32_t tile[kTileWords];
-  const int64_t k_blocks = K / kTransposeBlock, n_blocks = N / kTransposeBlock;
-  const int64_t e = blockIdx.z, nb = blockIdx.x / k_blocks, kb = blockIdx.x % k_blocks;
-  const int64_t n0 = nb * kTransposeBlock, k0 = kb * kTransposeBlock;
-  const int t = static_cast<int>(threadIdx.x);
-  const uint8_t* src = q + (e * N + n0) * K + k0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = t / 8 + 32 * i, w0 = 4 * (t % 8);
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + r * K) + t % 8);
-    stage_word(tile, r, w0 + 0, v.x);
-    stage_word(tile, r, w0 + 1, v.y);
-    stage_word(tile, r, w0 + 2, v.z);
-    stage_word(tile, r, w0 + 3, v.w);
-  }
-  __syncthreads();
-  store_tile_transposed(tile, qt + (e * K + k0) * N + n0, N);
   if (t == 0) scales_t[(e * k_blocks + kb) * n_blocks + nb] = scales[(e * n_blocks + nb) * k_blocks + kb];
-}
-
-// quantize_blocks_128x128_kernel and transpose_blocks_128x128_kernel in one pass: a block's codes go to q and,
-// through the shared tile, to qt, so the transpose reads no codes back from memory. (Without the minimum of one
-// block an SM, ptxas held it to 80 registers and spilled; it takes 128, two blocks an SM as the quantizer.)
-__global__ void __launch_bounds__(kBlockThreads, 1) quantize_blocks_128x128_transposed_kernel(
-    const __nv_bfloat16* __restrict__ w, int64_t N, int64_t K, uint8_t* __restrict__ q, float* __restrict__ scales,
-    uint8_t* __restrict__ qt, float* __restrict__ scales_t) {
-  device::begin_dependent_grid();
-  __shared__ float warp_amax[kBlockThreads / 32];
-  __shared__ uint32_t tile[kTileWords];
-  const int64_t k_blocks = K / kTransposeBlock, n_blocks = N / kTransposeBlock;
-  const int64_t e = blockIdx.z, nb = blockIdx.x / k_blocks, kb = blockIdx.x % k_blocks;
-  const int64_t n0 = nb * kTransposeBlock, k0 = kb * kTransposeBlock;
-  const int t = static_cast<int>(threadIdx.x);
-  const int64_t offset = (e * N + n0) * K + k0;
-  const BlockShare share = quantize_block_share(w + offset, K, kTransposeBlock, warp_amax);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int r = t / 16 + kBlockRowsPerPass * i, w0 = 2 * (t % 16);
-    *reinterpret_cast<uint2*>(q + offset + r * K + 8 * (t % 16)) = make_uint2(share.words[i][0], share.words[i][1]);
-    stage_word(tile, r, w0, share.words[i][0]);
-    stage_word(tile, r, w0 + 1, share.words[i][1]);
-  }
-  __syncthreads();
-  store_tile_transposed(tile, qt + (e * K + k0) * N + n0, N);
-  if (t == 0) {
-    scales[(e * n_blocks + nb) * k_blocks + kb] = share.scale;
-    scales_t[(e * k_blocks + kb) * n_blocks + nb] = share.scale;
-  }
 }
 
 }  // namespace
@@ -365,28 +310,6 @@ Status quantize_blocks_128x128_bf16(const __nv_bfloat16* w, int64_t rows, int64_
                                    scales);
 }
 
-Status quantize_blocks_128x128_bf16_transposed(const __nv_bfloat16* w, int64_t groups, int64_t N, int64_t K,
-                                               uint8_t* q, float* scales, uint8_t* qt, float* scales_t,
-                                               cudaStream_t stream) {
-  if (groups < 0 || N < 0 || K < 0 || N % kGroup != 0 || K % kGroup != 0)
-    return Status::invalid("quantize_blocks_128x128_transposed: N and K must be multiples of 128 and groups >= 0, "
-                           "got groups=" + std::to_string(groups) + " N=" + std::to_string(N) +
-                           " K=" + std::to_string(K));
-  if (groups == 0 || N == 0 || K == 0) return Status::ok();
-  if (w == nullptr || q == nullptr || scales == nullptr || qt == nullptr || scales_t == nullptr)
-    return Status::invalid("quantize_blocks_128x128_transposed: null pointer");
-  for (const void* p : {static_cast<const void*>(w), static_cast<const void*>(q), static_cast<const void*>(qt)}) {
-    if ((reinterpret_cast<uintptr_t>(p) & 15u) != 0)
-      return Status::invalid("quantize_blocks_128x128_transposed: w, q and qt must be 16-byte aligned");
-  }
-  const int64_t tiles = (N / kTransposeBlock) * (K / kTransposeBlock);
-  if (tiles >= (int64_t{1} << 31) || groups > 65535)
-    return Status::invalid("quantize_blocks_128x128_transposed: too many blocks or groups");
-  const dim3 grid(static_cast<unsigned>(tiles), 1, static_cast<unsigned>(groups));
-  return kernels::launch_dependent(quantize_blocks_128x128_transposed_kernel, grid, dim3(kBlockThreads), 0, stream,
-                                   "quantize_blocks_128x128_transposed_kernel", w, N, K, q, scales, qt, scales_t);
-}
-
 Status fp8_quantize_preload() {
   cudaFuncAttributes attributes{};
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, quantize_rows_1x128_kernel));
@@ -394,7 +317,6 @@ Status fp8_quantize_preload() {
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, swiglu_backward_quantize_rows_1x128_kernel));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, quantize_blocks_128x128_kernel));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, transpose_blocks_128x128_kernel));
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, quantize_blocks_128x128_transposed_kernel));
   return Status::ok();
 }
 

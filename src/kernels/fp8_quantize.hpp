@@ -57,14 +57,6 @@ Status swiglu_backward_quantize_rows_1x128(const float* g, const float* h, const
 Status transpose_blocks_128x128_e4m3(const uint8_t* q, const float* scales, int64_t groups, int64_t N, int64_t K,
                                      uint8_t* qt, float* scales_t, cudaStream_t stream);
 
-// quantize_blocks_128x128_bf16 of `groups` matrices w [N, K] (expert weights [E, N, K], N a multiple of 128:
-// q [groups, N, K], scales [groups, N / 128, K / 128]) together with the transposed copies
-// transpose_blocks_128x128_e4m3 makes of them (qt [groups, K, N], scales_t [groups, K / 128, N / 128]), every
-// output bit for bit what those two kernels write, in one pass: each block's codes reach qt through shared
-// memory, not read back from q. N and K multiples of 128; w, q and qt 16-byte aligned. Asynchronous on `stream`.
-Status quantize_blocks_128x128_bf16_transposed(const __nv_bfloat16* w, int64_t groups, int64_t N, int64_t K,
-                                               uint8_t* q, float* scales, uint8_t* qt, float* scales_t,
-                                               cudaStream_t stream);
 // Loads every quantization kernel now (under lazy module loading a first launch waits for running kernels,
 // which a layer's virtual rank spinning at a barrier would make a deadlock until its timeout).
 Status fp8_quantize_preload();

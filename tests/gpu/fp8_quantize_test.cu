@@ -385,43 +385,5 @@ TEST(Fp8QuantizeGpuTest, TransposedBlocksAreTheTransposeQuantized) {
             StatusCode::kInvalidArgument);
 }
 
-// The weights quantized together with their transposed copies: every byte of the four outputs what the
-// quantizer and the transpose write (poisoned outputs, so that an unwritten byte shows).
-TEST(Fp8QuantizeGpuTest, QuantizingWithTheTransposeIsQuantizeThenTranspose) {
-  MEGAMOE_SKIP_WITHOUT_GPU();
-  const int64_t E = 3, N = 384, K = 256;
-  std::mt19937 rng(std::random_device{}());
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_real_distribution<float> log_magnitude(-10.0f, 6.0f);
-  std::vector<__nv_bfloat16> w(static_cast<size_t>(E * N * K));
-  for (size_t i = 0; i < w.size(); ++i) w[i] = __float2bfloat16(normal(rng) * std::exp2(log_magnitude(rng)));
-  DeviceBuffer<__nv_bfloat16> dw(w.size());
-  dw.upload(w);
-  const int64_t blocks = E * (N / 128) * (K / 128);
-  DeviceBuffer<uint8_t> q(w.size()), qt(w.size()), q1(w.size()), qt1(w.size());
-  DeviceBuffer<float> s(blocks), st(blocks), s1(blocks), st1(blocks);
-  for (DeviceBuffer<uint8_t>* b : {&q, &qt, &q1, &qt1}) MEGAMOE_ASSERT_CUDA(cudaMemset(b->get(), 0x7F, w.size()));
-  for (DeviceBuffer<float>* b : {&s, &st, &s1, &st1}) MEGAMOE_ASSERT_CUDA(cudaMemset(b->get(), 0xFF, blocks * 4));
-  ASSERT_TRUE(kernels::quantize_blocks_128x128_bf16(dw.get(), E * N, K, q.get(), s.get(), nullptr).is_ok());
-  ASSERT_TRUE(kernels::transpose_blocks_128x128_e4m3(q.get(), s.get(), E, N, K, qt.get(), st.get(), nullptr).is_ok());
-  ASSERT_TRUE(kernels::quantize_blocks_128x128_bf16_transposed(dw.get(), E, N, K, q1.get(), s1.get(), qt1.get(),
-                                                               st1.get(), nullptr)
-                  .is_ok());
-  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-  EXPECT_TRUE(q.download() == q1.download()) << "codes";
-  EXPECT_TRUE(qt.download() == qt1.download()) << "transposed codes";
-  const std::vector<float> a = s.download(), b = s1.download(), at = st.download(), bt = st1.download();
-  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "scales";
-  EXPECT_EQ(std::memcmp(at.data(), bt.data(), at.size() * 4), 0) << "transposed scales";
-  EXPECT_EQ(kernels::quantize_blocks_128x128_bf16_transposed(dw.get(), E, 200, K, q1.get(), s1.get(), qt1.get(),
-                                                             st1.get(), nullptr)
-                .code(),
-            StatusCode::kInvalidArgument);
-  EXPECT_EQ(kernels::quantize_blocks_128x128_bf16_transposed(dw.get(), E, N, K, q1.get(), s1.get(), nullptr, st1.get(),
-                                                             nullptr)
-                .code(),
-            StatusCode::kInvalidArgument);
-}
-
 }  // namespace
 }  // namespace megamoe
