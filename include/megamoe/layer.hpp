@@ -118,7 +118,15 @@ struct BackwardArgs {
   float* d_topk_weights = nullptr;           // [T, K]
   float* d_w13 = nullptr;                    // [E_local, 2I, H] fp32
   float* d_w2 = nullptr;                     // [E_local, H, I] fp32
-  bool accumulate_weight_grads = false;      // add into d_w13 / d_w2 instead of overwriting
+  // Or the weight gradients in bf16 (bf16 layers; an FP8 layer writes fp32): each value rounded once to nearest
+  // even by the GEMM that makes it, so a bf16 parameter's gradient needs no conversion. Exactly one of the
+  // pairs d_w13 / d_w2 and d_w13_bf16 / d_w2_bf16 is given.
+  __nv_bfloat16* d_w13_bf16 = nullptr;       // [E_local, 2I, H]
+  __nv_bfloat16* d_w2_bf16 = nullptr;        // [E_local, H, I]
+  // Add into the weight gradients instead of overwriting them (in fp32; bf16 gradients: the sum of the
+  // existing value and the new one rounded once).
+  bool accumulate_weight_grads = false;
+  bool bf16_weight_grads() const { return d_w13_bf16 != nullptr || d_w2_bf16 != nullptr; }
 };
 
 // Where a rank runs and how it reaches its peers.

@@ -40,7 +40,7 @@ extern "C" {
 /* Bumped whenever a signature or a struct below changes; bindings refuse a library of another version.
  * Functions and structs added without changing existing ones keep the version: a binding finds out that
  * a library lacks them by their symbols (the Python binding checks every one it declares). */
-#define MEGAMOE_ABI_VERSION 4
+#define MEGAMOE_ABI_VERSION 5
 
 #define MEGAMOE_OK 0
 #define MEGAMOE_INVALID_ARGUMENT 1
@@ -113,8 +113,12 @@ typedef struct megamoe_backward_args {
   float* d_topk_weights;          /* [T, K] fp32 */
   float* d_w13;                   /* [E_local, 2I, H] fp32 */
   float* d_w2;                    /* [E_local, H, I] fp32 */
-  int32_t accumulate_weight_grads; /* 1: add into d_w13/d_w2 */
+  int32_t accumulate_weight_grads; /* 1: add into the weight gradients */
   int32_t reserved;                /* 0 */
+  /* Since ABI version 5: or the weight gradients in bf16 (bf16 layers), each value rounded once; exactly one
+     of the pairs d_w13 / d_w2 and d_w13_bf16 / d_w2_bf16 is given (BackwardArgs in layer.hpp). */
+  void* d_w13_bf16;               /* [E_local, 2I, H] bf16 */
+  void* d_w2_bf16;                /* [E_local, H, I] bf16 */
 } megamoe_backward_args;
 
 typedef struct megamoe_vgroup megamoe_vgroup; /* R virtual ranks on one GPU */

@@ -16,7 +16,7 @@ import pathlib
 import threading
 import warnings
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 OK = 0
 INVALID_ARGUMENT = 1
@@ -97,6 +97,8 @@ class BackwardArgs(ctypes.Structure):
         ("d_w2", ctypes.c_void_p),
         ("accumulate_weight_grads", ctypes.c_int32),
         ("reserved", ctypes.c_int32),
+        ("d_w13_bf16", ctypes.c_void_p),  # since ABI version 5
+        ("d_w2_bf16", ctypes.c_void_p),
     ]
 
 

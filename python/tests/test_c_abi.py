@@ -41,7 +41,8 @@ def test_struct_sizes_match_the_header():
     assert ctypes.sizeof(_lib.ForwardArgs) == 104 and _lib.ForwardArgs.topk_weights.offset == 32
     assert _lib.ForwardArgs.weights_version.offset == 64 and _lib.ForwardArgs.w13_fp8.offset == 72
     assert _lib.ForwardArgs.w2_scales.offset == 96
-    assert ctypes.sizeof(_lib.BackwardArgs) == 48 and _lib.BackwardArgs.accumulate_weight_grads.offset == 40
+    assert ctypes.sizeof(_lib.BackwardArgs) == 64 and _lib.BackwardArgs.accumulate_weight_grads.offset == 40
+    assert _lib.BackwardArgs.d_w13_bf16.offset == 48 and _lib.BackwardArgs.d_w2_bf16.offset == 56
     assert ctypes.sizeof(_lib.BootstrapId) == _lib.BOOTSTRAP_ID_BYTES == 128
 
 

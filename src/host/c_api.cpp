@@ -167,6 +167,8 @@ Status to_backward_args(const megamoe_backward_args& a, megamoe::BackwardArgs* b
   b->d_topk_weights = a.d_topk_weights;
   b->d_w13 = a.d_w13;
   b->d_w2 = a.d_w2;
+  b->d_w13_bf16 = static_cast<__nv_bfloat16*>(a.d_w13_bf16);
+  b->d_w2_bf16 = static_cast<__nv_bfloat16*>(a.d_w2_bf16);
   b->accumulate_weight_grads = a.accumulate_weight_grads != 0;
   return Status::ok();
 }

@@ -292,6 +292,8 @@ struct ExpertParallelLayer::Impl {
   // dgrad GEMMs with the SwiGLU backward and d_topk_weights, d_x rows home, weight-gradient GEMMs.
   Status expert_mlp_backward(const ep::Params& p, const BackwardArgs& args) const;
   Status weight_gradients(const ep::Params& p, const BackwardArgs& args) const;
+  // NaN in the weight gradients (fp32 or bf16, whichever the call asked for) if the call failed.
+  Status nan_weight_gradients_if_failed(const ep::Params& p, const BackwardArgs& args) const;
   // The same in blockwise FP8 (docs/FP8.md, the backward), on the e4m3 d_out rows the FP8 dispatch delivered
   // and what the FP8 forward kept (the received x rows, the fp32 h, the quantized weights).
   Status expert_mlp_backward_fp8(const ep::Params& p, const BackwardArgs& args, bool transpose_weights) const;
@@ -396,9 +398,10 @@ Status ExpertParallelLayer::Impl::expert_mlp_backward(const ep::Params& p, const
   return weight_gradients(p, args);
 }
 
-// dW2 = d_out^T (w * a) and dW13 = dh^T x (fp32, rows gathered where they come from a receive buffer), after
-// the dgrad GEMMs wrote w * a and dh. The gathered operand is A of both GEMMs, the tile's narrower one
-// (128 columns; B has 256): dW13 is computed as x^T dh and stored transposed.
+// dW2 = d_out^T (w * a) and dW13 = dh^T x (fp32, or rounded to bf16 when the call gives bf16 gradients; rows
+// gathered where they come from a receive buffer), after the dgrad GEMMs wrote w * a and dh. The gathered
+// operand is A of both GEMMs, the tile's narrower one (128 columns; B has 256): dW13 is computed as x^T dh and
+// stored transposed.
 Status ExpertParallelLayer::Impl::weight_gradients(const ep::Params& p, const BackwardArgs& args) const {
   const int64_t H = config.hidden, I = config.intermediate, C = p.shape.row_capacity;
   const int EL = static_cast<int>(config.experts_per_rank());
@@ -406,13 +409,27 @@ Status ExpertParallelLayer::Impl::weight_gradients(const ep::Params& p, const Ba
   auto* recv_dout = buffer<__nv_bfloat16>(p.layout.recv_dout);
   auto* a = buffer<__nv_bfloat16>(p.layout.a);
   auto* dh = buffer<__nv_bfloat16>(p.layout.dh);
-  MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_tn(recv_dout, a, args.d_w2, expert_offsets(), EL, C,
-                                                   static_cast<int>(H), static_cast<int>(I),
-                                                   args.accumulate_weight_grads, stream, weight_grad_tuning(),
-                                                   received_rows()));
-  return kernels::grouped_gemm_tn(buffer<__nv_bfloat16>(p.layout.recv_x), dh, args.d_w13, expert_offsets(), EL, C,
-                                  static_cast<int>(H), static_cast<int>(2 * I), args.accumulate_weight_grads, stream,
-                                  weight_grad_tuning(), received_rows(), /*transpose_c=*/true);
+  const auto both = [&](auto* d_w13, auto* d_w2) -> Status {
+    MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_tn(recv_dout, a, d_w2, expert_offsets(), EL, C,
+                                                     static_cast<int>(H), static_cast<int>(I),
+                                                     args.accumulate_weight_grads, stream, weight_grad_tuning(),
+                                                     received_rows()));
+    return kernels::grouped_gemm_tn(buffer<__nv_bfloat16>(p.layout.recv_x), dh, d_w13, expert_offsets(), EL, C,
+                                    static_cast<int>(H), static_cast<int>(2 * I), args.accumulate_weight_grads,
+                                    stream, weight_grad_tuning(), received_rows(), /*transpose_c=*/true);
+  };
+  return args.bf16_weight_grads() ? both(args.d_w13_bf16, args.d_w2_bf16) : both(args.d_w13, args.d_w2);
+}
+
+Status ExpertParallelLayer::Impl::nan_weight_gradients_if_failed(const ep::Params& p,
+                                                                 const BackwardArgs& args) const {
+  const int64_t EL = config.experts_per_rank(), H = config.hidden, I = config.intermediate;
+  if (args.bf16_weight_grads()) {
+    return ep::launch_nan_if_failed(p, args.d_w13_bf16, EL * 2 * I * H, args.d_w2_bf16, EL * H * I,
+                                    placement.stream, max_blocks);
+  }
+  return ep::launch_nan_if_failed(p, args.d_w13, EL * 2 * I * H, args.d_w2, EL * H * I, placement.stream,
+                                  max_blocks);
 }
 
 // g = q(dOut) W2q (fp32, d_out's received rows copied into expert order, W2q read K-major: its transposed copy);
@@ -684,11 +701,21 @@ Status ExpertParallelLayer::forward(const ForwardArgs& args) {
 Status ExpertParallelLayer::check_backward(const BackwardArgs& args) const {
   const Impl& m = *impl_;
   if (!m.has_forward) return Status::invalid("backward called before any forward on this rank");
-  if (args.d_w13 == nullptr || args.d_w2 == nullptr) return Status::invalid("backward: d_w13 and d_w2 are required");
+  if (args.bf16_weight_grads()) {
+    if (args.d_w13_bf16 == nullptr || args.d_w2_bf16 == nullptr || args.d_w13 != nullptr || args.d_w2 != nullptr)
+      return Status::invalid("backward: give the weight gradients once, both in fp32 (d_w13, d_w2) or both in bf16 "
+                             "(d_w13_bf16, d_w2_bf16)");
+    if (m.params.shape.fp8 != 0)
+      return Status(StatusCode::kNotSupported, "backward: an fp8-blockwise layer writes its weight gradients in "
+                                               "fp32 (d_w13, d_w2), not bf16");
+  } else if (args.d_w13 == nullptr || args.d_w2 == nullptr) {
+    return Status::invalid("backward: d_w13 and d_w2 (or d_w13_bf16 and d_w2_bf16) are required");
+  }
   if (m.forward_tokens > 0 && (args.d_out == nullptr || args.d_x == nullptr || args.d_topk_weights == nullptr))
     return Status::invalid("backward: d_out, d_x and d_topk_weights are required when num_tokens > 0");
   MEGAMOE_RETURN_IF_ERROR(check_alignment(
-      {{args.d_out, "d_out"}, {args.d_x, "d_x"}, {args.d_w13, "d_w13"}, {args.d_w2, "d_w2"}},
+      {{args.d_out, "d_out"}, {args.d_x, "d_x"}, {args.d_w13, "d_w13"}, {args.d_w2, "d_w2"},
+       {args.d_w13_bf16, "d_w13_bf16"}, {args.d_w2_bf16, "d_w2_bf16"}},
       {{args.d_topk_weights, "d_topk_weights"}}));
   if (m.broken) return broken_status();
   return Status::ok();
@@ -710,7 +737,7 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
   // (streamed through its pipeline) before it stores dh there; a partial tile's boxes also read the next
   // expert's first rows, which may already be dh there, but those rows are never stored from it.
   if (p.shape.recompute_h != 0) MEGAMOE_RETURN_IF_ERROR(m.gemm1_swiglu(p, m.forward_w13, true));
-  const int64_t EL = m.config.experts_per_rank(), H = m.config.hidden, I = m.config.intermediate;
+  const int64_t H = m.config.hidden;
 
   if (m.options.backward_path == BackwardPath::kFused) {
     ep::FusedBackwardArgs fused;
@@ -728,7 +755,7 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
     MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradDone, stream));
     // The weight gradients were written by the GEMMs: a failed call turns them into NaN too (every rank's
     // error of the call is in this rank's record since the fused kernel's last rank barrier).
-    return ep::launch_nan_if_failed(p, args.d_w13, EL * 2 * I * H, args.d_w2, EL * H * I, stream, m.max_blocks);
+    return m.nan_weight_gradients_if_failed(p, args);
   }
   if (p.shape.fp8 != 0) {
     // d_out quantized per token (1 x 128 along H) before the dispatch, which then moves e4m3 rows.
@@ -755,8 +782,7 @@ Status ExpertParallelLayer::backward(const BackwardArgs& args) {
 
   MEGAMOE_RETURN_IF_ERROR(ep::launch_barrier(p, ep::kBarrierGradCombined, stream));
   // The weight gradients were written by the GEMMs: a failed call turns them into NaN too.
-  MEGAMOE_RETURN_IF_ERROR(
-      ep::launch_nan_if_failed(p, args.d_w13, EL * 2 * I * H, args.d_w2, EL * H * I, stream, m.max_blocks));
+  MEGAMOE_RETURN_IF_ERROR(m.nan_weight_gradients_if_failed(p, args));
   MEGAMOE_RETURN_IF_ERROR(ep::launch_combine_backward(p, args.d_x, args.d_topk_weights, stream, m.max_blocks));
   return Status::ok();
 }

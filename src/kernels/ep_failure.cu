@@ -12,17 +12,27 @@
 namespace megamoe::ep {
 namespace {
 
-__global__ void nan_if_failed_kernel(Params p, float* a, int64_t count_a, float* b, int64_t count_b) {
+template <typename T>
+__global__ void nan_if_failed_kernel(Params p, T* a, int64_t count_a, T* b, int64_t count_b) {
   device::begin_dependent_grid();
   if (!has_error(p)) return;
+  const T nan = static_cast<T>(NAN);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count_a + count_b; i += stride) {
     if (i < count_a) {
-      a[i] = NAN;
+      a[i] = nan;
     } else {
-      b[i - count_a] = NAN;
+      b[i - count_a] = nan;
     }
   }
+}
+
+template <typename T>
+Status launch_nan_fill(const Params& p, T* a, int64_t count_a, T* b, int64_t count_b, cudaStream_t stream,
+                       int max_blocks) {
+  // Normally every block returns at once; the grid only matters when the buffers are filled.
+  return kernels::launch_dependent(nan_if_failed_kernel<T>, dim3(max_blocks * 4), dim3(256), 0, stream,
+                                   "nan_if_failed_kernel", p, a, count_a, b, count_b);
 }
 
 __global__ void record_forward_failed_kernel(Params p) {
@@ -34,9 +44,12 @@ __global__ void record_forward_failed_kernel(Params p) {
 
 Status launch_nan_if_failed(const Params& p, float* a, int64_t count_a, float* b, int64_t count_b,
                             cudaStream_t stream, int max_blocks) {
-  // Normally every block returns at once; the grid only matters when the buffers are filled.
-  return kernels::launch_dependent(nan_if_failed_kernel, dim3(max_blocks * 4), dim3(256), 0, stream,
-                                   "nan_if_failed_kernel", p, a, count_a, b, count_b);
+  return launch_nan_fill(p, a, count_a, b, count_b, stream, max_blocks);
+}
+
+Status launch_nan_if_failed(const Params& p, __nv_bfloat16* a, int64_t count_a, __nv_bfloat16* b, int64_t count_b,
+                            cudaStream_t stream, int max_blocks) {
+  return launch_nan_fill(p, a, count_a, b, count_b, stream, max_blocks);
 }
 
 Status launch_record_forward_failed(const Params& p, cudaStream_t stream) {
@@ -46,7 +59,8 @@ Status launch_record_forward_failed(const Params& p, cudaStream_t stream) {
 
 Status load_failure_kernels() {
   cudaFuncAttributes attributes{};
-  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, nan_if_failed_kernel));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, nan_if_failed_kernel<float>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, nan_if_failed_kernel<__nv_bfloat16>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, record_forward_failed_kernel));
   return Status::ok();
 }

@@ -53,6 +53,8 @@ Status launch_combine_backward(const Params& p, __nv_bfloat16* d_x, float* d_top
 // otherwise does nothing (ep_failure.cu).
 Status launch_nan_if_failed(const Params& p, float* a, int64_t count_a, float* b, int64_t count_b,
                             cudaStream_t stream, int max_blocks);
+Status launch_nan_if_failed(const Params& p, __nv_bfloat16* a, int64_t count_a, __nv_bfloat16* b, int64_t count_b,
+                            cudaStream_t stream, int max_blocks);
 // Records that the forward this backward belongs to has failed (its error was already reported).
 Status launch_record_forward_failed(const Params& p, cudaStream_t stream);
 

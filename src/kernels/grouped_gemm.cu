@@ -206,9 +206,13 @@ Status grouped_gemm_nn(const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bflo
                    readiness);
 }
 
-Status grouped_gemm_tn(const __nv_bfloat16* A, const __nv_bfloat16* B, float* C, const int32_t* group_offsets,
-                       int num_groups, int64_t max_rows, int M, int N, bool accumulate, cudaStream_t stream,
-                       const GemmTuning& tuning, const GemmGather& gather, bool transpose_c) {
+namespace {
+
+// Form 3 into C32 (fp32) or C16 (bf16), whichever is given.
+Status k_grouped(const __nv_bfloat16* A, const __nv_bfloat16* B, float* C32, __nv_bfloat16* C16,
+                 const int32_t* group_offsets, int num_groups, int64_t max_rows, int M, int N, bool accumulate,
+                 cudaStream_t stream, const GemmTuning& tuning, const GemmGather& gather, bool transpose_c) {
+  const void* C = C16 != nullptr ? static_cast<const void*>(C16) : static_cast<const void*>(C32);
   MEGAMOE_RETURN_IF_ERROR(check_common(A, B, C, group_offsets, num_groups, max_rows));
   if (M <= 0 || N <= 0 || M % 8 != 0 || N % 8 != 0) {
     return Status::invalid("M and N must be positive multiples of 8, got M=" + std::to_string(M) +
@@ -223,7 +227,8 @@ Status grouped_gemm_tn(const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
   l.activation = GemmActivation::kNone;
   GemmKernelParams& p = l.p;
   p = base_params(group_offsets, num_groups, max_rows, M, N, 0, l.tuning);
-  p.c32 = C;
+  p.c32 = C32;
+  p.c16 = C16;
   p.accumulate = accumulate ? 1 : 0;
   p.transpose_c = transpose_c ? 1 : 0;
   // Work items of form 3 are as long as their expert's rows: hand out the longest first.
@@ -239,6 +244,22 @@ Status grouped_gemm_tn(const __nv_bfloat16* A, const __nv_bfloat16* B, float* C,
     MEGAMOE_RETURN_IF_ERROR(make_bf16_rows_map(&l.b, B, N, max_rows, 64));
   }
   return launch_grouped_gemm_tn(l, stream);
+}
+
+}  // namespace
+
+Status grouped_gemm_tn(const __nv_bfloat16* A, const __nv_bfloat16* B, float* C, const int32_t* group_offsets,
+                       int num_groups, int64_t max_rows, int M, int N, bool accumulate, cudaStream_t stream,
+                       const GemmTuning& tuning, const GemmGather& gather, bool transpose_c) {
+  return k_grouped(A, B, C, nullptr, group_offsets, num_groups, max_rows, M, N, accumulate, stream, tuning, gather,
+                   transpose_c);
+}
+
+Status grouped_gemm_tn(const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
+                       const int32_t* group_offsets, int num_groups, int64_t max_rows, int M, int N, bool accumulate,
+                       cudaStream_t stream, const GemmTuning& tuning, const GemmGather& gather, bool transpose_c) {
+  return k_grouped(A, B, nullptr, C, group_offsets, num_groups, max_rows, M, N, accumulate, stream, tuning, gather,
+                   transpose_c);
 }
 
 Status grouped_gemm_preload() {

@@ -151,5 +151,11 @@ Status grouped_gemm_nn(const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bflo
 Status grouped_gemm_tn(const __nv_bfloat16* A, const __nv_bfloat16* B, float* C, const int32_t* group_offsets,
                        int num_groups, int64_t max_rows, int M, int N, bool accumulate, cudaStream_t stream,
                        const GemmTuning& tuning = {}, const GemmGather& gather = {}, bool transpose_c = false);
+// The same with C in bf16: each value (with accumulate, the sum of the existing value and the new one, in fp32)
+// rounded once to nearest even: bitwise the fp32 call's C rounded to bf16, when not accumulating.
+Status grouped_gemm_tn(const __nv_bfloat16* A, const __nv_bfloat16* B, __nv_bfloat16* C,
+                       const int32_t* group_offsets, int num_groups, int64_t max_rows, int M, int N, bool accumulate,
+                       cudaStream_t stream, const GemmTuning& tuning = {}, const GemmGather& gather = {},
+                       bool transpose_c = false);
 
 }  // namespace megamoe::kernels

@@ -142,13 +142,21 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
                                                     static_cast<uint32_t>(rank));
     const int n0 = tile.n_idx * kBN;
     if constexpr (Shape::kKGrouped) {
-      float* C = p.c32 + static_cast<int64_t>(tile.e) * p.M * p.N;
+      const int64_t group = static_cast<int64_t>(tile.e) * p.M * p.N;
       const int m0 = tile.m_idx * Shape::kBM + cwg * 64;
-      if (p.transpose_c != 0) {
-        device::epilogue_fp32_transposed<kBN>(acc, C, p.M, p.N, m0, n0, p.accumulate != 0, smem.staging[cwg][0],
-                                              2 + cwg, lt);
+      const auto store = [&](auto* C) {
+        if (p.transpose_c != 0) {
+          device::epilogue_fp32_transposed<kBN>(acc, C, p.M, p.N, m0, n0, p.accumulate != 0, smem.staging[cwg][0],
+                                                2 + cwg, lt);
+        } else {
+          device::epilogue_fp32<kBN>(acc, C, p.M, p.N, m0, n0, p.accumulate != 0, smem.staging[cwg][0], 2 + cwg,
+                                     lt);
+        }
+      };
+      if (p.c16 != nullptr) {
+        store(p.c16 + group);
       } else {
-        device::epilogue_fp32<kBN>(acc, C, p.M, p.N, m0, n0, p.accumulate != 0, smem.staging[cwg][0], 2 + cwg, lt);
+        store(p.c32 + group);
       }
     } else {
       const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, n0, tile.n_idx, lt, lt >> 5, lt & 31};

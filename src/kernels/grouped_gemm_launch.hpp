@@ -23,7 +23,8 @@ struct GemmKernelParams {
   int K;  // forms 1, 2: reduction length
   device::OperandSources src;
   device::EpilogueArgs epi;
-  float* c32;      // form 3 output
+  float* c32;      // form 3 output, fp32
+  __nv_bfloat16* c16;  // form 3 output rounded to bf16 instead (c32 null)
   int accumulate;  // form 3
   int transpose_c;  // form 3: c32 is [groups, N, M] (each C[e] stored transposed)
   int tma_store;   // 1: the C (and aux) tensor maps are valid and the outputs contiguous

@@ -110,7 +110,9 @@ TEST(CApiTest, ForwardArgsLayout) {
   EXPECT_EQ(offsetof(megamoe_forward_args, w2_scales), 96u);
   EXPECT_EQ(sizeof(megamoe_forward_args), 104u);
   EXPECT_EQ(offsetof(megamoe_backward_args, accumulate_weight_grads), 40u);
-  EXPECT_EQ(sizeof(megamoe_backward_args), 48u);
+  EXPECT_EQ(offsetof(megamoe_backward_args, d_w13_bf16), 48u);
+  EXPECT_EQ(offsetof(megamoe_backward_args, d_w2_bf16), 56u);
+  EXPECT_EQ(sizeof(megamoe_backward_args), 64u);
 }
 
 TEST(CApiTest, CreateWithInvalidConfigFailsBeforeTouchingTheGpu) {

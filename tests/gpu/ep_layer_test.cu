@@ -628,6 +628,14 @@ TEST(EpLayerFp8Test, WeightsVersionKeepsTheTransposedWeightsInStep) {
   // not find those as its own.
   EXPECT_TRUE(same(fresh_other, step(4, nullptr, true))) << "pre-quantized weights of the other w13";
   EXPECT_TRUE(same(fresh, step(4, t[0].w13.get()))) << "a pre-quantized call in between leaves no promise";
+  // The FP8 layer's weight gradients come in fp32: bf16 ones are refused before anything is enqueued.
+  DeviceBuffer<__nv_bfloat16> g13(static_cast<size_t>(EL * 2 * I * H)), g2(static_cast<size_t>(EL * H * I));
+  BackwardArgs bf16 = backward_args_of(t[0]);
+  bf16.d_w13 = nullptr;
+  bf16.d_w2 = nullptr;
+  bf16.d_w13_bf16 = g13.get();
+  bf16.d_w2_bf16 = g2.get();
+  EXPECT_EQ(l.group->layer(0).backward(bf16).code(), StatusCode::kNotSupported);
 }
 
 // ForwardArgs' pre-quantized FP8 weights: given the codes and scales the layer's own quantization makes of
@@ -1072,6 +1080,121 @@ void accumulated_micro_batches(const LayerOptions& options) {
     EXPECT_EQ(differ, 0) << "rank " << r << ": accumulated weight gradients differ from the sum";
     EXPECT_GT(nonzero, 0) << "rank " << r << ": no gradient reached the buffers";
   }
+}
+
+// bf16 weight gradients (BackwardArgs::d_w13_bf16 / d_w2_bf16): bitwise the fp32 gradients rounded once to bf16
+// (round to nearest even, on the host), and with accumulate_weight_grads the fp32 sum of the existing bf16 value
+// and the fp32 gradient rounded once; on every rank, both backward paths. A failed call leaves them NaN; the
+// fp8 layer and a mixed pair of pointers are refused.
+float bf16_rounded(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+void bf16_weight_gradients(const LayerOptions& options) {
+  SmallRun run = small_problem(2, Routing::kMaskedAndRagged);
+  std::unique_ptr<VirtualRankGroup> group;
+  ASSERT_TRUE(VirtualRankGroup::create(run.p.config, options, &group).is_ok());
+  std::vector<DeviceBuffer<__nv_bfloat16>> g13, g2;
+  for (int r = 0; r < 2; ++r) {
+    g13.emplace_back(run.t[r].d_w13.size());
+    g2.emplace_back(run.t[r].d_w2.size());
+  }
+  const auto backward = [&](bool bf16, bool accumulate) {
+    ASSERT_TRUE(forward_all(*group, run).is_ok());
+    for (int r = 0; r < 2; ++r) {
+      BackwardArgs bw = backward_args_of(run.t[r]);
+      if (bf16) {
+        bw.d_w13 = nullptr;
+        bw.d_w2 = nullptr;
+        bw.d_w13_bf16 = g13[r].get();
+        bw.d_w2_bf16 = g2[r].get();
+      }
+      bw.accumulate_weight_grads = accumulate;
+      ASSERT_TRUE(group->layer(r).backward(bw).is_ok());
+    }
+    const Status s = group->synchronize_and_check();
+    ASSERT_TRUE(s.is_ok()) << s.to_string();
+  };
+  for (int r = 0; r < 2; ++r) {
+    run.t[r].d_w13.poison();
+    run.t[r].d_w2.poison();
+    g13[r].poison();
+    g2[r].poison();
+  }
+  MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+  backward(false, false);
+  if (::testing::Test::HasFatalFailure()) return;
+  backward(true, false);
+  if (::testing::Test::HasFatalFailure()) return;
+  std::vector<std::vector<float>> f13(2), f2(2), b13(2), b2(2);
+  for (int r = 0; r < 2; ++r) {
+    f13[r] = run.t[r].d_w13.download();
+    f2[r] = run.t[r].d_w2.download();
+    b13[r] = to_float(g13[r].download());
+    b2[r] = to_float(g2[r].download());
+    int64_t differ = 0, nonzero = 0;
+    for (size_t i = 0; i < f13[r].size(); ++i) {
+      const float want = bf16_rounded(f13[r][i]);
+      differ += std::memcmp(&want, &b13[r][i], 4) != 0;
+      nonzero += b13[r][i] != 0.0f;
+    }
+    for (size_t i = 0; i < f2[r].size(); ++i) {
+      const float want = bf16_rounded(f2[r][i]);
+      differ += std::memcmp(&want, &b2[r][i], 4) != 0;
+    }
+    EXPECT_EQ(differ, 0) << "rank " << r << ": bf16 weight gradients differ from the fp32 ones rounded";
+    EXPECT_GT(nonzero, 0) << "rank " << r << ": no gradient reached the bf16 buffers";
+  }
+  // Accumulated into the bf16 gradients of the first call: one rounding of (old + new) in fp32.
+  backward(true, true);
+  if (::testing::Test::HasFatalFailure()) return;
+  for (int r = 0; r < 2; ++r) {
+    const std::vector<float> got13 = to_float(g13[r].download()), got2 = to_float(g2[r].download());
+    int64_t differ = 0;
+    for (size_t i = 0; i < got13.size(); ++i) {
+      const float want = bf16_rounded(f13[r][i] + b13[r][i]);
+      differ += std::memcmp(&want, &got13[i], 4) != 0;
+    }
+    for (size_t i = 0; i < got2.size(); ++i) {
+      const float want = bf16_rounded(f2[r][i] + b2[r][i]);
+      differ += std::memcmp(&want, &got2[i], 4) != 0;
+    }
+    EXPECT_EQ(differ, 0) << "rank " << r << ": accumulated bf16 weight gradients";
+  }
+  // Refused before anything is enqueued: both pairs, or half of one.
+  BackwardArgs mixed = backward_args_of(run.t[0]);
+  mixed.d_w13_bf16 = g13[0].get();
+  mixed.d_w2_bf16 = g2[0].get();
+  EXPECT_EQ(group->layer(0).backward(mixed).code(), StatusCode::kInvalidArgument);
+  BackwardArgs half = backward_args_of(run.t[0]);
+  half.d_w13 = nullptr;
+  half.d_w2 = nullptr;
+  half.d_w13_bf16 = g13[0].get();
+  EXPECT_EQ(group->layer(0).backward(half).code(), StatusCode::kInvalidArgument);
+  // A failed call: NaN in the bf16 gradients on every rank.
+  run.p.idx[1][3] = 99;
+  run.t[1].idx.upload(run.p.idx[1]);
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(group->layer(r).forward(forward_args(run, r)).is_ok());
+  for (int r = 0; r < 2; ++r) {
+    BackwardArgs bw = backward_args_of(run.t[r]);
+    bw.d_w13 = nullptr;
+    bw.d_w2 = nullptr;
+    bw.d_w13_bf16 = g13[r].get();
+    bw.d_w2_bf16 = g2[r].get();
+    ASSERT_TRUE(group->layer(r).backward(bw).is_ok());
+  }
+  EXPECT_EQ(group->synchronize_and_check().code(), StatusCode::kInvalidArgument);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(all_nan(to_float(g13[r].download()))) << "rank " << r << " d_w13_bf16";
+    EXPECT_TRUE(all_nan(to_float(g2[r].download()))) << "rank " << r << " d_w2_bf16";
+  }
+}
+
+TEST(EpLayerBf16GradsTest, Bf16WeightGradientsAreTheFp32OnesRoundedOnce) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  bf16_weight_gradients(LayerOptions{});
+}
+TEST(FusedBackwardBf16GradsTest, Bf16WeightGradientsAreTheFp32OnesRoundedOnce) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  bf16_weight_gradients(with_paths(ForwardPath::kFused, BackwardPath::kFused));
 }
 
 TEST(EpLayerAccumulateTest, TwoMicroBatchesGiveTheSumOfTheirBackwards) {

@@ -6,7 +6,7 @@
 //   epilogue_swiglu_grad    acc = da (unweighted), reads h (streamed through the pipeline): C = dh = SwiGLU'(row_scale * da) (gate part at
 //                           column c, up part at c + N), aux = row_scale * a, and per row the partial
 //                           <da, a> over the tile's columns, for the routing-weight gradient
-//   epilogue_fp32           C (+)= acc, fp32 (the weight gradients)
+//   epilogue_fp32           C (+)= acc, stored in fp32, or rounded once to bf16 (the weight gradients)
 // Column groups of the fragment are walked through Fragment (fragment.cuh).
 #pragma once
 
@@ -271,11 +271,42 @@ __device__ __forceinline__ void epilogue_fp32_tma(const float (&acc)[kBN / 2], c
   epilogue_fp32_tma<kBN>(acc, map, N, slice0, TileColumns{n0}, store);
 }
 
-// fp32 output C[m, n] of a K-grouped tile (m0: first row of the warpgroup's slice of C), M x N, through one
-// staging box per pass of 32 columns; accumulate adds to the existing value (one fp32 rounding, no
-// atomics: every element has one owner).
-template <int kBN, class Columns = TileColumns>
-__device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], float* C, int M, int N, int m0,
+// A weight gradient's value into an output element of type Out: fp32 as it is, bf16 rounded once (to nearest
+// even); accumulate adds the existing value first, in fp32 (one rounding of the sum).
+__device__ __forceinline__ void store_output(float* dst, float v, bool accumulate) {
+  *dst = accumulate ? v + *dst : v;
+}
+__device__ __forceinline__ void store_output(__nv_bfloat16* dst, float v, bool accumulate) {
+  *dst = __float2bfloat16_rn(accumulate ? v + __bfloat162float(*dst) : v);
+}
+__device__ __forceinline__ void store_output4(float* dst, float4 v, bool accumulate) {
+  if (accumulate) {
+    const float4 old = *reinterpret_cast<const float4*>(dst);
+    v.x += old.x;
+    v.y += old.y;
+    v.z += old.z;
+    v.w += old.w;
+  }
+  *reinterpret_cast<float4*>(dst) = v;
+}
+__device__ __forceinline__ void store_output4(__nv_bfloat16* dst, float4 v, bool accumulate) {
+  if (accumulate) {
+    const uint2 old = *reinterpret_cast<const uint2*>(dst);
+    const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&old.x);
+    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&old.y);
+    v.x += __low2float(lo);
+    v.y += __high2float(lo);
+    v.z += __low2float(hi);
+    v.w += __high2float(hi);
+  }
+  *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+}
+
+// The output C[m, n] of a K-grouped tile (m0: first row of the warpgroup's slice of C), M x N, fp32 or bf16
+// (Out), through one staging box per pass of 32 columns; accumulate adds to the existing value (one rounding,
+// no atomics: every element has one owner).
+template <int kBN, class Columns = TileColumns, class Out = float>
+__device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], Out* C, int M, int N, int m0,
                                               Columns columns, bool accumulate, uint8_t* staging, int bar_id,
                                               int lt) {
 #pragma unroll
@@ -287,31 +318,23 @@ __device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], float
       const int col = columns.of(pass) + chunk * 4;
       const int m = m0 + row;
       if (m < M && col < N) {
-        float4 v = *reinterpret_cast<const float4*>(staging + offset);
-        float4* dst = reinterpret_cast<float4*>(C + static_cast<int64_t>(m) * N + col);
-        if (accumulate) {
-          const float4 old = *dst;
-          v.x += old.x;
-          v.y += old.y;
-          v.z += old.z;
-          v.w += old.w;
-        }
-        *dst = v;
+        store_output4(C + static_cast<int64_t>(m) * N + col, *reinterpret_cast<const float4*>(staging + offset),
+                      accumulate);
       }
     });
     named_barrier_sync(bar_id, 128);
   }
 }
-template <int kBN>
-__device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], float* C, int M, int N, int m0, int n0,
+template <int kBN, class Out>
+__device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], Out* C, int M, int N, int m0, int n0,
                                               bool accumulate, uint8_t* staging, int bar_id, int lt) {
-  epilogue_fp32<kBN>(acc, C, M, N, m0, TileColumns{n0}, accumulate, staging, bar_id, lt);
+  epilogue_fp32<kBN, TileColumns, Out>(acc, C, M, N, m0, TileColumns{n0}, accumulate, staging, bar_id, lt);
 }
 
 // The same tile stored transposed: C is [N, M] and gets C[n, m] = acc(m, n). A warp reads 32 consecutive
-// rows of one staged column and stores them as 128 contiguous bytes of C's row n.
-template <int kBN>
-__device__ __forceinline__ void epilogue_fp32_transposed(const float (&acc)[kBN / 2], float* C, int M, int N, int m0,
+// rows of one staged column and stores them as 32 contiguous elements of C's row n.
+template <int kBN, class Out>
+__device__ __forceinline__ void epilogue_fp32_transposed(const float (&acc)[kBN / 2], Out* C, int M, int N, int m0,
                                                          int n0, bool accumulate, uint8_t* staging, int bar_id,
                                                          int lt) {
 #pragma unroll
@@ -325,10 +348,8 @@ __device__ __forceinline__ void epilogue_fp32_transposed(const float (&acc)[kBN 
       const int row = unit & 63, col = unit >> 6;  // row of the slice (m), column of the pass (n)
       const int m = m0 + row, n = n0 + pass * 32 + col;
       if (m < M && n < N) {
-        float v = *reinterpret_cast<const float*>(staging + fp32_staged(row, col));
-        float* dst = C + static_cast<int64_t>(n) * M + m;
-        if (accumulate) v += *dst;
-        *dst = v;
+        const float v = *reinterpret_cast<const float*>(staging + fp32_staged(row, col));
+        store_output(C + static_cast<int64_t>(n) * M + m, v, accumulate);
       }
     }
     named_barrier_sync(bar_id, 128);
