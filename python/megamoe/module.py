@@ -60,7 +60,7 @@ class MegaMoE(nn.Module):
     the weights in 128 x 128 blocks (on every call) and the SwiGLU output per row; the backward quantizes
     d_out per token, dh per row and the weight gradients' operands along the routed rows, with every GEMM in
     FP8; the weights stay bf16 parameters and their gradients come in fp32 (main_grad) or the parameters'
-    dtype (converted once from fp32; a bf16 layer's GEMMs write a bf16 parameter's gradient in bf16 directly). Not with the fused kernels or recompute_h; H and I are multiples of 128.
+    dtype. Not with the fused kernels or recompute_h; H and I are multiples of 128.
 
     main_grad=True: the weight gradients are added to fp32 buffers `w13.main_grad` and `w2.main_grad` (made
     here, zeroed; or the caller's, if it set them before the first forward) by the GEMMs themselves, and w13

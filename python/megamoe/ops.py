@@ -244,9 +244,10 @@ def _weight_grad_fields(d_w13: Tensor, d_w2: Tensor) -> dict:
 
 
 def _weight_grad_dtype(cfg: "LayerConfig", w: Tensor) -> torch.dtype:
-    """The dtype in which the backward returns a weight gradient: a bf16 layer writes a bf16 weight's gradient in
-    bf16 straight from its GEMM (no fp32 tensor, no conversion kernel); otherwise fp32."""
-    return torch.bfloat16 if w.dtype == torch.bfloat16 and not cfg.fp8 else torch.float32
+    """The dtype in which the backward returns a weight gradient: fp32, converted to the weight's dtype for
+    autograd. (The library can write a bf16 layer's gradients in bf16 straight from its GEMMs, which would spare
+    that conversion; the ops keep fp32 until that path has run on a GPU: docs/PERF.md runs 145-146.)"""
+    return torch.float32
 
 
 class _LibraryBackend:

@@ -33,13 +33,17 @@ using device::GemmForm;
 inline constexpr int kGemmThreads = 384;
 inline constexpr int kScheduleRing = 8;  // work items in flight from the drawing thread to the other roles
 
+// kBf16C_ (form 3): C rounded to bf16 instead of stored in fp32 (GemmKernelParams::c16), an instantiation of its
+// own so that the fp32 kernels carry no second epilogue.
 template <GemmForm kForm_, GemmActivation kAct_, int kBN, int kCluster, GemmStoreMode kStore, bool kGatherA_,
-          bool kGatherB_>
+          bool kGatherB_, bool kBf16C_ = false>
 struct EngineConfig {
   static constexpr GemmForm kForm = kForm_;
   static constexpr GemmActivation kAct = kAct_;
   static constexpr bool kGatherA = kGatherA_;
   static constexpr bool kGatherB = kGatherB_;
+  static constexpr bool kBf16C = kBf16C_;
+  static_assert(!kBf16C || kForm == GemmForm::kTN, "only form 3 stores fp32, or bf16 instead");
   static constexpr bool kTmaStore = kStore == GemmStoreMode::kTmaTile;
   static_assert(!kTmaStore || kForm != GemmForm::kTN, "form 3 stores fp32 through the threads");
   // TMA stores keep the warpgroup's whole 64 x BN slice in flight (BN / 64 boxes) and pay with a stage.
@@ -153,7 +157,7 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
                                      lt);
         }
       };
-      if (p.c16 != nullptr) {
+      if constexpr (Cfg::kBf16C) {
         store(p.c16 + group);
       } else {
         store(p.c32 + group);
@@ -252,32 +256,42 @@ Status preload_config() {
 // The SwiGLU backward epilogue runs in the TMA-tile configurations only: it stages several boxes at once,
 // which the single staging box of the thread-store configurations cannot hold (the TMA configurations
 // also serve outputs that take the thread path).
-template <GemmForm kForm, GemmActivation kAct, bool kGatherA, bool kGatherB, class Visit>
-Status for_each_config_gather(Visit&& visit) {
+template <GemmForm kForm, GemmActivation kAct, bool kGatherA, bool kGatherB, bool kBf16C, class Visit>
+Status for_each_config_with(Visit&& visit) {
   constexpr bool kBf16 = kForm != GemmForm::kTN;
   constexpr bool kWideThreads = kAct != GemmActivation::kSwiGLUBackward;  // thread-store configs
   constexpr GemmStoreMode kT = GemmStoreMode::kThreads, kM = GemmStoreMode::kTmaTile;
-  if constexpr (kWideThreads) MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 256, 1, kT, kGatherA, kGatherB>{}));
-  if constexpr (kWideThreads) MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 128, 1, kT, kGatherA, kGatherB>{}));
+  if constexpr (kWideThreads)
+    MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 256, 1, kT, kGatherA, kGatherB, kBf16C>{}));
+  if constexpr (kWideThreads)
+    MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 128, 1, kT, kGatherA, kGatherB, kBf16C>{}));
   if constexpr (kBf16) {
-    MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 256, 1, kM, kGatherA, kGatherB>{}));
-    MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 128, 1, kM, kGatherA, kGatherB>{}));
+    MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 256, 1, kM, kGatherA, kGatherB, kBf16C>{}));
+    MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 128, 1, kM, kGatherA, kGatherB, kBf16C>{}));
   }
   if constexpr (!kGatherA && !kGatherB) {
-    if constexpr (kWideThreads) MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 256, 2, kT, false, false>{}));
-    if constexpr (kBf16) MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 256, 2, kM, false, false>{}));
+    if constexpr (kWideThreads)
+      MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 256, 2, kT, false, false, kBf16C>{}));
+    if constexpr (kBf16) MEGAMOE_RETURN_IF_ERROR(visit(EngineConfig<kForm, kAct, 256, 2, kM, false, false, kBf16C>{}));
+  }
+  return Status::ok();
+}
+
+template <GemmForm kForm, GemmActivation kAct, bool kBf16C, class Visit>
+Status for_each_config_gather(Visit&& visit) {
+  MEGAMOE_RETURN_IF_ERROR((for_each_config_with<kForm, kAct, false, false, kBf16C>(visit)));
+  MEGAMOE_RETURN_IF_ERROR((for_each_config_with<kForm, kAct, true, false, kBf16C>(visit)));
+  if constexpr (kForm == GemmForm::kTN) {
+    MEGAMOE_RETURN_IF_ERROR((for_each_config_with<kForm, kAct, false, true, kBf16C>(visit)));
+    MEGAMOE_RETURN_IF_ERROR((for_each_config_with<kForm, kAct, true, true, kBf16C>(visit)));
   }
   return Status::ok();
 }
 
 template <GemmForm kForm, GemmActivation kAct, class Visit>
 Status for_each_config(Visit&& visit) {
-  MEGAMOE_RETURN_IF_ERROR((for_each_config_gather<kForm, kAct, false, false>(visit)));
-  MEGAMOE_RETURN_IF_ERROR((for_each_config_gather<kForm, kAct, true, false>(visit)));
-  if constexpr (kForm == GemmForm::kTN) {
-    MEGAMOE_RETURN_IF_ERROR((for_each_config_gather<kForm, kAct, false, true>(visit)));
-    MEGAMOE_RETURN_IF_ERROR((for_each_config_gather<kForm, kAct, true, true>(visit)));
-  }
+  MEGAMOE_RETURN_IF_ERROR((for_each_config_gather<kForm, kAct, false>(visit)));
+  if constexpr (kForm == GemmForm::kTN) MEGAMOE_RETURN_IF_ERROR((for_each_config_gather<kForm, kAct, true>(visit)));
   return Status::ok();
 }
 
@@ -289,7 +303,7 @@ Status launch_matching(const GemmLaunch& l, cudaStream_t stream) {
     using Cfg = decltype(cfg);
     if (launched || Cfg::Shape::kBN != l.tuning.tile_n || Cfg::Shape::kCluster != l.tuning.cluster_size ||
         Cfg::kTmaStore != (l.tuning.store == GemmStoreMode::kTmaTile) || Cfg::kGatherA != l.gather_a ||
-        Cfg::kGatherB != l.gather_b)
+        Cfg::kGatherB != l.gather_b || Cfg::kBf16C != (l.p.c16 != nullptr))
       return Status::ok();
     launched = true;
     return launch_config<Cfg>(l, stream);
