@@ -238,6 +238,9 @@ def _check_group_size(cfg: LayerConfig, group) -> None:
 
 def _weight_grad_fields(d_w13: Tensor, d_w2: Tensor) -> dict:
     """BackwardArgs' weight-gradient pointers: the fp32 pair, or the bf16 pair for bf16 gradient tensors."""
+    if d_w13.dtype != d_w2.dtype or d_w13.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"megamoe: the weight gradients must both be float32 or both bfloat16, got {d_w13.dtype} "
+                        f"and {d_w2.dtype}")
     if d_w13.dtype == torch.bfloat16:
         return dict(d_w13_bf16=d_w13.data_ptr(), d_w2_bf16=d_w2.data_ptr())
     return dict(d_w13=d_w13.data_ptr(), d_w2=d_w2.data_ptr())

@@ -143,8 +143,8 @@ def test_main_grads_accumulate_micro_batches(ranks, precision):
         model(x[0], idx[0], w[0]).backward(d_out[0])
         assert model.w13.grad is None and model.w2.grad is None
         xs, ids, ws = (list(torch.tensor_split(t, ranks)) for t in (x[0], idx[0], w[0]))
-        # The same micro-batch's fp32 gradients on their own: added into zeroed fp32 buffers (the op that returns
-        # gradients gives a bf16 layer's in bf16).
+        # The same micro-batch's fp32 gradients on their own: added into zeroed fp32 buffers, the path under test
+        # (the op that returns gradients may give a bf16 layer's in bf16).
         g13, g2 = (torch.zeros_like(t, dtype=torch.float32) for t in (model.w13, model.w2))
         torch.ops.megamoe.moe_backward_into_main_grads(
             model._key, model.config.as_list(), list(torch.tensor_split(d_out[0], ranks)), xs, ids, ws,

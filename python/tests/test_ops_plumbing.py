@@ -226,8 +226,8 @@ def test_main_grads_accumulate_micro_batches_without_grad_tensors(backend, ranks
         out.backward(d)
         assert module.w13.grad is None and module.w2.grad is None
         assert x.grad is not None and w.grad is not None
-        # The same micro-batch's fp32 gradients on their own: added into zeroed fp32 buffers (the op that returns
-        # gradients gives a bf16 layer's in bf16).
+        # The same micro-batch's fp32 gradients on their own: added into zeroed fp32 buffers, the path under test
+        # (the op that returns gradients may give a bf16 layer's in bf16).
         xs, ids, ws = (list(torch.tensor_split(t, ranks)) for t in (x.detach(), idx, w.detach()))
         g13, g2 = (torch.zeros_like(t, dtype=torch.float32) for t in (module.w13, module.w2))
         torch.ops.megamoe.moe_backward_into_main_grads(
