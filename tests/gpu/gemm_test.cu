@@ -724,48 +724,47 @@ void run_k_grouped(int E, int max_per_group, int M, int N, bool accumulate, cons
     }
   }
   // C in bf16 (the weight gradients of a bf16 parameter): each value the fp32 call's rounded once, and with
-  // accumulate the fp32 sum of the existing bf16 value and the new one rounded once; C plain and transposed.
-  {
-    const auto round_bf16 = [](float v) { return __bfloat162float(__float2bfloat16_rn(v)); };
-    dC.poison();
-    ASSERT_TRUE(
-        grouped_gemm_tn(dA.get(), dB.get(), dC.get(), dOff.get(), E, max_rows, M, N, false, nullptr, tuning).is_ok());
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto fresh = dC.download();  // the fp32 products alone
-    std::vector<bf16> init16(dC.size());
-    std::vector<float> init16f(dC.size());
-    for (size_t i = 0; i < init16.size(); ++i) {
-      init16[i] = __float2bfloat16_rn(accumulate ? init[i] : 0.0f);
-      init16f[i] = __bfloat162float(init16[i]);
-    }
-    DeviceBuffer<bf16> dC16(dC.size());
-    for (const bool transpose : {false, true}) {
-      if (accumulate) {
-        std::vector<bf16> start = init16;
-        if (transpose) {
-          const auto t = transposed(init16f);
-          for (size_t i = 0; i < t.size(); ++i) start[i] = __float2bfloat16_rn(t[i]);
-        }
-        dC16.upload(start);
-      } else {
-        dC16.poison();
-      }
-      ASSERT_TRUE(grouped_gemm_tn(dA.get(), dB.get(), dC16.get(), dOff.get(), E, max_rows, M, N, accumulate, nullptr,
-                                  tuning, {}, transpose)
-                      .is_ok());
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      std::vector<float> want(fresh.size());
-      for (size_t i = 0; i < want.size(); ++i) want[i] = round_bf16(fresh[i] + (accumulate ? init16f[i] : 0.0f));
-      if (transpose) want = transposed(want);
-      const auto got16 = dC16.download();
-      int64_t differ = 0;
-      for (size_t i = 0; i < want.size(); ++i) {
-        const float g = __bfloat162float(got16[i]);
-        differ += std::memcmp(&g, &want[i], sizeof(float)) != 0;
-      }
-      EXPECT_EQ(differ, 0) << "bf16 C" << (transpose ? ", transposed," : "") << " differs from the fp32 C rounded";
-    }
+  // accumulate the fp32 sum of the existing bf16 value and the new one rounded once; C plain and transposed,
+  // operands as they are (every launch shape) and gathered (below).
+  dC.poison();
+  ASSERT_TRUE(
+      grouped_gemm_tn(dA.get(), dB.get(), dC.get(), dOff.get(), E, max_rows, M, N, false, nullptr, tuning).is_ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto fresh = dC.download();  // the fp32 products alone
+  std::vector<float> init16f(dC.size());
+  for (size_t i = 0; i < init16f.size(); ++i) {
+    init16f[i] = __bfloat162float(__float2bfloat16_rn(accumulate ? init[i] : 0.0f));
   }
+  DeviceBuffer<bf16> dC16(dC.size());
+  const auto check_bf16 = [&](const bf16* a_, const bf16* b_, const GemmGather& g, bool transpose, const char* what) {
+    if (accumulate) {
+      const std::vector<float> start = transpose ? transposed(init16f) : init16f;
+      std::vector<bf16> start16(start.size());
+      for (size_t i = 0; i < start.size(); ++i) start16[i] = __float2bfloat16_rn(start[i]);
+      dC16.upload(start16);
+    } else {
+      dC16.poison();
+    }
+    ASSERT_TRUE(grouped_gemm_tn(a_, b_, dC16.get(), dOff.get(), E, max_rows, M, N, accumulate, nullptr, tuning, g,
+                                transpose)
+                    .is_ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<float> want(fresh.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      want[i] = __bfloat162float(__float2bfloat16_rn(fresh[i] + (accumulate ? init16f[i] : 0.0f)));
+    }
+    if (transpose) want = transposed(want);
+    const auto got16 = dC16.download();
+    int64_t differ = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const float v = __bfloat162float(got16[i]);
+      differ += std::memcmp(&v, &want[i], sizeof(float)) != 0;
+    }
+    EXPECT_EQ(differ, 0) << "bf16 C (" << what << (transpose ? ", transposed" : "")
+                         << ") differs from the fp32 C rounded";
+  };
+  check_bf16(dA.get(), dB.get(), {}, false, "operands as they are");
+  check_bf16(dA.get(), dB.get(), {}, true, "operands as they are");
   if (tuning.cluster_size != 1) return;
   // A, B or both gathered by index from shuffled sources (the layer's weight gradients read rows of a
   // receive buffer): bitwise the same C.
@@ -790,6 +789,8 @@ void run_k_grouped(int E, int max_per_group, int M, int N, bool accumulate, cons
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const auto got_g = dC.download();
     EXPECT_EQ(std::memcmp(got.data(), got_g.data(), got.size() * sizeof(float)), 0) << "gathered operands " << which;
+    check_bf16((which & 1) ? dSa.get() : dA.get(), (which & 2) ? dSb.get() : dB.get(), g, which == 1,
+               which == 1 ? "A gathered" : which == 2 ? "B gathered" : "A and B gathered");
     if (which != 1) continue;
     // The layer's weight gradients: A gathered, C stored transposed.
     if (accumulate) {
