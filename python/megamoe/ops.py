@@ -236,23 +236,6 @@ def _check_group_size(cfg: LayerConfig, group) -> None:
                          f"ranks; they must be equal (one rank per process)")
 
 
-def _weight_grad_fields(d_w13: Tensor, d_w2: Tensor) -> dict:
-    """BackwardArgs' weight-gradient pointers: the fp32 pair, or the bf16 pair for bf16 gradient tensors."""
-    if d_w13.dtype != d_w2.dtype or d_w13.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"megamoe: the weight gradients must both be float32 or both bfloat16, got {d_w13.dtype} "
-                        f"and {d_w2.dtype}")
-    if d_w13.dtype == torch.bfloat16:
-        return dict(d_w13_bf16=d_w13.data_ptr(), d_w2_bf16=d_w2.data_ptr())
-    return dict(d_w13=d_w13.data_ptr(), d_w2=d_w2.data_ptr())
-
-
-def _weight_grad_dtype(cfg: "LayerConfig", w: Tensor) -> torch.dtype:
-    """The dtype in which the backward returns a weight gradient: fp32, converted to the weight's dtype for
-    autograd. (The library can write a bf16 layer's gradients in bf16 straight from its GEMMs, which would spare
-    that conversion; the ops keep fp32 until that path has run on a GPU: docs/PERF.md runs 145-146.)"""
-    return torch.float32
-
-
 class _LibraryBackend:
     """Runs the ops on libmegamoe. Tests swap in another backend to check the torch plumbing without a GPU."""
 
@@ -287,7 +270,8 @@ class _LibraryBackend:
     def backward(self, state, d_out, d_x, d_topk_weights, d_w13, d_w2, accumulate=False) -> None:
         group = self.group(state, d_out[0].device)
         args = [_lib.BackwardArgs(d_out=g.data_ptr(), d_x=dx.data_ptr(), d_topk_weights=dw.data_ptr(),
-                                  accumulate_weight_grads=int(accumulate), reserved=0, **_weight_grad_fields(a, b))
+                                  d_w13=a.data_ptr(), d_w2=b.data_ptr(), accumulate_weight_grads=int(accumulate),
+                                  reserved=0)
                 for g, dx, dw, a, b in zip(d_out, d_x, d_topk_weights, d_w13, d_w2)]
         group.backward(args, torch.cuda.current_stream(d_out[0].device).cuda_stream)
 
@@ -325,8 +309,8 @@ class _LibraryBackend:
     def process_backward(self, state, name, d_out, d_x, d_topk_weights, d_w13, d_w2, accumulate=False) -> None:
         group = self.process_group(state, name, d_out.device)
         args = _lib.BackwardArgs(d_out=d_out.data_ptr(), d_x=d_x.data_ptr(), d_topk_weights=d_topk_weights.data_ptr(),
-                                 accumulate_weight_grads=int(accumulate), reserved=0,
-                                 **_weight_grad_fields(d_w13, d_w2))
+                                 d_w13=d_w13.data_ptr(), d_w2=d_w2.data_ptr(), accumulate_weight_grads=int(accumulate),
+                                 reserved=0)
         group.backward(args, torch.cuda.current_stream(d_out.device).cuda_stream)
 
     def process_synchronize_and_check(self, state, name, device) -> None:
@@ -502,8 +486,8 @@ def _(key, config, x, topk_idx, topk_weights, w13, w2):
 
 def _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2, accumulate=False,
                   d_x=None, d_topk_weights=None) -> tuple[list, list]:
-    """The backward of the forward on these inputs into the weight-gradient buffers d_w13 / d_w2 (fp32 or bf16, one
-    per rank, the shapes of w13 / w2; added to them with accumulate); returns d_x and d_topk_weights (written into
+    """The backward of the forward on these inputs into the fp32 weight-gradient buffers d_w13 / d_w2 (one per
+    rank, the shapes of w13 / w2; added to them with accumulate); returns d_x and d_topk_weights (written into
     the given lists of tensors, or new ones)."""
     state = _state(key, cfg)
     if state.latest_forward.get(x[0].device.index) != _forward_key(x, topk_idx, topk_weights, w13, w2):
@@ -524,19 +508,18 @@ def _moe_backward(key: int, config: list[int], d_out: list[Tensor], x: list[Tens
                   ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, x, topk_idx, topk_weights, w13, w2, d_out)
-    d_w13 = [torch.empty_like(wi, dtype=_weight_grad_dtype(cfg, wi)) for wi in w13]
-    d_w2 = [torch.empty_like(wi, dtype=_weight_grad_dtype(cfg, wi)) for wi in w2]
+    d_w13 = [torch.empty_like(wi, dtype=torch.float32) for wi in w13]
+    d_w2 = [torch.empty_like(wi, dtype=torch.float32) for wi in w2]
     d_x, d_topk_weights = _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2)
     return d_x, d_topk_weights, d_w13, d_w2
 
 
 @_moe_backward.register_fake
 def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2):
-    cfg = LayerConfig.from_list(config)
-    _check_inputs(cfg, x, topk_idx, topk_weights, w13, w2, d_out)
+    _check_inputs(LayerConfig.from_list(config), x, topk_idx, topk_weights, w13, w2, d_out)
     return ([torch.empty_like(xi) for xi in x], [torch.empty_like(wi) for wi in topk_weights],
-            [torch.empty_like(wi, dtype=_weight_grad_dtype(cfg, wi)) for wi in w13],
-            [torch.empty_like(wi, dtype=_weight_grad_dtype(cfg, wi)) for wi in w2])
+            [torch.empty_like(wi, dtype=torch.float32) for wi in w13],
+            [torch.empty_like(wi, dtype=torch.float32) for wi in w2])
 
 
 def _setup_context(ctx, inputs, output):
@@ -623,8 +606,8 @@ def _moe_backward_all_experts(key: int, config: list[int], d_out: list[Tensor], 
     cfg = LayerConfig.from_list(config)
     w13s, w2s = _rank_views(cfg, w13, w2)
     _check_inputs(cfg, x, topk_idx, topk_weights, w13s, w2s, d_out)
-    d_w13 = torch.empty_like(w13, dtype=_weight_grad_dtype(cfg, w13))
-    d_w2 = torch.empty_like(w2, dtype=_weight_grad_dtype(cfg, w2))
+    d_w13 = torch.empty_like(w13, dtype=torch.float32)
+    d_w2 = torch.empty_like(w2, dtype=torch.float32)
     d_w13s, d_w2s = _rank_views(cfg, d_w13, d_w2)
     d_x, d_topk_weights = _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13s, w2s, d_w13s, d_w2s)
     return d_x, d_topk_weights, d_w13, d_w2
@@ -635,8 +618,7 @@ def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2):
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, x, topk_idx, topk_weights, *_rank_views(cfg, w13, w2), d_out)
     return ([torch.empty_like(xi) for xi in x], [torch.empty_like(wi) for wi in topk_weights],
-            torch.empty_like(w13, dtype=_weight_grad_dtype(cfg, w13)),
-            torch.empty_like(w2, dtype=_weight_grad_dtype(cfg, w2)))
+            torch.empty_like(w13, dtype=torch.float32), torch.empty_like(w2, dtype=torch.float32))
 
 
 @torch.library.custom_op("megamoe::moe_backward_into_main_grads",
@@ -750,7 +732,7 @@ def _(key, config, group_name, x, topk_idx, topk_weights, w13, w2, main_grad13=N
 
 def _run_process_backward(key, cfg, name, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2,
                           accumulate=False) -> tuple[Tensor, Tensor]:
-    """This rank's backward into the weight-gradient buffers (fp32 or bf16; added to them with accumulate); returns
+    """This rank's backward into the fp32 weight-gradient buffers (added to them with accumulate); returns
     d_x and d_topk_weights."""
     state = _state(key, cfg)
     if state.latest_forward.get((name, x.device.index)) != _process_forward_key(x, topk_idx, topk_weights, w13, w2):
@@ -768,8 +750,8 @@ def _moe_process_backward(key: int, config: list[int], group_name: str, d_out: T
                           topk_weights: Tensor, w13: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
-    d_w13 = torch.empty_like(w13, dtype=_weight_grad_dtype(cfg, w13))
-    d_w2 = torch.empty_like(w2, dtype=_weight_grad_dtype(cfg, w2))
+    d_w13 = torch.empty_like(w13, dtype=torch.float32)
+    d_w2 = torch.empty_like(w2, dtype=torch.float32)
     d_x, d_topk_weights = _run_process_backward(key, cfg, group_name, d_out, x, topk_idx, topk_weights, w13, w2,
                                                 d_w13, d_w2)
     return d_x, d_topk_weights, d_w13, d_w2
@@ -795,11 +777,9 @@ def _(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2, main_g
 
 @_moe_process_backward.register_fake
 def _(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2):
-    cfg = LayerConfig.from_list(config)
-    _check_inputs(cfg, [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
-    return (torch.empty_like(x), torch.empty_like(topk_weights),
-            torch.empty_like(w13, dtype=_weight_grad_dtype(cfg, w13)),
-            torch.empty_like(w2, dtype=_weight_grad_dtype(cfg, w2)))
+    _check_inputs(LayerConfig.from_list(config), [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
+    return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13, dtype=torch.float32),
+            torch.empty_like(w2, dtype=torch.float32))
 
 
 def _setup_process_context(ctx, inputs, output):

@@ -197,12 +197,9 @@ def _check_ops(rank, group):
         xs, ids, ws, _, _, ds = global_data([5, 3], seed=seed)
         accumulating(xs[rank], ids[rank], ws[rank]).backward(ds[rank])
         assert accumulating.w13.grad is None and accumulating.w2.grad is None
-        # This micro-batch's fp32 gradients on their own, added into zeroed fp32 buffers.
-        g13, g2 = (torch.zeros_like(t, dtype=torch.float32) for t in (accumulating.w13, accumulating.w2))
-        torch.ops.megamoe.moe_process_backward_into_main_grads(
+        separate.append(torch.ops.megamoe.moe_process_backward(
             accumulating._key, cfg.as_list(), ops.group_name(group), ds[rank], xs[rank], ids[rank], ws[rank],
-            accumulating.w13.detach(), accumulating.w2.detach(), g13, g2)
-        separate.append((g13, g2))
+            accumulating.w13.detach(), accumulating.w2.detach())[2:])
     assert torch.equal(accumulating.w13.main_grad, separate[0][0] + separate[1][0])
     assert torch.equal(accumulating.w2.main_grad, separate[0][1] + separate[1][1])
     # Both forwards first, then both backwards: the main gradients are added to, not saved for the backward.

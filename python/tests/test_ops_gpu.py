@@ -143,13 +143,9 @@ def test_main_grads_accumulate_micro_batches(ranks, precision):
         model(x[0], idx[0], w[0]).backward(d_out[0])
         assert model.w13.grad is None and model.w2.grad is None
         xs, ids, ws = (list(torch.tensor_split(t, ranks)) for t in (x[0], idx[0], w[0]))
-        # The same micro-batch's fp32 gradients on their own: added into zeroed fp32 buffers, the path under test
-        # (the op that returns gradients may give a bf16 layer's in bf16).
-        g13, g2 = (torch.zeros_like(t, dtype=torch.float32) for t in (model.w13, model.w2))
-        torch.ops.megamoe.moe_backward_into_main_grads(
+        _, _, g13, g2 = torch.ops.megamoe.moe_backward_all_experts(
             model._key, model.config.as_list(), list(torch.tensor_split(d_out[0], ranks)), xs, ids, ws,
-            model.w13.detach(), model.w2.detach(), g13, g2, [torch.empty_like(t) for t in xs],
-            [torch.empty_like(t) for t in ws])
+            model.w13.detach(), model.w2.detach())
         separate13.append(g13)
         separate2.append(g2)
         if precision == "fp8":
