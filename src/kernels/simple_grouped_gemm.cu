@@ -21,6 +21,7 @@
 #include <string>
 #include <type_traits>
 
+#include "device/epilogue/transforms.cuh"
 #include "device/ptx/grid_dependency.cuh"
 #include "kernels/cuda_check.hpp"
 #include "kernels/dependent_launch.hpp"
@@ -156,19 +157,11 @@ __device__ __forceinline__ void store_values(void* dst, const float (&v)[4], int
   if (out_fp32) {
     float* d = static_cast<float*>(dst);
     if (count == 4 && (reinterpret_cast<uintptr_t>(d) & 15) == 0) {
-      float4 out = make_float4(v[0], v[1], v[2], v[3]);
-      if (accumulate) {
-        const float4 old = *reinterpret_cast<const float4*>(d);
-        out.x += old.x;
-        out.y += old.y;
-        out.z += old.z;
-        out.w += old.w;
-      }
-      *reinterpret_cast<float4*>(d) = out;
+      device::store_output4(d, make_float4(v[0], v[1], v[2], v[3]), accumulate);
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (e < count) d[e] = accumulate ? d[e] + v[e] : v[e];
+        if (e < count) device::store_output(d + e, v[e], accumulate);
     }
   } else {
     __nv_bfloat16* d = static_cast<__nv_bfloat16*>(dst);

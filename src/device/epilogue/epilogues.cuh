@@ -271,37 +271,6 @@ __device__ __forceinline__ void epilogue_fp32_tma(const float (&acc)[kBN / 2], c
   epilogue_fp32_tma<kBN>(acc, map, N, slice0, TileColumns{n0}, store);
 }
 
-// A weight gradient's value into an output element of type Out: fp32 as it is, bf16 rounded once (to nearest
-// even); accumulate adds the existing value first, in fp32 (one rounding of the sum).
-__device__ __forceinline__ void store_output(float* dst, float v, bool accumulate) {
-  *dst = accumulate ? v + *dst : v;
-}
-__device__ __forceinline__ void store_output(__nv_bfloat16* dst, float v, bool accumulate) {
-  *dst = __float2bfloat16_rn(accumulate ? v + __bfloat162float(*dst) : v);
-}
-__device__ __forceinline__ void store_output4(float* dst, float4 v, bool accumulate) {
-  if (accumulate) {
-    const float4 old = *reinterpret_cast<const float4*>(dst);
-    v.x += old.x;
-    v.y += old.y;
-    v.z += old.z;
-    v.w += old.w;
-  }
-  *reinterpret_cast<float4*>(dst) = v;
-}
-__device__ __forceinline__ void store_output4(__nv_bfloat16* dst, float4 v, bool accumulate) {
-  if (accumulate) {
-    const uint2 old = *reinterpret_cast<const uint2*>(dst);
-    const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&old.x);
-    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&old.y);
-    v.x += __low2float(lo);
-    v.y += __high2float(lo);
-    v.z += __low2float(hi);
-    v.w += __high2float(hi);
-  }
-  *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
-}
-
 // The output C[m, n] of a K-grouped tile (m0: first row of the warpgroup's slice of C), M x N, fp32 or bf16
 // (Out), through one staging box per pass of 32 columns; accumulate adds to the existing value (one rounding,
 // no atomics: every element has one owner).
