@@ -33,6 +33,7 @@
 namespace megamoe {
 namespace {
 
+using testing::bf16_rounded;
 using testing::DeviceBuffer;
 using testing::ep_problem::backward_args_of;
 using testing::ep_problem::Expected;
@@ -1086,8 +1087,6 @@ void accumulated_micro_batches(const LayerOptions& options) {
 // (round to nearest even, on the host), and with accumulate_weight_grads the fp32 sum of the existing bf16 value
 // and the fp32 gradient rounded once; on every rank, both backward paths. A failed call leaves them NaN; the
 // fp8 layer and a mixed pair of pointers are refused.
-float bf16_rounded(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-
 void bf16_weight_gradients(const LayerOptions& options) {
   SmallRun run = small_problem(2, Routing::kMaskedAndRagged);
   std::unique_ptr<VirtualRankGroup> group;

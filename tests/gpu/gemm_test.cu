@@ -733,7 +733,7 @@ void run_k_grouped(int E, int max_per_group, int M, int N, bool accumulate, cons
   const auto fresh = dC.download();  // the fp32 products alone
   std::vector<float> init16f(dC.size());
   for (size_t i = 0; i < init16f.size(); ++i) {
-    init16f[i] = __bfloat162float(__float2bfloat16_rn(accumulate ? init[i] : 0.0f));
+    init16f[i] = megamoe::testing::bf16_rounded(accumulate ? init[i] : 0.0f);
   }
   DeviceBuffer<bf16> dC16(dC.size());
   const auto check_bf16 = [&](const bf16* a_, const bf16* b_, const GemmGather& g, bool transpose, const char* what) {
@@ -751,7 +751,7 @@ void run_k_grouped(int E, int max_per_group, int M, int N, bool accumulate, cons
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<float> want(fresh.size());
     for (size_t i = 0; i < want.size(); ++i) {
-      want[i] = __bfloat162float(__float2bfloat16_rn(fresh[i] + (accumulate ? init16f[i] : 0.0f)));
+      want[i] = megamoe::testing::bf16_rounded(fresh[i] + (accumulate ? init16f[i] : 0.0f));
     }
     if (transpose) want = transposed(want);
     const auto got16 = dC16.download();

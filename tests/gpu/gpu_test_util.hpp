@@ -1,6 +1,7 @@
 // Shared pieces of the GPU tests: skipping without a GPU, device buffers, CUDA checks.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -53,6 +54,9 @@ inline uint32_t bits_of(float v) {
   std::memcpy(&b, &v, sizeof b);
   return b;
 }
+
+// v rounded once to bf16 (nearest even), as a float: what a bf16 store of the fp32 value v holds.
+inline float bf16_rounded(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // Owning device allocation; the memory is filled with 0xFF bytes on creation (NaN for fp32/bf16), so
 // anything a kernel fails to write is caught.
