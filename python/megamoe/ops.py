@@ -3,17 +3,20 @@
 Ops (opaque to torch.compile, so no graph break inside them; shapes come from register_fake):
   megamoe::moe_forward(key, config, x[], topk_idx[], topk_weights[], w13[], w2[]) -> out[]
   megamoe::moe_backward(key, config, d_out[], x[], topk_idx[], topk_weights[], w13[], w2[])
-      -> (d_x[], d_topk_weights[], d_w13[] fp32, d_w2[] fp32)
+      -> (d_x[], d_topk_weights[], d_w13[], d_w2[])
   megamoe::moe_forward_all_experts / moe_backward_all_experts: the same with w13, w2 (and their
       gradients) one tensor each holding every rank's experts; with fp32 main gradients given to the
       forward, its backward is megamoe::moe_backward_into_main_grads, which adds the weight gradients to them.
-Each list holds one tensor per virtual rank. `key` names the layer state (its symmetric workspace) and
-`config` its shape; both are plain ints so that compile and CUDA graphs see constants.
+The weight gradients these return are bf16 (the weights' dtype) for a bf16 layer, each value rounded once
+by the GEMM that makes it, so autograd takes them as they are; an FP8 layer's are fp32 (the library writes
+no bf16 gradients for it) and its autograd converts them. Each list holds one tensor per virtual rank.
+`key` names the layer state (its symmetric workspace) and `config` its shape; both are plain ints so that
+compile and CUDA graphs see constants.
 
 Process groups (one process per GPU, a torch.distributed ProcessGroup of config.num_ranks processes):
   megamoe::moe_process_forward(key, config, group_name, x, topk_idx, topk_weights, w13, w2) -> out
   megamoe::moe_process_backward(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2)
-      -> (d_x, d_topk_weights, d_w13 fp32, d_w2 fp32)
+      -> (d_x, d_topk_weights, d_w13, d_w2)
 take this process's tensors (its tokens, its E/R experts). The group travels as its name (as in
 torch's functional collectives), a string constant to compile. The library group is created on the first
 call of a (key, group, device): rank 0 of the group makes a bootstrap id, torch.distributed broadcasts it,
@@ -270,8 +273,7 @@ class _LibraryBackend:
     def backward(self, state, d_out, d_x, d_topk_weights, d_w13, d_w2, accumulate=False) -> None:
         group = self.group(state, d_out[0].device)
         args = [_lib.BackwardArgs(d_out=g.data_ptr(), d_x=dx.data_ptr(), d_topk_weights=dw.data_ptr(),
-                                  d_w13=a.data_ptr(), d_w2=b.data_ptr(), accumulate_weight_grads=int(accumulate),
-                                  reserved=0)
+                                  accumulate_weight_grads=int(accumulate), reserved=0, **_weight_grad_fields(a, b))
                 for g, dx, dw, a, b in zip(d_out, d_x, d_topk_weights, d_w13, d_w2)]
         group.backward(args, torch.cuda.current_stream(d_out[0].device).cuda_stream)
 
@@ -309,8 +311,8 @@ class _LibraryBackend:
     def process_backward(self, state, name, d_out, d_x, d_topk_weights, d_w13, d_w2, accumulate=False) -> None:
         group = self.process_group(state, name, d_out.device)
         args = _lib.BackwardArgs(d_out=d_out.data_ptr(), d_x=d_x.data_ptr(), d_topk_weights=d_topk_weights.data_ptr(),
-                                 d_w13=d_w13.data_ptr(), d_w2=d_w2.data_ptr(), accumulate_weight_grads=int(accumulate),
-                                 reserved=0)
+                                 accumulate_weight_grads=int(accumulate), reserved=0,
+                                 **_weight_grad_fields(d_w13, d_w2))
         group.backward(args, torch.cuda.current_stream(d_out.device).cuda_stream)
 
     def process_synchronize_and_check(self, state, name, device) -> None:
@@ -324,6 +326,20 @@ class _LibraryBackend:
 
 
 _backend = _LibraryBackend()
+
+
+def _weight_grad_fields(d_w13: Tensor, d_w2: Tensor) -> dict:
+    """The BackwardArgs fields of a pair of weight-gradient buffers: d_w13 / d_w2 for fp32 ones, d_w13_bf16 /
+    d_w2_bf16 for bf16 ones (the library rounds each value once where it stores it)."""
+    assert d_w13.dtype == d_w2.dtype and d_w13.dtype in (torch.float32, torch.bfloat16), (d_w13.dtype, d_w2.dtype)
+    suffix = "_bf16" if d_w13.dtype == torch.bfloat16 else ""
+    return {"d_w13" + suffix: d_w13.data_ptr(), "d_w2" + suffix: d_w2.data_ptr()}
+
+
+def _weight_grad_dtype(cfg: LayerConfig) -> torch.dtype:
+    """The dtype of the weight gradients the ops return: the bf16 weights' own, except for an FP8 layer, whose
+    weight-gradient GEMMs write fp32 only."""
+    return torch.float32 if cfg.fp8 else torch.bfloat16
 
 
 # ---- checks ----
@@ -486,9 +502,9 @@ def _(key, config, x, topk_idx, topk_weights, w13, w2):
 
 def _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2, accumulate=False,
                   d_x=None, d_topk_weights=None) -> tuple[list, list]:
-    """The backward of the forward on these inputs into the fp32 weight-gradient buffers d_w13 / d_w2 (one per
-    rank, the shapes of w13 / w2; added to them with accumulate); returns d_x and d_topk_weights (written into
-    the given lists of tensors, or new ones)."""
+    """The backward of the forward on these inputs into the weight-gradient buffers d_w13 / d_w2 (one per rank,
+    the shapes of w13 / w2; fp32, or bf16 for a bf16 layer; added to them with accumulate); returns d_x and
+    d_topk_weights (written into the given lists of tensors, or new ones)."""
     state = _state(key, cfg)
     if state.latest_forward.get(x[0].device.index) != _forward_key(x, topk_idx, topk_weights, w13, w2):
         _run_forward(key, cfg, x, topk_idx, topk_weights, w13, w2)  # restores this forward's routing
@@ -508,18 +524,19 @@ def _moe_backward(key: int, config: list[int], d_out: list[Tensor], x: list[Tens
                   ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, x, topk_idx, topk_weights, w13, w2, d_out)
-    d_w13 = [torch.empty_like(wi, dtype=torch.float32) for wi in w13]
-    d_w2 = [torch.empty_like(wi, dtype=torch.float32) for wi in w2]
+    d_w13 = [torch.empty_like(wi, dtype=_weight_grad_dtype(cfg)) for wi in w13]
+    d_w2 = [torch.empty_like(wi, dtype=_weight_grad_dtype(cfg)) for wi in w2]
     d_x, d_topk_weights = _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2)
     return d_x, d_topk_weights, d_w13, d_w2
 
 
 @_moe_backward.register_fake
 def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2):
-    _check_inputs(LayerConfig.from_list(config), x, topk_idx, topk_weights, w13, w2, d_out)
+    cfg = LayerConfig.from_list(config)
+    _check_inputs(cfg, x, topk_idx, topk_weights, w13, w2, d_out)
     return ([torch.empty_like(xi) for xi in x], [torch.empty_like(wi) for wi in topk_weights],
-            [torch.empty_like(wi, dtype=torch.float32) for wi in w13],
-            [torch.empty_like(wi, dtype=torch.float32) for wi in w2])
+            [torch.empty_like(wi, dtype=_weight_grad_dtype(cfg)) for wi in w13],
+            [torch.empty_like(wi, dtype=_weight_grad_dtype(cfg)) for wi in w2])
 
 
 def _setup_context(ctx, inputs, output):
@@ -536,6 +553,7 @@ def _backward(ctx, grads):
     d_out = [torch.zeros_like(xi) if g is None else g.to(xi.dtype).contiguous() for g, xi in zip(grads, x)]
     d_x, d_w, d_w13, d_w2 = torch.ops.megamoe.moe_backward(ctx.key, ctx.config, d_out, x, topk_idx, topk_weights,
                                                            w13, w2)
+    # bf16 already for a bf16 layer (no copy); an FP8 layer's fp32 gradients are converted here.
     d_w13 = [g.to(w.dtype) for g, w in zip(d_w13, w13)]
     d_w2 = [g.to(w.dtype) for g, w in zip(d_w2, w2)]
     return None, None, d_x, [None] * r, d_w, d_w13, d_w2
@@ -606,8 +624,8 @@ def _moe_backward_all_experts(key: int, config: list[int], d_out: list[Tensor], 
     cfg = LayerConfig.from_list(config)
     w13s, w2s = _rank_views(cfg, w13, w2)
     _check_inputs(cfg, x, topk_idx, topk_weights, w13s, w2s, d_out)
-    d_w13 = torch.empty_like(w13, dtype=torch.float32)
-    d_w2 = torch.empty_like(w2, dtype=torch.float32)
+    d_w13 = torch.empty_like(w13, dtype=_weight_grad_dtype(cfg))
+    d_w2 = torch.empty_like(w2, dtype=_weight_grad_dtype(cfg))
     d_w13s, d_w2s = _rank_views(cfg, d_w13, d_w2)
     d_x, d_topk_weights = _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13s, w2s, d_w13s, d_w2s)
     return d_x, d_topk_weights, d_w13, d_w2
@@ -618,7 +636,7 @@ def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2):
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, x, topk_idx, topk_weights, *_rank_views(cfg, w13, w2), d_out)
     return ([torch.empty_like(xi) for xi in x], [torch.empty_like(wi) for wi in topk_weights],
-            torch.empty_like(w13, dtype=torch.float32), torch.empty_like(w2, dtype=torch.float32))
+            torch.empty_like(w13, dtype=_weight_grad_dtype(cfg)), torch.empty_like(w2, dtype=_weight_grad_dtype(cfg)))
 
 
 @torch.library.custom_op("megamoe::moe_backward_into_main_grads",
@@ -732,7 +750,8 @@ def _(key, config, group_name, x, topk_idx, topk_weights, w13, w2, main_grad13=N
 
 def _run_process_backward(key, cfg, name, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2,
                           accumulate=False) -> tuple[Tensor, Tensor]:
-    """This rank's backward into the fp32 weight-gradient buffers (added to them with accumulate); returns
+    """This rank's backward into the weight-gradient buffers (fp32, or bf16 for a bf16 layer; added to them with
+    accumulate); returns
     d_x and d_topk_weights."""
     state = _state(key, cfg)
     if state.latest_forward.get((name, x.device.index)) != _process_forward_key(x, topk_idx, topk_weights, w13, w2):
@@ -750,8 +769,8 @@ def _moe_process_backward(key: int, config: list[int], group_name: str, d_out: T
                           topk_weights: Tensor, w13: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
-    d_w13 = torch.empty_like(w13, dtype=torch.float32)
-    d_w2 = torch.empty_like(w2, dtype=torch.float32)
+    d_w13 = torch.empty_like(w13, dtype=_weight_grad_dtype(cfg))
+    d_w2 = torch.empty_like(w2, dtype=_weight_grad_dtype(cfg))
     d_x, d_topk_weights = _run_process_backward(key, cfg, group_name, d_out, x, topk_idx, topk_weights, w13, w2,
                                                 d_w13, d_w2)
     return d_x, d_topk_weights, d_w13, d_w2
@@ -777,9 +796,10 @@ def _(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2, main_g
 
 @_moe_process_backward.register_fake
 def _(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2):
-    _check_inputs(LayerConfig.from_list(config), [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
-    return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13, dtype=torch.float32),
-            torch.empty_like(w2, dtype=torch.float32))
+    cfg = LayerConfig.from_list(config)
+    _check_inputs(cfg, [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
+    return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13, dtype=_weight_grad_dtype(cfg)),
+            torch.empty_like(w2, dtype=_weight_grad_dtype(cfg)))
 
 
 def _setup_process_context(ctx, inputs, output):

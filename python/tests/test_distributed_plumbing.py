@@ -186,7 +186,8 @@ def _check_ops(rank, group):
         assert fo.shape == x[0].shape and fo.dtype == torch.bfloat16
         grads = torch.ops.megamoe.moe_process_backward(ops.new_key(), cfg.as_list(), ops.group_name(group), fx, fx,
                                                        fi, fw, fa, fb)
-        assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32, torch.float32, torch.float32]
+        # A bf16 layer's weight gradients come in bf16, straight from the GEMMs.
+        assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16]
     assert backend.forwards == before + 3  # only the module's forward ran since: checks fail before running
 
     # main_grad: two backwards add their fp32 gradients to this rank's main gradients; no .grad.
@@ -197,9 +198,13 @@ def _check_ops(rank, group):
         xs, ids, ws, _, _, ds = global_data([5, 3], seed=seed)
         accumulating(xs[rank], ids[rank], ws[rank]).backward(ds[rank])
         assert accumulating.w13.grad is None and accumulating.w2.grad is None
-        separate.append(torch.ops.megamoe.moe_process_backward(
+        # The same micro-batch's fp32 gradients on their own, added to zeroed fp32 buffers.
+        alone = (torch.zeros_like(accumulating.w13, dtype=torch.float32),
+                 torch.zeros_like(accumulating.w2, dtype=torch.float32))
+        torch.ops.megamoe.moe_process_backward_into_main_grads(
             accumulating._key, cfg.as_list(), ops.group_name(group), ds[rank], xs[rank], ids[rank], ws[rank],
-            accumulating.w13.detach(), accumulating.w2.detach())[2:])
+            accumulating.w13.detach(), accumulating.w2.detach(), *alone)
+        separate.append(alone)
     assert torch.equal(accumulating.w13.main_grad, separate[0][0] + separate[1][0])
     assert torch.equal(accumulating.w2.main_grad, separate[0][1] + separate[1][1])
     # Both forwards first, then both backwards: the main gradients are added to, not saved for the backward.

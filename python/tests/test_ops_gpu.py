@@ -47,6 +47,17 @@ def rel_err(got, want):
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
+def fp32_weight_grads(model, d_out, x, idx, w):
+    """One micro-batch's weight gradients in fp32 (added by the GEMMs to zeroed fp32 buffers) through the op
+    that takes main gradients; the lists hold one tensor per virtual rank of the module."""
+    g13 = torch.zeros_like(model.w13, dtype=torch.float32)
+    g2 = torch.zeros_like(model.w2, dtype=torch.float32)
+    torch.ops.megamoe.moe_backward_into_main_grads(
+        model._key, model.config.as_list(), d_out, x, idx, w, model.w13.detach(), model.w2.detach(), g13, g2,
+        [torch.empty_like(t) for t in x], [torch.empty_like(t) for t in w])
+    return g13, g2
+
+
 def routing(kind, tokens, gen):
     if kind == "random":
         return torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)])
@@ -143,9 +154,7 @@ def test_main_grads_accumulate_micro_batches(ranks, precision):
         model(x[0], idx[0], w[0]).backward(d_out[0])
         assert model.w13.grad is None and model.w2.grad is None
         xs, ids, ws = (list(torch.tensor_split(t, ranks)) for t in (x[0], idx[0], w[0]))
-        _, _, g13, g2 = torch.ops.megamoe.moe_backward_all_experts(
-            model._key, model.config.as_list(), list(torch.tensor_split(d_out[0], ranks)), xs, ids, ws,
-            model.w13.detach(), model.w2.detach())
+        g13, g2 = fp32_weight_grads(model, list(torch.tensor_split(d_out[0], ranks)), xs, ids, ws)
         separate13.append(g13)
         separate2.append(g2)
         if precision == "fp8":
@@ -164,6 +173,34 @@ def test_main_grads_accumulate_micro_batches(ranks, precision):
     assert torch.equal(model.w13.main_grad, separate13[0] + separate13[1])
     assert torch.equal(model.w2.main_grad, separate2[0] + separate2[1])
     assert rel_err(model.w13.main_grad, want13) <= TOL and rel_err(model.w2.main_grad, want2) <= TOL
+
+
+@pytest.mark.parametrize("fused_backward", [False, True])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_bf16_weight_gradients_are_the_fp32_ones_rounded_once(ranks, fused_backward):
+    """A bf16 layer's .grad comes from the GEMMs in bf16 (no fp32 tensor, no conversion kernel): bitwise the
+    fp32 gradients of the same backward rounded to bf16, on the modular and the fused backward; an FP8 layer's
+    op still returns fp32."""
+    torch.manual_seed(8)
+    model = megamoe.MegaMoE(H, I, E, K, MAX_TOKENS, virtual_ranks=ranks, device="cuda",
+                            fused_backward=fused_backward)
+    x, idx, w, _, _, d_out = make(1, [130 * ranks], "masked", seed=9)
+    model(x[0], idx[0], w[0]).backward(d_out[0])
+    assert model.w13.grad.dtype == torch.bfloat16 and model.w2.grad.dtype == torch.bfloat16
+    xs, ids, ws = (list(torch.tensor_split(t, ranks)) for t in (x[0], idx[0], w[0]))
+    ds = list(torch.tensor_split(d_out[0], ranks))
+    g13, g2 = fp32_weight_grads(model, ds, xs, ids, ws)
+    megamoe.synchronize_and_check(model)
+    assert g13.abs().sum() > 0 and g2.abs().sum() > 0
+    assert torch.equal(model.w13.grad, g13.bfloat16()) and torch.equal(model.w2.grad, g2.bfloat16())
+    _, _, b13, b2 = torch.ops.megamoe.moe_backward_all_experts(model._key, model.config.as_list(), ds, xs, ids, ws,
+                                                               model.w13.detach(), model.w2.detach())
+    assert b13.dtype == torch.bfloat16 and torch.equal(b13, g13.bfloat16()) and torch.equal(b2, g2.bfloat16())
+    fp8 = megamoe.MegaMoE(H, I, E, K, MAX_TOKENS, virtual_ranks=ranks, device="cuda", precision="fp8")
+    _, _, f13, f2 = torch.ops.megamoe.moe_backward_all_experts(fp8._key, fp8.config.as_list(), ds, xs, ids, ws,
+                                                               fp8.w13.detach(), fp8.w2.detach())
+    megamoe.synchronize_and_check(fp8)
+    assert f13.dtype == torch.float32 and f2.dtype == torch.float32 and torch.isfinite(f13).all()
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

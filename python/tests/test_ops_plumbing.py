@@ -226,11 +226,14 @@ def test_main_grads_accumulate_micro_batches_without_grad_tensors(backend, ranks
         out.backward(d)
         assert module.w13.grad is None and module.w2.grad is None
         assert x.grad is not None and w.grad is not None
-        # The same micro-batch's fp32 gradients on their own, through the op that returns them.
+        # The same micro-batch's fp32 gradients on their own, added to zeroed fp32 buffers.
         xs, ids, ws = (list(torch.tensor_split(t, ranks)) for t in (x.detach(), idx, w.detach()))
-        _, _, g13, g2 = torch.ops.megamoe.moe_backward_all_experts(
+        g13 = torch.zeros_like(module.w13, dtype=torch.float32)
+        g2 = torch.zeros_like(module.w2, dtype=torch.float32)
+        torch.ops.megamoe.moe_backward_into_main_grads(
             module._key, module.config.as_list(), list(torch.tensor_split(d, ranks)), xs, ids, ws,
-            module.w13.detach(), module.w2.detach())
+            module.w13.detach(), module.w2.detach(), g13, g2, [torch.empty_like(t) for t in xs],
+            [torch.empty_like(t) for t in ws])
         separate13.append(g13)
         separate2.append(g2)
     assert torch.equal(module.w13.main_grad, separate13[0] + separate13[1])
