@@ -18,54 +18,46 @@ bench="$build_dir/bench_layer"
 [ -x "$bench" ] || { echo "$bench missing: build it first (scripts/gpu-check.sh)"; exit 1; }
 command -v ncu >/dev/null 2>&1 || { echo "ncu not found"; exit 1; }
 
-timeout "${MEGAMOE_PROFILE_TIMEOUT:-420}" ncu --kernel-name grouped_gemm_kernel --launch-skip 2 --launch-count 6 \
-  --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --csv --page details \
-  "$bench" --iters 1 --no-ep >"$out/ncu.csv" 2>"$out/ncu.log"
+timeout "${MEGAMOE_PROFILE_TIMEOUT:-420}" ncu --kernel-name regex:grouped_gemm_kernel --launch-skip 2 --launch-count 6 \
+  --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section MemoryWorkloadAnalysis \
+  --page raw --csv "$bench" --iters 1 --no-ep >"$out/ncu.csv" 2>"$out/ncu.log"
 rc=$?
 echo "ncu rc $rc (raw: $out/ncu.csv, log: $out/ncu.log)"
 
 python3 - "$out/ncu.csv" <<'PY'
 import csv, sys
-from collections import OrderedDict
 names = ["GEMM1 SwiGLU", "GEMM2 home", "dgrad1 SwiGLU bwd", "dgrad2 home", "wgrad dW2", "wgrad dW13"]
-rows = list(csv.reader(open(sys.argv[1], errors="replace")))
+# ncu's own lines (==PROF==) and the bench's output share the file: the CSV starts at its header.
+lines = open(sys.argv[1], errors="replace").read().splitlines()
+start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+rows = list(csv.reader(lines[start:])) if start is not None else []
 if not rows:
-    print("no ncu output"); sys.exit(0)
+    print("no ncu metrics"); sys.exit(0)
+def number(v):
+    try:
+        return float(v.replace(",", ""))
+    except ValueError:
+        return None
 head = rows[0]
-try:
-    col = {k: head.index(k) for k in ("ID", "Section Name", "Metric Name", "Metric Unit", "Metric Value")}
-except ValueError:
-    print("unexpected ncu CSV header:", head[:12]); sys.exit(0)
-kernels = OrderedDict()
+metrics = [("gpu__time_duration.sum", "us", 1e-3), ("sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", "tensor %", 1),
+           ("smsp__issue_active.avg.pct_of_peak_sustained_active", "issue %", 1),
+           ("lts__throughput.avg.pct_of_peak_sustained_elapsed", "L2 %", 1),
+           ("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "DRAM %", 1),
+           ("sm__cycles_elapsed.avg.per_second", "GHz", 1e-9)]
+print(f"{'GEMM':<18}" + "".join(f"{label:>10}" for _, label, _ in metrics) + "  top stalls (cycles per issued instruction)")
+n = 0
 for r in rows[1:]:
-    if len(r) <= max(col.values()):
-        continue
-    kernels.setdefault(r[col["ID"]], {})[(r[col["Section Name"]], r[col["Metric Name"]])] = (r[col["Metric Value"]], r[col["Metric Unit"]])
-wanted = [("Duration", "dur"), ("Compute (SM) Throughput", "SM %"), ("L1/TEX Cache Throughput", "L1 %"),
-          ("L2 Cache Throughput", "L2 %"), ("DRAM Throughput", "DRAM %")]
-def find(m, name):
-    for (sec, met), (val, unit) in m.items():
-        if met == name:
-            return f"{val} {unit}".strip()
-    return "-"
-def tensor(m):
-    for (sec, met), (val, unit) in m.items():
-        if "Tensor" in met or "tensor" in met:
-            return f"{met}: {val}"
-    return "-"
-def stalls(m):
-    s = []
-    for (sec, met), (val, unit) in m.items():
-        if sec == "Warp State Statistics" and met.startswith("Stall"):
-            try:
-                s.append((float(val.replace(",", "")), met))
-            except ValueError:
-                pass
-    s.sort(reverse=True)
-    return ", ".join(f"{met.replace('Stall ', '')} {v:.2f}" for v, met in s[:3]) or "-"
-print(f"{'GEMM':<20} " + " ".join(f"{short:>12}" for _, short in wanted) + "  tensor pipe; top stalls (cycles per instruction)")
-for i, (kid, m) in enumerate(kernels.items()):
-    label = names[i] if i < len(names) else f"kernel {kid}"
-    print(f"{label:<20} " + " ".join(f"{find(m, name):>12}" for name, _ in wanted) + f"  {tensor(m)}; {stalls(m)}")
+    d = dict(zip(head, r))
+    if number(d.get("gpu__time_duration.sum", "")) is None:
+        continue  # the units row
+    cells = []
+    for key, _, scale in metrics:
+        v = number(d.get(key, ""))
+        cells.append(f"{v * scale:10.2f}" if v is not None else f"{'-':>10}")
+    stalls = [(number(v), k) for k, v in d.items() if "issue_stalled" in k and k.endswith("per_issue_active.ratio")]
+    stalls = sorted((x for x in stalls if x[0] is not None), reverse=True)[:5]
+    top = ", ".join(f"{k.split('issue_stalled_')[1].replace('_per_issue_active.ratio', '')} {v:.2f}" for v, k in stalls)
+    print(f"{names[n] if n < len(names) else 'kernel':<18}" + "".join(cells) + "  " + top)
+    n += 1
 PY
 exit $rc
