@@ -5,6 +5,8 @@
 # duration, the speed-of-light throughputs (SM, L1, L2, DRAM), the tensor pipe's share and the warps' top stall
 # reasons, so that a GEMM's gap to its standalone rate can be traced to what limits it.
 #   scripts/profile-gemms.sh OUTDIR [BUILD_DIR]
+# MEGAMOE_PROFILE_SOURCE=N (0..5, the order above): also the SASS view of GEMM N with each instruction's share of
+# the warps' stall samples (what its stalls wait on).
 # BUILD_DIR defaults to ${MEGAMOE_BUILD_DIR:-build-gpu} and must hold bench_layer (scripts/gpu-check.sh builds
 # it). bench_layer's first timed launches are one modular forward (2 GEMMs), then the fused forward (no engine
 # GEMM), then one modular forward + backward: its 6 engine GEMMs are launches 3..8 of grouped_gemm_kernel.
@@ -60,4 +62,34 @@ for r in rows[1:]:
     print(f"{names[n] if n < len(names) else 'kernel':<18}" + "".join(cells) + "  " + top)
     n += 1
 PY
+
+if [ -n "${MEGAMOE_PROFILE_SOURCE:-}" ]; then
+  timeout "${MEGAMOE_PROFILE_TIMEOUT:-420}" ncu --kernel-name regex:grouped_gemm_kernel \
+    --launch-skip $((2 + MEGAMOE_PROFILE_SOURCE)) --launch-count 1 --section SourceCounters --page source \
+    --print-source sass --csv "$bench" --iters 1 --no-ep >"$out/source.csv" 2>"$out/source.log"
+  echo "ncu (source of GEMM $MEGAMOE_PROFILE_SOURCE) rc $?"
+  python3 - "$out/source.csv" <<'PY'
+import csv, sys
+lines = open(sys.argv[1], errors="replace").read().splitlines()
+start = next((i for i, line in enumerate(lines) if '"Source"' in line or line.startswith('"Address"')), None)
+rows = list(csv.reader(lines[start:])) if start is not None else []
+if not rows:
+    print("no source page"); sys.exit(0)
+head = rows[0]
+def number(v):
+    try:
+        return float(v.replace(",", ""))
+    except ValueError:
+        return None
+cols = [i for i, h in enumerate(head) if "Sampling" in h and "All" in h] or [i for i, h in enumerate(head) if "Sampling" in h]
+if not cols:
+    print("no sampling column:", head[:12]); sys.exit(0)
+c, text = cols[0], head.index("Source") if "Source" in head else 1
+samples = [(number(r[c]) or 0.0, i, r[text]) for i, r in enumerate(rows[1:]) if len(r) > max(c, text)]
+total = sum(v for v, _, _ in samples) or 1.0
+print(f"stall samples by SASS instruction ({head[c]}; top 25 of {int(total)}; index = instruction's position)")
+for v, i, t in sorted(samples, reverse=True)[:25]:
+    print(f"  {100 * v / total:5.1f}%  #{i:<5} {t.strip()[:100]}")
+PY
+fi
 exit $rc
