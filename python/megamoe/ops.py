@@ -636,7 +636,8 @@ def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2):
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, x, topk_idx, topk_weights, *_rank_views(cfg, w13, w2), d_out)
     return ([torch.empty_like(xi) for xi in x], [torch.empty_like(wi) for wi in topk_weights],
-            torch.empty_like(w13, dtype=_weight_grad_dtype(cfg)), torch.empty_like(w2, dtype=_weight_grad_dtype(cfg)))
+            torch.empty_like(w13, dtype=_weight_grad_dtype(cfg)),
+            torch.empty_like(w2, dtype=_weight_grad_dtype(cfg)))
 
 
 @torch.library.custom_op("megamoe::moe_backward_into_main_grads",
@@ -751,8 +752,7 @@ def _(key, config, group_name, x, topk_idx, topk_weights, w13, w2, main_grad13=N
 def _run_process_backward(key, cfg, name, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2,
                           accumulate=False) -> tuple[Tensor, Tensor]:
     """This rank's backward into the weight-gradient buffers (fp32, or bf16 for a bf16 layer; added to them with
-    accumulate); returns
-    d_x and d_topk_weights."""
+    accumulate); returns d_x and d_topk_weights."""
     state = _state(key, cfg)
     if state.latest_forward.get((name, x.device.index)) != _process_forward_key(x, topk_idx, topk_weights, w13, w2):
         _run_process_forward(key, cfg, name, x, topk_idx, topk_weights, w13, w2)
