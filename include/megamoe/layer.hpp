@@ -118,9 +118,9 @@ struct BackwardArgs {
   float* d_topk_weights = nullptr;           // [T, K]
   float* d_w13 = nullptr;                    // [E_local, 2I, H] fp32
   float* d_w2 = nullptr;                     // [E_local, H, I] fp32
-  // Or the weight gradients in bf16 (bf16 layers; an FP8 layer writes fp32): each value rounded once to nearest
-  // even by the GEMM that makes it, so a bf16 parameter's gradient needs no conversion. Exactly one of the
-  // pairs d_w13 / d_w2 and d_w13_bf16 / d_w2_bf16 is given.
+  // Or the weight gradients in bf16 (both precisions): each value rounded once to nearest even by the GEMM that
+  // makes it, so a bf16 parameter's gradient needs no conversion. Exactly one of the pairs d_w13 / d_w2 and
+  // d_w13_bf16 / d_w2_bf16 is given.
   __nv_bfloat16* d_w13_bf16 = nullptr;       // [E_local, 2I, H]
   __nv_bfloat16* d_w2_bf16 = nullptr;        // [E_local, H, I]
   // Add into the weight gradients instead of overwriting them (in fp32; bf16 gradients: the sum of the

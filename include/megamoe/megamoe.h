@@ -115,7 +115,7 @@ typedef struct megamoe_backward_args {
   float* d_w2;                    /* [E_local, H, I] fp32 */
   int32_t accumulate_weight_grads; /* 1: add into the weight gradients */
   int32_t reserved;                /* 0 */
-  /* Since ABI version 5: or the weight gradients in bf16 (bf16 layers), each value rounded once; exactly one
+  /* Since ABI version 5: or the weight gradients in bf16 (either precision), each value rounded once; exactly one
      of the pairs d_w13 / d_w2 and d_w13_bf16 / d_w2_bf16 is given (BackwardArgs in layer.hpp). */
   void* d_w13_bf16;               /* [E_local, 2I, H] bf16 */
   void* d_w2_bf16;                /* [E_local, H, I] bf16 */

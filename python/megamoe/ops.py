@@ -7,9 +7,8 @@ Ops (opaque to torch.compile, so no graph break inside them; shapes come from re
   megamoe::moe_forward_all_experts / moe_backward_all_experts: the same with w13, w2 (and their
       gradients) one tensor each holding every rank's experts; with fp32 main gradients given to the
       forward, its backward is megamoe::moe_backward_into_main_grads, which adds the weight gradients to them.
-The weight gradients these return are bf16 (the weights' dtype) for a bf16 layer, each value rounded once
-by the GEMM that makes it, so autograd takes them as they are; an FP8 layer's are fp32 (the library writes
-no bf16 gradients for it) and its autograd converts them. Each list holds one tensor per virtual rank.
+The weight gradients these return are bf16, the weights' dtype (either precision), each value rounded once
+by the GEMM that makes it, so autograd takes them as they are. Each list holds one tensor per virtual rank.
 `key` names the layer state (its symmetric workspace) and `config` its shape; both are plain ints so that
 compile and CUDA graphs see constants.
 
@@ -336,12 +335,6 @@ def _weight_grad_fields(d_w13: Tensor, d_w2: Tensor) -> dict:
     return {"d_w13" + suffix: d_w13.data_ptr(), "d_w2" + suffix: d_w2.data_ptr()}
 
 
-def _weight_grad_dtype(cfg: LayerConfig) -> torch.dtype:
-    """The dtype of the weight gradients the ops return: the bf16 weights' own, except for an FP8 layer, whose
-    weight-gradient GEMMs write fp32 only."""
-    return torch.float32 if cfg.fp8 else torch.bfloat16
-
-
 # ---- checks ----
 
 # Tensors whose rows the kernels move 16 bytes at a time.
@@ -524,8 +517,8 @@ def _moe_backward(key: int, config: list[int], d_out: list[Tensor], x: list[Tens
                   ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, x, topk_idx, topk_weights, w13, w2, d_out)
-    d_w13 = [torch.empty_like(wi, dtype=_weight_grad_dtype(cfg)) for wi in w13]
-    d_w2 = [torch.empty_like(wi, dtype=_weight_grad_dtype(cfg)) for wi in w2]
+    d_w13 = [torch.empty_like(wi) for wi in w13]
+    d_w2 = [torch.empty_like(wi) for wi in w2]
     d_x, d_topk_weights = _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2)
     return d_x, d_topk_weights, d_w13, d_w2
 
@@ -535,8 +528,8 @@ def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2):
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, x, topk_idx, topk_weights, w13, w2, d_out)
     return ([torch.empty_like(xi) for xi in x], [torch.empty_like(wi) for wi in topk_weights],
-            [torch.empty_like(wi, dtype=_weight_grad_dtype(cfg)) for wi in w13],
-            [torch.empty_like(wi, dtype=_weight_grad_dtype(cfg)) for wi in w2])
+            [torch.empty_like(wi) for wi in w13],
+            [torch.empty_like(wi) for wi in w2])
 
 
 def _setup_context(ctx, inputs, output):
@@ -553,7 +546,7 @@ def _backward(ctx, grads):
     d_out = [torch.zeros_like(xi) if g is None else g.to(xi.dtype).contiguous() for g, xi in zip(grads, x)]
     d_x, d_w, d_w13, d_w2 = torch.ops.megamoe.moe_backward(ctx.key, ctx.config, d_out, x, topk_idx, topk_weights,
                                                            w13, w2)
-    # bf16 already for a bf16 layer (no copy); an FP8 layer's fp32 gradients are converted here.
+    # bf16 already, the weights' dtype: no copy.
     d_w13 = [g.to(w.dtype) for g, w in zip(d_w13, w13)]
     d_w2 = [g.to(w.dtype) for g, w in zip(d_w2, w2)]
     return None, None, d_x, [None] * r, d_w, d_w13, d_w2
@@ -624,8 +617,8 @@ def _moe_backward_all_experts(key: int, config: list[int], d_out: list[Tensor], 
     cfg = LayerConfig.from_list(config)
     w13s, w2s = _rank_views(cfg, w13, w2)
     _check_inputs(cfg, x, topk_idx, topk_weights, w13s, w2s, d_out)
-    d_w13 = torch.empty_like(w13, dtype=_weight_grad_dtype(cfg))
-    d_w2 = torch.empty_like(w2, dtype=_weight_grad_dtype(cfg))
+    d_w13 = torch.empty_like(w13)
+    d_w2 = torch.empty_like(w2)
     d_w13s, d_w2s = _rank_views(cfg, d_w13, d_w2)
     d_x, d_topk_weights = _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13s, w2s, d_w13s, d_w2s)
     return d_x, d_topk_weights, d_w13, d_w2
@@ -636,8 +629,7 @@ def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2):
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, x, topk_idx, topk_weights, *_rank_views(cfg, w13, w2), d_out)
     return ([torch.empty_like(xi) for xi in x], [torch.empty_like(wi) for wi in topk_weights],
-            torch.empty_like(w13, dtype=_weight_grad_dtype(cfg)),
-            torch.empty_like(w2, dtype=_weight_grad_dtype(cfg)))
+            torch.empty_like(w13), torch.empty_like(w2))
 
 
 @torch.library.custom_op("megamoe::moe_backward_into_main_grads",
@@ -769,8 +761,8 @@ def _moe_process_backward(key: int, config: list[int], group_name: str, d_out: T
                           topk_weights: Tensor, w13: Tensor, w2: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
-    d_w13 = torch.empty_like(w13, dtype=_weight_grad_dtype(cfg))
-    d_w2 = torch.empty_like(w2, dtype=_weight_grad_dtype(cfg))
+    d_w13 = torch.empty_like(w13)
+    d_w2 = torch.empty_like(w2)
     d_x, d_topk_weights = _run_process_backward(key, cfg, group_name, d_out, x, topk_idx, topk_weights, w13, w2,
                                                 d_w13, d_w2)
     return d_x, d_topk_weights, d_w13, d_w2
@@ -798,8 +790,7 @@ def _(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2, main_g
 def _(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2):
     cfg = LayerConfig.from_list(config)
     _check_inputs(cfg, [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
-    return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13, dtype=_weight_grad_dtype(cfg)),
-            torch.empty_like(w2, dtype=_weight_grad_dtype(cfg)))
+    return torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13), torch.empty_like(w2)
 
 
 def _setup_process_context(ctx, inputs, output):

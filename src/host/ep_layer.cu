@@ -493,17 +493,21 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
   const ep::WorkspaceLayout& l = p.layout;
   const int32_t* offsets = expert_offsets();
   const auto scales = [this](int64_t offset) { return buffer<kernels::TokenMajorScale>(offset); };
-  MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), scales(l.dyt_s), H, buffer<uint8_t>(l.at_q),
-                                                  scales(l.at_s), I, offsets, EL, C, args.d_w2,
-                                                  args.accumulate_weight_grads, stream, max_blocks,
-                                                  fp8_wgrad_overlap(), 1, fp8_wgrad_tile_columns(I)));
-  // dW13 = dh^T x formed as x^T dh and stored transposed (the same bits): its columns are then the 2I
-  // channels, which 192-column tiles cover whole when 3 divides I, as at the benchmark shapes (otherwise
-  // 128-column tiles).
-  return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.xt_q), scales(l.xt_s), H, buffer<uint8_t>(l.dht_q),
-                                 scales(l.dht_s), 2 * I, offsets, EL, C, args.d_w13, args.accumulate_weight_grads,
-                                 stream, max_blocks, fp8_wgrad_overlap(), 1, fp8_wgrad_tile_columns(2 * I),
-                                 /*transpose_d=*/true);
+  // fp32 gradients, or bf16 ones when the call gives those (each value rounded once where it is stored).
+  const auto both = [&](auto* d_w13, auto* d_w2) -> Status {
+    MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), scales(l.dyt_s), H,
+                                                    buffer<uint8_t>(l.at_q), scales(l.at_s), I, offsets, EL, C, d_w2,
+                                                    args.accumulate_weight_grads, stream, max_blocks,
+                                                    fp8_wgrad_overlap(), 1, fp8_wgrad_tile_columns(I)));
+    // dW13 = dh^T x formed as x^T dh and stored transposed (the same bits): its columns are then the 2I
+    // channels, which 192-column tiles cover whole when 3 divides I, as at the benchmark shapes (otherwise
+    // 128-column tiles).
+    return kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.xt_q), scales(l.xt_s), H, buffer<uint8_t>(l.dht_q),
+                                   scales(l.dht_s), 2 * I, offsets, EL, C, d_w13, args.accumulate_weight_grads, stream,
+                                   max_blocks, fp8_wgrad_overlap(), 1, fp8_wgrad_tile_columns(2 * I),
+                                   /*transpose_d=*/true);
+  };
+  return args.bf16_weight_grads() ? both(args.d_w13_bf16, args.d_w2_bf16) : both(args.d_w13, args.d_w2);
 }
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -705,9 +709,6 @@ Status ExpertParallelLayer::check_backward(const BackwardArgs& args) const {
     if (args.d_w13_bf16 == nullptr || args.d_w2_bf16 == nullptr || args.d_w13 != nullptr || args.d_w2 != nullptr)
       return Status::invalid("backward: give the weight gradients once, both in fp32 (d_w13, d_w2) or both in bf16 "
                              "(d_w13_bf16, d_w2_bf16)");
-    if (m.params.shape.fp8 != 0)
-      return Status(StatusCode::kNotSupported, "backward: an fp8-blockwise layer writes its weight gradients in "
-                                               "fp32 (d_w13, d_w2), not bf16");
   } else if (args.d_w13 == nullptr || args.d_w2 == nullptr) {
     return Status::invalid("backward: d_w13 and d_w2 (or d_w13_bf16 and d_w2_bf16) are required");
   }

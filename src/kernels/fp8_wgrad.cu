@@ -2,6 +2,7 @@
 // as bf16 pairs, as in fp8_gemm.cu; the scales as 16-bit tensors [K blocks, rows]), the persistent launch.
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "host/tensor_map.hpp"
 #include "kernels/cluster_launch.hpp"
@@ -14,7 +15,7 @@ namespace megamoe::kernels {
 namespace {
 
 Status check(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb, const TokenMajorScale* sb,
-             int64_t N, const int32_t* offsets, int experts, int64_t capacity, const float* D) {
+             int64_t N, const int32_t* offsets, int experts, int64_t capacity, const void* D) {
   if (M <= 0 || N <= 0 || M % 128 != 0 || N % 128 != 0 || M >= (int64_t{1} << 31) || N >= (int64_t{1} << 31))
     return Status::invalid("fp8 wgrad GEMM: M and N must be positive multiples of 128, got M=" + std::to_string(M) +
                            " N=" + std::to_string(N));
@@ -61,16 +62,20 @@ Status launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMa
   return Status::ok();
 }
 
-}  // namespace
-
-Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
-                      const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
-                      float* D, bool accumulate, cudaStream_t stream, int max_ctas, bool overlap_promotion,
-                      int cluster, int tile_columns, bool transpose_d) {
+// Both outputs: Out is float or __nv_bfloat16 (configurations with kBf16D, single CTAs).
+template <class Out>
+Status wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb, const TokenMajorScale* sb,
+                  int64_t N, const int32_t* offsets, int experts, int64_t capacity, Out* D, bool accumulate,
+                  cudaStream_t stream, int max_ctas, bool overlap_promotion, int cluster, int tile_columns,
+                  bool transpose_d) {
+  constexpr bool kBf16 = std::is_same_v<Out, __nv_bfloat16>;
   MEGAMOE_RETURN_IF_ERROR(check(qa, sa, M, qb, sb, N, offsets, experts, capacity, D));
   if (max_ctas < 0) return Status::invalid("fp8 wgrad GEMM: max_ctas must be >= 0, got " + std::to_string(max_ctas));
   if (cluster != 1 && cluster != 2)
     return Status::invalid("fp8 wgrad GEMM: cluster must be 1 or 2, got " + std::to_string(cluster));
+  if (kBf16 && cluster != 1)
+    return Status::invalid("fp8 wgrad GEMM: a bf16 D runs in single CTAs (cluster 1), got cluster " +
+                           std::to_string(cluster));
   if (max_ctas > 0 && max_ctas < cluster)
     return Status::invalid("fp8 wgrad GEMM: max_ctas (" + std::to_string(max_ctas) + ") is below one cluster of " +
                            std::to_string(cluster) + " CTAs");
@@ -96,7 +101,11 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, c
   p.capacity = static_cast<int>(capacity);
   p.M = static_cast<int>(M);
   p.N = static_cast<int>(N);
-  p.D = D;
+  if constexpr (kBf16) {
+    p.D16 = D;
+  } else {
+    p.D = D;
+  }
   p.accumulate = accumulate ? 1 : 0;
   // B's box is the rows one CTA of the configuration loads (half the panel in a cluster pair), its scales' box
   // the tile's columns.
@@ -109,12 +118,34 @@ Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, c
     return launch<Cfg>(tm_a, tm_b, tm_sa, tm_sb, p, tiles, num_sms, max_ctas, stream);
   };
   if (transpose_d) {
-    if (tile_columns == 192) return run(Fp8WgradConfig<false, 1, 192, true>{});
-    return overlap_promotion ? run(Fp8WgradConfig<true, 1, 128, true>{}) : run(Fp8WgradConfig<false, 1, 128, true>{});
+    if (tile_columns == 192) return run(Fp8WgradConfig<false, 1, 192, true, kBf16>{});
+    return overlap_promotion ? run(Fp8WgradConfig<true, 1, 128, true, kBf16>{})
+                             : run(Fp8WgradConfig<false, 1, 128, true, kBf16>{});
   }
-  if (tile_columns == 192) return run(Fp8WgradConfig<false, 1, 192>{});
-  if (cluster == 2) return overlap_promotion ? run(Fp8WgradConfig<true, 2>{}) : run(Fp8WgradConfig<false, 2>{});
-  return overlap_promotion ? run(Fp8WgradConfig<true>{}) : run(Fp8WgradConfig<false>{});
+  if (tile_columns == 192) return run(Fp8WgradConfig<false, 1, 192, false, kBf16>{});
+  if constexpr (!kBf16) {
+    if (cluster == 2) return overlap_promotion ? run(Fp8WgradConfig<true, 2>{}) : run(Fp8WgradConfig<false, 2>{});
+  }
+  return overlap_promotion ? run(Fp8WgradConfig<true, 1, 128, false, kBf16>{})
+                           : run(Fp8WgradConfig<false, 1, 128, false, kBf16>{});
+}
+
+}  // namespace
+
+Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
+                      const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
+                      float* D, bool accumulate, cudaStream_t stream, int max_ctas, bool overlap_promotion,
+                      int cluster, int tile_columns, bool transpose_d) {
+  return wgrad_gemm(qa, sa, M, qb, sb, N, offsets, experts, capacity, D, accumulate, stream, max_ctas,
+                    overlap_promotion, cluster, tile_columns, transpose_d);
+}
+
+Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
+                      const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
+                      __nv_bfloat16* D, bool accumulate, cudaStream_t stream, int max_ctas, bool overlap_promotion,
+                      int cluster, int tile_columns, bool transpose_d) {
+  return wgrad_gemm(qa, sa, M, qb, sb, N, offsets, experts, capacity, D, accumulate, stream, max_ctas,
+                    overlap_promotion, cluster, tile_columns, transpose_d);
 }
 
 Status fp8_wgrad_preload() {
@@ -130,6 +161,19 @@ Status fp8_wgrad_preload() {
       cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<true, 1, 128, true>>));
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 1, 192, true>>));
+  // The bf16-D configurations.
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 1, 128, false, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<true, 1, 128, false, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 1, 192, false, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 1, 128, true, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<true, 1, 128, true, true>>));
+  MEGAMOE_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attributes, fp8_wgrad_kernel<Fp8WgradConfig<false, 1, 192, true, true>>));
   return Status::ok();
 }
 

@@ -22,8 +22,12 @@
 // value stored straight from the accumulators, a warp's store one 32-byte sector in each of four rows of D[e]
 // (device/epilogue/epilogues.cuh, epilogue_fp32_transposed_direct); single CTAs only, else refused).
 // offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous on `stream`.
+// The overload with a bf16 D rounds each value once (to nearest even) where it stores it; with accumulate, the
+// fp32 sum of the bf16 value D holds and the fp32 gradient, rounded once. Single CTAs only (cluster 1, else
+// refused); the same values as the fp32 D rounded.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -36,6 +40,11 @@ namespace megamoe::kernels {
 Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
                       const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
                       float* D, bool accumulate, cudaStream_t stream, int max_ctas = 0,
+                      bool overlap_promotion = false, int cluster = 1, int tile_columns = 128,
+                      bool transpose_d = false);
+Status fp8_wgrad_gemm(const uint8_t* qa, const TokenMajorScale* sa, int64_t M, const uint8_t* qb,
+                      const TokenMajorScale* sb, int64_t N, const int32_t* offsets, int experts, int64_t capacity,
+                      __nv_bfloat16* D, bool accumulate, cudaStream_t stream, int max_ctas = 0,
                       bool overlap_promotion = false, int cluster = 1, int tile_columns = 128,
                       bool transpose_d = false);
 

@@ -10,10 +10,13 @@
 //     rows of qb, or in a cluster its half of them, multicast; rows past N load as zeros) with TMA; thread 32
 //     the stage's 128 + BN scales (load_channel_scales: each CTA its own);
 //   warpgroups 1 and 2, the consumers: 64 rows each, mma_tile_fp8_channel_scaled, then the fp32 epilogue
-//     (stored, or added to what D holds; columns past N are not stored), through a staging box, or for a
-//     transposed D straight from the accumulators (whose configurations leave the staging boxes unused).
+//     (stored in fp32 or rounded once to bf16, or added to what D holds; columns past N are not stored),
+//     through a staging box, or for a transposed D straight from the accumulators (whose configurations leave
+//     the staging boxes unused).
 // An expert without rows still has its tiles: they store zeros (or add nothing).
 #pragma once
+
+#include <cuda_bf16.h>
 
 #include "device/epilogue/box_store.cuh"
 #include "device/epilogue/epilogues.cuh"
@@ -40,6 +43,7 @@ struct Fp8WgradParams {
   int capacity;            // routed rows (offsets are clamped into [0, capacity])
   int M, N;                // output rows and columns of each expert (multiples of 128)
   float* D;                // [experts, M, N] fp32, or [experts, N, M] with the configuration's kTransposeD
+  __nv_bfloat16* D16;      // the same in bf16, for the configurations with kBf16D (D unused then)
   int accumulate;          // 1: D += the gradient
 };
 
@@ -48,14 +52,17 @@ struct Fp8WgradParams {
 // kBN_: 128, or 192 with the plain loop in single CTAs (two 96-register accumulators a consumer thread; the
 // overlapped loop's third would not fit). kTransposeD_: each D[e] stored transposed, in single CTAs (a
 // configuration of its own: a run-time choice between the two epilogues made every form 5-15% slower,
-// docs/PERF.md run 135).
-template <bool kOverlap_ = false, int kCluster_ = 1, int kBN_ = 128, bool kTransposeD_ = false>
+// docs/PERF.md run 135). kBf16D_: D in bf16 (D16), single CTAs; configurations of their own, so that the fp32
+// ones keep their code.
+template <bool kOverlap_ = false, int kCluster_ = 1, int kBN_ = 128, bool kTransposeD_ = false, bool kBf16D_ = false>
 struct Fp8WgradConfig {
   static constexpr bool kOverlap = kOverlap_;
   static constexpr int kCluster = kCluster_;
   static constexpr int kBN = kBN_;
   static constexpr bool kTransposeD = kTransposeD_;
+  static constexpr bool kBf16D = kBf16D_;
   static_assert(!kTransposeD || kCluster == 1, "transposed D: single CTAs");
+  static_assert(!kBf16D || kCluster == 1, "bf16 D: single CTAs");
   static_assert(kBN == 128 || (kBN == 192 && !kOverlap && kCluster == 1), "192 columns: plain loop, single CTAs");
   // 5 x 32 KB stages (or 4 x 40 KB) + their scale slots + two 8 KB fp32 staging boxes + the numbering's tables.
   static constexpr int kStages = kBN == 128 ? 5 : 4;
@@ -156,7 +163,14 @@ __device__ __forceinline__ void fp8_wgrad_consumer(const Fp8WgradParams& p, type
       device::mma_tile_fp8_channel_scaled<Shape>(acc, pipe, st, smem.stages[0], smem.scales, max(tile.k_tiles, 0),
                                                  cwg, lt, rank);
     }
-    float* d = p.D + static_cast<int64_t>(tile.e) * p.M * p.N;
+    auto* d = [&] {
+      const int64_t offset = static_cast<int64_t>(tile.e) * p.M * p.N;
+      if constexpr (Cfg::kBf16D) {
+        return p.D16 + offset;
+      } else {
+        return p.D + offset;
+      }
+    }();
     const int m0 = tile.m_idx * Shape::kBM + 64 * cwg, n0 = tile.n_idx * kBN;
     if constexpr (Cfg::kTransposeD) {
       device::epilogue_fp32_transposed_direct<kBN>(acc, d, p.M, p.N, m0, n0, p.accumulate != 0, lt);

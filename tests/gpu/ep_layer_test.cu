@@ -629,14 +629,6 @@ TEST(EpLayerFp8Test, WeightsVersionKeepsTheTransposedWeightsInStep) {
   // not find those as its own.
   EXPECT_TRUE(same(fresh_other, step(4, nullptr, true))) << "pre-quantized weights of the other w13";
   EXPECT_TRUE(same(fresh, step(4, t[0].w13.get()))) << "a pre-quantized call in between leaves no promise";
-  // The FP8 layer's weight gradients come in fp32: bf16 ones are refused before anything is enqueued.
-  DeviceBuffer<__nv_bfloat16> g13(static_cast<size_t>(EL * 2 * I * H)), g2(static_cast<size_t>(EL * H * I));
-  BackwardArgs bf16 = backward_args_of(t[0]);
-  bf16.d_w13 = nullptr;
-  bf16.d_w2 = nullptr;
-  bf16.d_w13_bf16 = g13.get();
-  bf16.d_w2_bf16 = g2.get();
-  EXPECT_EQ(l.group->layer(0).backward(bf16).code(), StatusCode::kNotSupported);
 }
 
 // ForwardArgs' pre-quantized FP8 weights: given the codes and scales the layer's own quantization makes of
@@ -1085,10 +1077,11 @@ void accumulated_micro_batches(const LayerOptions& options) {
 
 // bf16 weight gradients (BackwardArgs::d_w13_bf16 / d_w2_bf16): bitwise the fp32 gradients rounded once to bf16
 // (round to nearest even, on the host), and with accumulate_weight_grads the fp32 sum of the existing bf16 value
-// and the fp32 gradient rounded once; on every rank, both backward paths. A failed call leaves them NaN; the
-// fp8 layer and a mixed pair of pointers are refused.
-void bf16_weight_gradients(const LayerOptions& options) {
+// and the fp32 gradient rounded once; on every rank, both backward paths of the bf16 layer and the FP8 layer's.
+// A failed call leaves them NaN; a mixed pair of pointers is refused.
+void bf16_weight_gradients(const LayerOptions& options, Precision precision = Precision::kBF16) {
   SmallRun run = small_problem(2, Routing::kMaskedAndRagged);
+  run.p.config.precision = precision;  // H = 256, I = 128: multiples of 128, as FP8 asks
   std::unique_ptr<VirtualRankGroup> group;
   ASSERT_TRUE(VirtualRankGroup::create(run.p.config, options, &group).is_ok());
   std::vector<DeviceBuffer<__nv_bfloat16>> g13, g2;
@@ -1194,6 +1187,10 @@ TEST(EpLayerBf16GradsTest, Bf16WeightGradientsAreTheFp32OnesRoundedOnce) {
 TEST(FusedBackwardBf16GradsTest, Bf16WeightGradientsAreTheFp32OnesRoundedOnce) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   bf16_weight_gradients(with_paths(ForwardPath::kFused, BackwardPath::kFused));
+}
+TEST(EpLayerFp8Test, Bf16WeightGradientsAreTheFp32OnesRoundedOnce) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  bf16_weight_gradients(LayerOptions{}, Precision::kFP8Blockwise);
 }
 
 TEST(EpLayerAccumulateTest, TwoMicroBatchesGiveTheSumOfTheirBackwards) {

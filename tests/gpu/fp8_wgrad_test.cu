@@ -21,6 +21,7 @@
 namespace megamoe {
 namespace {
 
+using testing::bf16_rounded;
 using testing::DeviceBuffer;
 
 constexpr double kFrobeniusTol = 1e-2;
@@ -267,6 +268,83 @@ TEST(Fp8WgradGemmGpuTest, TransposedOutputOfSwappedOperandsIsThePlainOutput) {
                                      form.overlap, 1, form.tile_columns, /*transpose_d=*/true);
     });
   }
+}
+
+// A bf16 D: each value the fp32 D of the same form rounded once (to nearest even), and with accumulate the
+// fp32 sum of the bf16 value D held and the fp32 gradient, rounded once; in every single-CTA form (128- and
+// 192-column tiles, plain and overlapped loop, D plain and transposed), with CTAs that take one or several
+// tiles. Poisoned bf16 outputs (NaN) count as unwritten.
+TEST(Fp8WgradGemmGpuTest, Bf16OutputIsTheFp32OutputRoundedOnce) {
+  MEGAMOE_SKIP_WITHOUT_GPU();
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> log_magnitude(-4.0f, 4.0f);
+  const BitwiseFormProblem pr([&] { return normal(rng) * std::exp2(log_magnitude(rng)); });
+  ASSERT_FALSE(::testing::Test::HasFailure()) << "building the token-major operands failed";
+  const TokenMajorOperands& ops = *pr.ops;
+  using P = BitwiseFormProblem;
+  const size_t count = pr.start.size();
+  // What a bf16 D holds before an accumulating call: the fp32 pattern rounded.
+  std::vector<__nv_bfloat16> start16(count);
+  for (size_t i = 0; i < count; ++i) start16[i] = __float2bfloat16_rn(pr.start[i]);
+  struct Form {
+    bool overlap;
+    int tile_columns;
+    bool transpose;
+  };
+  for (const int max_ctas : {0, 3})
+  for (const bool accumulate : {false, true})
+  for (const Form form : {Form{false, 128, false}, Form{true, 128, false}, Form{false, 192, false},
+                          Form{false, 128, true}, Form{true, 128, true}, Form{false, 192, true}}) {
+    SCOPED_TRACE(std::string(accumulate ? "accumulating" : "storing") + ", max_ctas " + std::to_string(max_ctas) +
+                 (form.overlap ? ", overlapped" : ", plain") + ", tile columns " + std::to_string(form.tile_columns) +
+                 (form.transpose ? ", D transposed" : ""));
+    // The transposed form computes D^T = B^T A from the swapped operands, into the same [kExperts, kM, kN].
+    const auto call = [&](auto* d, bool acc) {
+      return form.transpose
+                 ? kernels::fp8_wgrad_gemm(ops.qb.get(), ops.sb.get(), P::kN, ops.qa.get(), ops.sa.get(), P::kM,
+                                           pr.d_offsets.get(), P::kExperts, P::kCapacity, d, acc, nullptr, max_ctas,
+                                           form.overlap, 1, form.tile_columns, /*transpose_d=*/true)
+                 : kernels::fp8_wgrad_gemm(ops.qa.get(), ops.sa.get(), P::kM, ops.qb.get(), ops.sb.get(), P::kN,
+                                           pr.d_offsets.get(), P::kExperts, P::kCapacity, d, acc, nullptr, max_ctas,
+                                           form.overlap, 1, form.tile_columns);
+    };
+    DeviceBuffer<float> d32(count);  // poisoned (NaN)
+    DeviceBuffer<__nv_bfloat16> d16(count);
+    if (accumulate) {
+      d16.upload(start16);
+    } else {
+      d16.poison();
+    }
+    ASSERT_TRUE(call(d32.get(), false).is_ok());
+    const Status status = call(d16.get(), accumulate);
+    ASSERT_TRUE(status.is_ok()) << status.to_string();
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<float> fp32 = d32.download();
+    const std::vector<__nv_bfloat16> got = d16.download();
+    int64_t differ = 0, unwritten = 0, nonzero = 0;
+    std::string first;
+    for (size_t i = 0; i < count; ++i) {
+      const float g = __bfloat162float(got[i]);
+      const float want = bf16_rounded(accumulate ? fp32[i] + __bfloat162float(start16[i]) : fp32[i]);
+      unwritten += std::isnan(g) || std::isnan(fp32[i]);
+      nonzero += g != 0.0f;
+      if (std::memcmp(&want, &g, sizeof(float)) != 0 && differ++ == 0)
+        first = "element " + std::to_string(i) + ": " + std::to_string(g) + " against " + std::to_string(want);
+    }
+    EXPECT_EQ(unwritten, 0) << "unwritten outputs";
+    EXPECT_GT(nonzero, 0) << "no gradient reached the bf16 D";
+    EXPECT_EQ(differ, 0) << "the bf16 D differs from the fp32 one rounded, first at " << first;
+  }
+  // A bf16 D runs in single CTAs.
+  DeviceBuffer<__nv_bfloat16> d16(count);
+  EXPECT_EQ(kernels::fp8_wgrad_gemm(ops.qa.get(), ops.sa.get(), P::kM, ops.qb.get(), ops.sb.get(), P::kN,
+                                    pr.d_offsets.get(), P::kExperts, P::kCapacity, d16.get(), false, nullptr, 0,
+                                    false, 2)
+                .code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(Fp8WgradGemmGpuTest, BadArgumentsAreRefused) {

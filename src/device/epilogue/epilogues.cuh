@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "device/epilogue/box_store.cuh"
 #include "device/epilogue/transforms.cuh"
@@ -327,10 +328,10 @@ __device__ __forceinline__ void epilogue_fp32_transposed(const float (&acc)[kBN 
 
 // The same values as epilogue_fp32_transposed, stored straight from the fragment, without staging: a warp's
 // store writes four rows n of C (the tile's columns in the lanes' pair slots), eight consecutive m in each,
-// one 32-byte sector apiece. Short code and no barriers: the FP8 weight gradient's loop lost 7-11% to the staged form
-// (docs/PERF.md run 136).
-template <int kBN, bool kAccumulate>
-__device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[kBN / 2], float* C, int M, int N,
+// one 32-byte sector apiece (fp32; half of one for bf16, Out). Short code and no barriers: the FP8 weight
+// gradient's loop lost 7-11% to the staged form (docs/PERF.md run 136).
+template <int kBN, bool kAccumulate, class Out>
+__device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[kBN / 2], Out* C, int M, int N,
                                                              int m0, int n0, int lt) {
   const int warp = lt >> 5, lane = lt & 31;
   const int64_t column_step = static_cast<int64_t>(M);  // one column of the tile: the next row of C
@@ -338,15 +339,17 @@ __device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[
   for (int h = 0; h < 2; ++h) {
     const int m = m0 + Fragment::row(warp, lane, h);
     if (m >= M) continue;
-    float* const first = C + static_cast<int64_t>(n0 + Fragment::col(lane, 0)) * column_step + m;
+    Out* const first = C + static_cast<int64_t>(n0 + Fragment::col(lane, 0)) * column_step + m;
 #pragma unroll
     for (int j = 0; j < kBN / 8; ++j) {
       if (n0 + 8 * j >= N) break;  // N is a multiple of 8: a column group is whole or past the end
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float* const dst = first + (8 * j + e) * column_step;
+        Out* const dst = first + (8 * j + e) * column_step;
         const float v = acc[Fragment::reg(j, h, e)];
-        if constexpr (kAccumulate) {
+        if constexpr (!std::is_same_v<Out, float>) {
+          store_output(dst, v, kAccumulate);
+        } else if constexpr (kAccumulate) {
           *dst = v + *dst;
         } else {
           *dst = v;
@@ -355,8 +358,8 @@ __device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[
     }
   }
 }
-template <int kBN>
-__device__ __forceinline__ void epilogue_fp32_transposed_direct(const float (&acc)[kBN / 2], float* C, int M, int N,
+template <int kBN, class Out>
+__device__ __forceinline__ void epilogue_fp32_transposed_direct(const float (&acc)[kBN / 2], Out* C, int M, int N,
                                                                 int m0, int n0, bool accumulate, int lt) {
   if (accumulate) {
     store_fp32_transposed_direct<kBN, true>(acc, C, M, N, m0, n0, lt);
