@@ -7,6 +7,8 @@ each region, warm-up first, median of --iters runs. A progress line per config g
 stdout. --json prints the JSON to stdout instead of the table; --json PATH writes it to PATH and still prints
 the table.
 
+--precision fp8 runs megamoe's blockwise FP8 layer (docs/FP8.md) against the same bf16 PyTorch layer.
+
 --plot FILE.png (needs matplotlib) also profiles a few forward+backward passes of each implementation with
 torch.profiler and splits each total into the time of its GEMM kernels and everything else (other kernels,
 gaps between them), and draws megamoe against PyTorch per config, with the time the layer's GEMMs alone
@@ -74,9 +76,10 @@ def measure(layer, x, idx, w, w13, w2, d_out, warmup, iters):
     return fwd, max(total - fwd, 0.0), total
 
 
-# GEMM kernels by name: megamoe's engine ("grouped_gemm"), cuBLAS ("nvjet", "sm90_xmma_gemm"), CUTLASS (what
-# torch._grouped_mm runs). Everything else (permutes, SwiGLU, combine, copies) counts as "other".
-GEMM_KERNELS = re.compile(r"gemm|nvjet|cutlass|xmma|sm90", re.IGNORECASE)
+# GEMM kernels by name: megamoe's engine ("grouped_gemm"), its FP8 GEMMs ("fp8_gemm", "fp8_wgrad"), cuBLAS
+# ("nvjet", "sm90_xmma_gemm"), CUTLASS (what torch._grouped_mm runs). Everything else (permutes, SwiGLU,
+# quantizers, combine, copies) counts as "other".
+GEMM_KERNELS = re.compile(r"gemm|wgrad|nvjet|cutlass|xmma|sm90", re.IGNORECASE)
 
 
 def kernel_split(kernels, pattern=GEMM_KERNELS):
@@ -133,7 +136,7 @@ def run_config(name, shape, args):
     fwd_flops, bwd_flops = 6.0 * h * i * pairs, 12.0 * h * i * pairs
 
     row = dict(config=name, hidden=h, intermediate=i, experts=experts, top_k=top_k, tokens=tokens,
-               virtual_ranks=ranks, flops=fwd_flops + bwd_flops)
+               virtual_ranks=ranks, precision=args.precision, flops=fwd_flops + bwd_flops)
     baseline = lambda *a: reference.moe(*a, check=False)  # noqa: E731
     base = measure(baseline, x, idx, w, w13, w2, d_out, args.warmup, args.iters)
     row["pytorch"] = _times(base, fwd_flops, bwd_flops)
@@ -142,7 +145,8 @@ def run_config(name, shape, args):
                                                   base[2], fwd_flops + bwd_flops)}
 
     try:
-        cfg = ops.LayerConfig(h, i, experts, top_k, max_tokens_per_rank=-(-tokens // ranks), num_ranks=ranks)
+        cfg = ops.LayerConfig(h, i, experts, top_k, max_tokens_per_rank=-(-tokens // ranks), num_ranks=ranks,
+                              precision=ops.precision_from_name(args.precision))
         key = ops.new_key()
 
         # Every rank's experts stay in the one w13 / w2 (as MegaMoE holds them): slicing them per rank would make
@@ -290,6 +294,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=sorted(ops.PRECISIONS), default="bf16",
+                        help="megamoe's arithmetic (fp8: DeepSeek-V3's blockwise FP8, docs/FP8.md); the PyTorch "
+                             "layer stays bf16")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                         help="JSON results: to PATH (the table still goes to stdout), or to stdout instead of the "
                              "table when PATH is omitted or '-'")
@@ -323,7 +330,8 @@ def main(argv=None):
     for name in args.config or list(CONFIGS):
         rows.append(run_config(name, CONFIGS[name], args))
         _progress(rows[-1])
-    results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, iters=args.iters, rows=rows)
+    results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, iters=args.iters,
+                   precision=args.precision, rows=rows)
     report = json.dumps(results, indent=2)
     if args.json == "-":
         print(report)
@@ -332,7 +340,8 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 f.write(report + "\n")
             print(f"[bench] JSON written to {args.json}", file=sys.stderr, flush=True)
-        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, median of {args.iters} runs")
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, median of {args.iters} runs, "
+              f"megamoe in {args.precision} (PyTorch in bf16)")
         print(_table(rows))
     if args.plot:
         plot(results, args.plot)

@@ -38,6 +38,9 @@ def test_kernel_split_counts_every_engines_gemm_kernels():
     kernels = [
         ("void megamoe::kernels::(anonymous namespace)::grouped_gemm_kernel<(Form)0, 1, 1, 2>(...)", 100.0),
         ("void megamoe::kernels::simple_grouped_gemm_kernel(Params)", 7.0),
+        ("void megamoe::kernels::fp8_gemm_kernel<megamoe::kernels::Fp8GemmConfig<1, false, true, false>>(...)", 11.0),
+        ("void megamoe::kernels::fp8_wgrad_kernel<megamoe::kernels::Fp8WgradConfig<false, 1, 192>>(...)", 9.0),
+        ("void megamoe::kernels::token_major_quantize_kernel<megamoe::kernels::E4m3GatheringRows>(...)", 2.0),
         ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB", 50.0),
         ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x1_tn_align8>(...)", 20.0),
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 3.0),
@@ -47,7 +50,7 @@ def test_kernel_split_counts_every_engines_gemm_kernels():
         ("Memcpy HtoD (Pageable -> Device)", 5.0),
     ]
     gemm_ms, other_ms = bench.kernel_split(kernels)
-    assert gemm_ms == pytest.approx(0.180) and other_ms == pytest.approx(0.049)
+    assert gemm_ms == pytest.approx(0.200) and other_ms == pytest.approx(0.051)
 
 
 def test_plot_draws_a_png(tmp_path):
@@ -84,6 +87,7 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch, capsys, tmp_p
     (["--tokens", "-5"], "--tokens must be at least 1, got -5"),
     (["--warmup", "-1"], "--warmup must be at least 0"),
     (["--plot-from", "x.json"], "--plot-from needs --plot FILE.png"),
+    (["--precision", "fp16"], "invalid choice: 'fp16'"),
 ])
 def test_bad_arguments_are_refused(capsys, args, message):
     with pytest.raises(SystemExit) as info:
@@ -114,3 +118,14 @@ def test_short_gpu_run_with_json_and_plot(tmp_path):
         assert 50 < prof["gemm_tflops"] < 2000
     assert row["gemms_alone"]["ms"] == pytest.approx(row["profile"]["megamoe"]["gemm_kernels_ms"], rel=1e-6)
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(bool(why_no_gpu()), reason=why_no_gpu() or "ok")
+def test_short_fp8_gpu_run_reports_its_precision(tmp_path):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--config", "qwen3-30b-a3b", "--tokens", "2048", "--warmup", "1", "--iters", "2",
+                       "--precision", "fp8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert report["precision"] == "fp8" and row["precision"] == "fp8"
+    assert row["megamoe"]["total_ms"] > 0 and row["pytorch"]["total_ms"] > 0
