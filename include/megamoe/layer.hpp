@@ -8,7 +8,7 @@
 //             -> weighted reduce over the K slots in a fixed order.
 //   backward: dispatch d_out with the forward's routing -> barrier -> dgrad GEMM with the SwiGLU backward
 //             and the d_topk_weights partials in its epilogue -> dgrad GEMM storing d_x rows home ->
-//             weight-gradient GEMMs (fp32) -> barrier -> reduce over the K slots.
+//             weight-gradient GEMMs (fp32 or bf16) -> barrier -> reduce over the K slots.
 // Ranks meet only at device-side barriers over a symmetric workspace (same layout on every rank, peers
 // reached through a table of base addresses); every wait has a timeout.
 //

@@ -252,7 +252,8 @@ def plot(report, path):
     ax.tick_params(axis="x", pad=16)
     ax.set_ylabel("forward + backward, ms (median)")
     ax.set_ylim(0, max(r["profile"][i]["total_ms"] for r in rows for i in r["profile"]) * 1.3)
-    ax.set_title(f"megamoe vs PyTorch (hatched) on {report.get('device', '?')}, torch {report.get('torch', '?')}",
+    ax.set_title(f"megamoe ({report.get('precision', 'bf16')}) vs PyTorch (bf16, hatched) on "
+                 f"{report.get('device', '?')}, torch {report.get('torch', '?')}",
                  fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()

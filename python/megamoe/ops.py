@@ -330,7 +330,9 @@ _backend = _LibraryBackend()
 def _weight_grad_fields(d_w13: Tensor, d_w2: Tensor) -> dict:
     """The BackwardArgs fields of a pair of weight-gradient buffers: d_w13 / d_w2 for fp32 ones, d_w13_bf16 /
     d_w2_bf16 for bf16 ones (the library rounds each value once where it stores it)."""
-    assert d_w13.dtype == d_w2.dtype and d_w13.dtype in (torch.float32, torch.bfloat16), (d_w13.dtype, d_w2.dtype)
+    if d_w13.dtype != d_w2.dtype or d_w13.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"megamoe: weight-gradient buffers must both be float32 or both bfloat16, got {d_w13.dtype} "
+                        f"and {d_w2.dtype}")
     suffix = "_bf16" if d_w13.dtype == torch.bfloat16 else ""
     return {"d_w13" + suffix: d_w13.data_ptr(), "d_w2" + suffix: d_w2.data_ptr()}
 
@@ -496,7 +498,7 @@ def _(key, config, x, topk_idx, topk_weights, w13, w2):
 def _run_backward(key, cfg, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2, accumulate=False,
                   d_x=None, d_topk_weights=None) -> tuple[list, list]:
     """The backward of the forward on these inputs into the weight-gradient buffers d_w13 / d_w2 (one per rank,
-    the shapes of w13 / w2; fp32, or bf16 for a bf16 layer; added to them with accumulate); returns d_x and
+    the shapes of w13 / w2; fp32, or bf16 in either precision; added to them with accumulate); returns d_x and
     d_topk_weights (written into the given lists of tensors, or new ones)."""
     state = _state(key, cfg)
     if state.latest_forward.get(x[0].device.index) != _forward_key(x, topk_idx, topk_weights, w13, w2):
@@ -525,11 +527,9 @@ def _moe_backward(key: int, config: list[int], d_out: list[Tensor], x: list[Tens
 
 @_moe_backward.register_fake
 def _(key, config, d_out, x, topk_idx, topk_weights, w13, w2):
-    cfg = LayerConfig.from_list(config)
-    _check_inputs(cfg, x, topk_idx, topk_weights, w13, w2, d_out)
+    _check_inputs(LayerConfig.from_list(config), x, topk_idx, topk_weights, w13, w2, d_out)
     return ([torch.empty_like(xi) for xi in x], [torch.empty_like(wi) for wi in topk_weights],
-            [torch.empty_like(wi) for wi in w13],
-            [torch.empty_like(wi) for wi in w2])
+            [torch.empty_like(wi) for wi in w13], [torch.empty_like(wi) for wi in w2])
 
 
 def _setup_context(ctx, inputs, output):
@@ -546,9 +546,6 @@ def _backward(ctx, grads):
     d_out = [torch.zeros_like(xi) if g is None else g.to(xi.dtype).contiguous() for g, xi in zip(grads, x)]
     d_x, d_w, d_w13, d_w2 = torch.ops.megamoe.moe_backward(ctx.key, ctx.config, d_out, x, topk_idx, topk_weights,
                                                            w13, w2)
-    # bf16 already, the weights' dtype: no copy.
-    d_w13 = [g.to(w.dtype) for g, w in zip(d_w13, w13)]
-    d_w2 = [g.to(w.dtype) for g, w in zip(d_w2, w2)]
     return None, None, d_x, [None] * r, d_w, d_w13, d_w2
 
 
@@ -692,8 +689,7 @@ def _backward_all_experts(ctx, grads):
         return _grads_of_inputs(ctx, (None, None, d_x, [None] * r, d_w, None, None, None, None))
     d_x, d_w, d_w13, d_w2 = torch.ops.megamoe.moe_backward_all_experts(ctx.key, ctx.config, d_out, x, topk_idx,
                                                                        topk_weights, w13, w2)
-    return _grads_of_inputs(ctx, (None, None, d_x, [None] * r, d_w, d_w13.to(w13.dtype), d_w2.to(w2.dtype), None,
-                                  None))
+    return _grads_of_inputs(ctx, (None, None, d_x, [None] * r, d_w, d_w13, d_w2, None, None))
 
 
 _moe_forward_all_experts.register_autograd(_backward_all_experts, setup_context=_setup_all_experts_context)
@@ -743,7 +739,7 @@ def _(key, config, group_name, x, topk_idx, topk_weights, w13, w2, main_grad13=N
 
 def _run_process_backward(key, cfg, name, d_out, x, topk_idx, topk_weights, w13, w2, d_w13, d_w2,
                           accumulate=False) -> tuple[Tensor, Tensor]:
-    """This rank's backward into the weight-gradient buffers (fp32, or bf16 for a bf16 layer; added to them with
+    """This rank's backward into the weight-gradient buffers (fp32, or bf16 in either precision; added to them with
     accumulate); returns d_x and d_topk_weights."""
     state = _state(key, cfg)
     if state.latest_forward.get((name, x.device.index)) != _process_forward_key(x, topk_idx, topk_weights, w13, w2):
@@ -788,8 +784,7 @@ def _(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2, main_g
 
 @_moe_process_backward.register_fake
 def _(key, config, group_name, d_out, x, topk_idx, topk_weights, w13, w2):
-    cfg = LayerConfig.from_list(config)
-    _check_inputs(cfg, [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
+    _check_inputs(LayerConfig.from_list(config), [x], [topk_idx], [topk_weights], [w13], [w2], [d_out], local=True)
     return torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13), torch.empty_like(w2)
 
 
@@ -812,8 +807,7 @@ def _process_backward(ctx, grad):
         return _grads_of_inputs(ctx, (None, None, None, d_x, None, d_w, None, None, None, None))
     d_x, d_w, d_w13, d_w2 = torch.ops.megamoe.moe_process_backward(ctx.key, ctx.config, ctx.group_name, d_out, x,
                                                                    topk_idx, topk_weights, w13, w2)
-    return _grads_of_inputs(ctx, (None, None, None, d_x, None, d_w, d_w13.to(w13.dtype), d_w2.to(w2.dtype), None,
-                                  None))
+    return _grads_of_inputs(ctx, (None, None, None, d_x, None, d_w, d_w13, d_w2, None, None))
 
 
 _moe_process_forward.register_autograd(_process_backward, setup_context=_setup_process_context)

@@ -525,3 +525,15 @@ def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match=r"precision must be one of \['bf16', 'fp8'\], got 'fp16'"):
         MegaMoE(hidden=128, intermediate=128, num_experts=4, top_k=2, max_tokens_per_rank=16, device="cpu",
                 precision="fp16")
+
+
+def test_weight_gradient_buffers_name_their_fields_by_dtype():
+    """The BackwardArgs fields a pair of weight-gradient buffers fills: the fp32 pair d_w13 / d_w2, the bf16 pair
+    d_w13_bf16 / d_w2_bf16; a mixed or other pair is refused."""
+    a32, b32 = torch.zeros(4), torch.zeros(2)
+    a16, b16 = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.bfloat16)
+    assert ops._weight_grad_fields(a32, b32) == {"d_w13": a32.data_ptr(), "d_w2": b32.data_ptr()}
+    assert ops._weight_grad_fields(a16, b16) == {"d_w13_bf16": a16.data_ptr(), "d_w2_bf16": b16.data_ptr()}
+    for pair in ((a32, b16), (a16.half(), b16.half())):
+        with pytest.raises(TypeError, match="must both be float32 or both bfloat16"):
+            ops._weight_grad_fields(*pair)

@@ -9,16 +9,16 @@
 // Three forms (row-major everywhere; "rows" = the rows of all experts, contiguous):
 //   1. M-grouped, B K-major:  C[rows_e, N] = A[rows_e, K] . B[e][N, K]^T            (forward GEMM1/GEMM2)
 //   2. M-grouped, B N-major:  C[rows_e, N] = A[rows_e, K] . B[e][K, N]              (activation gradients)
-//   3. K-grouped:             C[e][M, N] (+)= A[rows_e, M]^T . B[rows_e, N]          (weight gradients, fp32)
+//   3. K-grouped:             C[e][M, N] (+)= A[rows_e, M]^T . B[rows_e, N]          (weight gradients, fp32 or bf16)
 //
 // Operand rows may be gathered by index (GemmGather): operand row r is then row index[r] of the given
 // tensor, e.g. a receive buffer read in expert order without an expand copy.
 //
 // Epilogues (forms 1 and 2), see GemmEpilogue. Accumulation is fp32 in the tensor cores (wgmma .f32
 // accumulators, the sum over K in the hardware's order, not bitwise equal to a CPU sum); the epilogue works
-// in fp32 and rounds to bf16 once, round-to-nearest-even, at the store. Form 3 stores fp32; with
-// accumulate=true it adds the tile to the existing fp32 value (C = C + acc, one fp32 rounding, no atomics:
-// every output element is owned by exactly one thread).
+// in fp32 and rounds to bf16 once, round-to-nearest-even, at the store. Form 3 stores fp32 (or bf16, its
+// overload below, rounded once); with accumulate=true it adds the tile to the existing value (C = C + acc in
+// fp32, one rounding, no atomics: every output element is owned by exactly one thread).
 //
 // Requirements (checked, kInvalidArgument otherwise): sm_90 device; K % 8 == 0, N % 8 == 0 (form 3:
 // M % 8 == 0 and N % 8 == 0), 16-byte aligned base pointers; num_groups in [1, kGemmMaxGroups];
