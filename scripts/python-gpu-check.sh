@@ -10,9 +10,10 @@
 #   sanitizer.log        optional (MEGAMOE_SANITIZER=1): a few GPU tests under compute-sanitizer memcheck
 #   megamoe_bench.json   python -m megamoe.bench --json PATH --plot (bench.log: its table and progress)
 #   megamoe_bench.png    its picture: megamoe vs PyTorch per config, GEMM kernels and the rest
+#   megamoe_bench_fp8.json  the same with --precision fp8 (bench_fp8.log)
 #   summary.txt          what is printed last
 # Usage: scripts/python-gpu-check.sh OUTDIR        (MEGAMOE_SKIP_INSTALL=1 reuses the installed package)
-# Budget: about 7 minutes once libmegamoe is built (a cold CUDA build adds its own minutes to the install).
+# Budget: about 8 minutes once libmegamoe is built (a cold CUDA build adds its own minutes to the install).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -97,11 +98,16 @@ timeout 200 "$py" -m megamoe.bench --json "$out/megamoe_bench.json" "${plot_opt[
   >"$out/bench.log" 2>&1
 bench_rc=$?
 note "bench: rc $(rc_name $bench_rc)"
+note "python -m megamoe.bench --precision fp8 --json $out/megamoe_bench_fp8.json"
+timeout 200 "$py" -m megamoe.bench --precision fp8 --json "$out/megamoe_bench_fp8.json" --warmup 3 --iters 10 \
+  >"$out/bench_fp8.log" 2>&1
+bench_fp8_rc=$?
+note "bench fp8: rc $(rc_name $bench_fp8_rc)"
 
 # Summary, last.
-"$py" - "$out" "$iso_rc" "$pytest_rc" "$bench_rc" >"$out/summary.txt" 2>&1 <<'PY'
+"$py" - "$out" "$iso_rc" "$pytest_rc" "$bench_rc" "$bench_fp8_rc" >"$out/summary.txt" 2>&1 <<'PY'
 import json, os, re, sys
-out, iso_rc, pytest_rc, bench_rc = sys.argv[1], *map(int, sys.argv[2:])
+out, iso_rc, pytest_rc, bench_rc, bench_fp8_rc = sys.argv[1], *map(int, sys.argv[2:])
 log = open(os.path.join(out, "pytest.log"), errors="replace").read()
 counts = {k: 0 for k in ("passed", "failed", "skipped", "error")}
 for m in re.finditer(r"::.*? (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", log):
@@ -125,17 +131,19 @@ if first:
 short = [m.group(0) for m in re.finditer(r"^(?:FAILED|ERROR) .*$", log, re.M)]
 for line in short[:5]:
     print(" ", line[:200])
-path = os.path.join(out, "megamoe_bench.json")
-if os.path.exists(path):
+runs = (("megamoe_bench.json", bench_rc, "bench"), ("megamoe_bench_fp8.json", bench_fp8_rc, "bench fp8"))
+for name, rc, label in runs:
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        print(f"{label} rc {rc}: no JSON (see its log)")
+        continue
     for row in json.load(open(path))["rows"]:
         m = row.get("megamoe")
-        print(f"bench {row['config']}: pytorch {row['pytorch']['total_ms']:.3f} ms, " +
+        print(f"{label} {row['config']}: pytorch {row['pytorch']['total_ms']:.3f} ms, " +
               (f"megamoe {m['total_ms']:.3f} ms ({row['speedup'].get('total', 0):.2f}x)" if m
                else f"megamoe error: {row.get('megamoe_error')}"))
-else:
-    print(f"bench rc {bench_rc}: no JSON (see bench.log)")
 png = os.path.join(out, "megamoe_bench.png")
 print(f"bench plot: {png}" if os.path.exists(png) else "bench plot: none (matplotlib missing or the run failed)")
 PY
 cat "$out/summary.txt"
-[ $pytest_rc -eq 0 ] && [ $bench_rc -eq 0 ]
+[ $pytest_rc -eq 0 ] && [ $bench_rc -eq 0 ] && [ $bench_fp8_rc -eq 0 ]
