@@ -98,6 +98,12 @@ namespace {
 // The tuning of the GEMM whose epilogue writes the d_topk_weights partials (its n-tiles are the partials).
 kernels::GemmTuning dgrad_tuning() { return kernels::GemmTuning{}; }
 
+// f(d_w13, d_w2) with the weight-gradient pair the call gives: its bf16 pointers, or its fp32 ones.
+template <class F>
+Status with_weight_gradients(const BackwardArgs& args, F&& f) {
+  return args.bf16_weight_grads() ? f(args.d_w13_bf16, args.d_w2_bf16) : f(args.d_w13, args.d_w2);
+}
+
 ep::Shape make_shape(const LayerConfig& c, int rank, int64_t capacity) {
   ep::Shape s{};
   s.hidden = static_cast<int32_t>(c.hidden);
@@ -409,7 +415,7 @@ Status ExpertParallelLayer::Impl::weight_gradients(const ep::Params& p, const Ba
   auto* recv_dout = buffer<__nv_bfloat16>(p.layout.recv_dout);
   auto* a = buffer<__nv_bfloat16>(p.layout.a);
   auto* dh = buffer<__nv_bfloat16>(p.layout.dh);
-  const auto both = [&](auto* d_w13, auto* d_w2) -> Status {
+  return with_weight_gradients(args, [&](auto* d_w13, auto* d_w2) -> Status {
     MEGAMOE_RETURN_IF_ERROR(kernels::grouped_gemm_tn(recv_dout, a, d_w2, expert_offsets(), EL, C,
                                                      static_cast<int>(H), static_cast<int>(I),
                                                      args.accumulate_weight_grads, stream, weight_grad_tuning(),
@@ -417,19 +423,15 @@ Status ExpertParallelLayer::Impl::weight_gradients(const ep::Params& p, const Ba
     return kernels::grouped_gemm_tn(buffer<__nv_bfloat16>(p.layout.recv_x), dh, d_w13, expert_offsets(), EL, C,
                                     static_cast<int>(H), static_cast<int>(2 * I), args.accumulate_weight_grads,
                                     stream, weight_grad_tuning(), received_rows(), /*transpose_c=*/true);
-  };
-  return args.bf16_weight_grads() ? both(args.d_w13_bf16, args.d_w2_bf16) : both(args.d_w13, args.d_w2);
+  });
 }
 
 Status ExpertParallelLayer::Impl::nan_weight_gradients_if_failed(const ep::Params& p,
                                                                  const BackwardArgs& args) const {
   const int64_t EL = config.experts_per_rank(), H = config.hidden, I = config.intermediate;
-  if (args.bf16_weight_grads()) {
-    return ep::launch_nan_if_failed(p, args.d_w13_bf16, EL * 2 * I * H, args.d_w2_bf16, EL * H * I,
-                                    placement.stream, max_blocks);
-  }
-  return ep::launch_nan_if_failed(p, args.d_w13, EL * 2 * I * H, args.d_w2, EL * H * I, placement.stream,
-                                  max_blocks);
+  return with_weight_gradients(args, [&](auto* d_w13, auto* d_w2) {
+    return ep::launch_nan_if_failed(p, d_w13, EL * 2 * I * H, d_w2, EL * H * I, placement.stream, max_blocks);
+  });
 }
 
 // g = q(dOut) W2q (fp32, d_out's received rows copied into expert order, W2q read K-major: its transposed copy);
@@ -494,7 +496,7 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
   const int32_t* offsets = expert_offsets();
   const auto scales = [this](int64_t offset) { return buffer<kernels::TokenMajorScale>(offset); };
   // fp32 gradients, or bf16 ones when the call gives those (each value rounded once where it is stored).
-  const auto both = [&](auto* d_w13, auto* d_w2) -> Status {
+  return with_weight_gradients(args, [&](auto* d_w13, auto* d_w2) -> Status {
     MEGAMOE_RETURN_IF_ERROR(kernels::fp8_wgrad_gemm(buffer<uint8_t>(l.dyt_q), scales(l.dyt_s), H,
                                                     buffer<uint8_t>(l.at_q), scales(l.at_s), I, offsets, EL, C, d_w2,
                                                     args.accumulate_weight_grads, stream, max_blocks,
@@ -506,8 +508,7 @@ Status ExpertParallelLayer::Impl::weight_gradients_fp8(const ep::Params& p, cons
                                    scales(l.dht_s), 2 * I, offsets, EL, C, d_w13, args.accumulate_weight_grads, stream,
                                    max_blocks, fp8_wgrad_overlap(), 1, fp8_wgrad_tile_columns(2 * I),
                                    /*transpose_d=*/true);
-  };
-  return args.bf16_weight_grads() ? both(args.d_w13_bf16, args.d_w2_bf16) : both(args.d_w13, args.d_w2);
+  });
 }
 
 ExpertParallelLayer::ExpertParallelLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

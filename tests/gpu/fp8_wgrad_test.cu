@@ -56,20 +56,27 @@ struct TokenMajorOperands {
   }
 };
 
+// Values normal(0, 1) times 2^u, u uniform in [-4, 4): magnitudes over 8 octaves, drawn from `seed`.
+struct LogScaledValues {
+  std::mt19937 rng;
+  std::normal_distribution<float> normal{0.0f, 1.0f};
+  std::uniform_real_distribution<float> log_magnitude{-4.0f, 4.0f};
+  explicit LogScaledValues(uint32_t seed) : rng(seed) {}
+  float operator()() { return normal(rng) * std::exp2(log_magnitude(rng)); }
+};
+
 TEST(Fp8WgradGemmGpuTest, MatchesTheContractOnTokenMajorOperands) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const uint32_t seed = std::random_device{}();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_real_distribution<float> log_magnitude(-4.0f, 4.0f);
+  LogScaledValues values(seed);
   const std::vector<int32_t> offsets = {0, 130, 130, 300, 301};
   const int experts = 4;
   const int64_t capacity = 320, M = 256, N = 384;
   const int64_t columns = kernels::token_major_columns(capacity, experts);
   std::vector<float> a_rows(capacity * M), b_rows(capacity * N);
-  for (float& v : a_rows) v = normal(rng) * std::exp2(log_magnitude(rng));
-  for (float& v : b_rows) v = normal(rng) * std::exp2(log_magnitude(rng));
+  for (float& v : a_rows) v = values();
+  for (float& v : b_rows) v = values();
 
   DeviceBuffer<int32_t> d_offsets(offsets.size());
   d_offsets.upload(offsets);
@@ -246,10 +253,7 @@ TEST(Fp8WgradGemmGpuTest, TransposedOutputOfSwappedOperandsIsThePlainOutput) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const uint32_t seed = std::random_device{}();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_real_distribution<float> log_magnitude(-4.0f, 4.0f);
-  const BitwiseFormProblem pr([&] { return normal(rng) * std::exp2(log_magnitude(rng)); });
+  const BitwiseFormProblem pr(LogScaledValues{seed});
   ASSERT_FALSE(::testing::Test::HasFailure()) << "building the token-major operands failed";
   const TokenMajorOperands& ops = *pr.ops;
   using P = BitwiseFormProblem;
@@ -278,10 +282,7 @@ TEST(Fp8WgradGemmGpuTest, Bf16OutputIsTheFp32OutputRoundedOnce) {
   MEGAMOE_SKIP_WITHOUT_GPU();
   const uint32_t seed = std::random_device{}();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_real_distribution<float> log_magnitude(-4.0f, 4.0f);
-  const BitwiseFormProblem pr([&] { return normal(rng) * std::exp2(log_magnitude(rng)); });
+  const BitwiseFormProblem pr(LogScaledValues{seed});
   ASSERT_FALSE(::testing::Test::HasFailure()) << "building the token-major operands failed";
   const TokenMajorOperands& ops = *pr.ops;
   using P = BitwiseFormProblem;

@@ -13,7 +13,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "device/epilogue/box_store.cuh"
 #include "device/epilogue/transforms.cuh"
@@ -345,15 +344,7 @@ __device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[
       if (n0 + 8 * j >= N) break;  // N is a multiple of 8: a column group is whole or past the end
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        Out* const dst = first + (8 * j + e) * column_step;
-        const float v = acc[Fragment::reg(j, h, e)];
-        if constexpr (!std::is_same_v<Out, float>) {
-          store_output(dst, v, kAccumulate);
-        } else if constexpr (kAccumulate) {
-          *dst = v + *dst;
-        } else {
-          *dst = v;
-        }
+        store_output(first + (8 * j + e) * column_step, acc[Fragment::reg(j, h, e)], kAccumulate);
       }
     }
   }
