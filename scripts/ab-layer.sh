@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The layer's step, this tree against an earlier commit, both built and timed in the same device call: rounds
+# that alternate the two builds (base, this, base, this, ...) of `bench_layer --fp8` (the bf16 modular step and
+# the FP8 step back to back, and each one's CUPTI breakdown), then a table of the medians over rounds: the step
+# times, each GEMM launch of the step and the GEMMs / everything else, per layer shape and precision.
+# A kernel change is kept only if it wins here, where both builds see the same machine and clocks.
+#   scripts/ab-layer.sh BASE_COMMIT OUTDIR [ROUNDS]
+# MEGAMOE_AB_CMAKE_ARGS: extra CMake arguments for this tree's build only (a compile-time variant, say).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+base=${1:?usage: scripts/ab-layer.sh BASE_COMMIT OUTDIR [ROUNDS]}
+out=${2:?usage: scripts/ab-layer.sh BASE_COMMIT OUTDIR [ROUNDS]}
+rounds=${3:-3}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export PATH=/usr/local/cuda/bin:$PATH
+start=$(date +%s)
+note() { printf '[ab-layer %4ss] %s\n' "$(( $(date +%s) - start ))" "$*"; }
+gtest=()
+[ -f .deps/googletest/CMakeLists.txt ] && gtest=(-DMEGAMOE_GTEST_SOURCE="$PWD/.deps/googletest")
+jobs=$(nproc)
+
+build() {  # source dir, build dir, extra CMake arguments...
+  local src=$1 dir=$2
+  shift 2
+  cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_WERROR=OFF -DMEGAMOE_BUILD_TESTS=OFF \
+    "${gtest[@]}" "$@" >"$dir.log" 2>&1 && cmake --build "$dir" -j "$jobs" --target bench_layer >>"$dir.log" 2>&1
+}
+
+base_tree=$(mktemp -d /tmp/ab-layer-base.XXXXXX)
+git worktree add -f --detach "$base_tree" "$base" >"$out/worktree.log" 2>&1 || { echo "no commit $base"; exit 2; }
+trap 'git worktree remove --force "$base_tree" >/dev/null 2>&1' EXIT
+read -r -a extra <<<"${MEGAMOE_AB_CMAKE_ARGS:-}"
+build . build-ab-this "${extra[@]}" || { note "build of this tree failed (build-ab-this.log)"; exit 1; }
+build "$base_tree" "$base_tree/build" || { note "build of $base failed"; cp "$base_tree/build.log" "$out/"; exit 1; }
+note "built this tree and $base"
+
+for r in $(seq 1 "$rounds"); do
+  for which in base this; do
+    dir=build-ab-this
+    [ "$which" = base ] && dir="$base_tree/build"
+    timeout 200 "$dir/bench_layer" --fp8 --iters 10 >"$out/layer_${which}_$r.txt" 2>&1
+  done
+  note "round $r"
+done
+
+python3 scripts/layer_breakdown.py --compare "$out" "$rounds"
