@@ -5,7 +5,9 @@
 # times, each GEMM launch of the step and the GEMMs / everything else, per layer shape and precision.
 # A kernel change is kept only if it wins here, where both builds see the same machine and clocks.
 #   scripts/ab-layer.sh BASE_COMMIT OUTDIR [ROUNDS]
-# MEGAMOE_AB_CMAKE_ARGS: extra CMake arguments for this tree's build only (a compile-time variant, say).
+# MEGAMOE_AB_CMAKE_ARGS: extra CMake arguments for this tree's build only (a compile-time variant, say). With
+# BASE_COMMIT "-" the base is this tree built without them: a build option against the default, e.g.
+#   MEGAMOE_AB_CMAKE_ARGS=-DMEGAMOE_L2_PREFETCH=1 scripts/ab-layer.sh - OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
 base=${1:?usage: scripts/ab-layer.sh BASE_COMMIT OUTDIR [ROUNDS]}
@@ -27,18 +29,24 @@ build() {  # source dir, build dir, extra CMake arguments...
     "${gtest[@]}" "$@" >"$dir.log" 2>&1 && cmake --build "$dir" -j "$jobs" --target bench_layer >>"$dir.log" 2>&1
 }
 
-base_tree=$(mktemp -d /tmp/ab-layer-base.XXXXXX)
-git worktree add -f --detach "$base_tree" "$base" >"$out/worktree.log" 2>&1 || { echo "no commit $base"; exit 2; }
-trap 'git worktree remove --force "$base_tree" >/dev/null 2>&1' EXIT
 read -r -a extra <<<"${MEGAMOE_AB_CMAKE_ARGS:-}"
+if [ "$base" = - ]; then
+  base_tree=$PWD
+  base_build=$PWD/build-ab-base
+else
+  base_tree=$(mktemp -d /tmp/ab-layer-base.XXXXXX)
+  base_build=$base_tree/build
+  git worktree add -f --detach "$base_tree" "$base" >"$out/worktree.log" 2>&1 || { echo "no commit $base"; exit 2; }
+  trap 'git worktree remove --force "$base_tree" >/dev/null 2>&1' EXIT
+fi
 build . build-ab-this "${extra[@]}" || { note "build of this tree failed (build-ab-this.log)"; exit 1; }
-build "$base_tree" "$base_tree/build" || { note "build of $base failed"; cp "$base_tree/build.log" "$out/"; exit 1; }
-note "built this tree and $base"
+build "$base_tree" "$base_build" || { note "build of the base failed"; cp "$base_build.log" "$out/"; exit 1; }
+note "built this tree (${MEGAMOE_AB_CMAKE_ARGS:-no extra arguments}) and the base ($base)"
 
 for r in $(seq 1 "$rounds"); do
   for which in base this; do
     dir=build-ab-this
-    [ "$which" = base ] && dir="$base_tree/build"
+    [ "$which" = base ] && dir="$base_build"
     timeout 200 "$dir/bench_layer" --fp8 --iters 10 >"$out/layer_${which}_$r.txt" 2>&1
   done
   note "round $r"

@@ -37,6 +37,7 @@
 #include "device/epilogue/epilogues.cuh"
 #include "device/gemm/mainloop.cuh"
 #include "device/gemm/operands.cuh"
+#include "device/l2_prefetch.cuh"
 #include "device/pipeline.cuh"
 #include "device/ptx/sync.cuh"
 #include "device/ptx/tma.cuh"
@@ -121,6 +122,11 @@ __device__ void backward_producer(const CUtensorMap* tm_w2, const CUtensorMap* t
                     return;
                   }
                   dgrad1.begin_tile(tile, ptid);
+                  if constexpr (device::kPrefetchEpilogueInput) {
+                    device::for_each_h_box<kBN>(tile.n_idx * kBN, I, [&](int gate, int up) {
+                      dgrad1.prefetch_epilogue_boxes(tm_h, gate, up, tile.row0, ptid);
+                    });
+                  }
                   load_k_stages<false>(dgrad1, pipe, st, smem.stages, refill, tile, ptid);
                   // The epilogue's h, one stage per 64-column box of the tile (gate and up columns).
                   const int n0 = tile.n_idx * kBN;

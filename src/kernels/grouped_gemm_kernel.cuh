@@ -16,6 +16,7 @@
 #include "device/epilogue/epilogues.cuh"
 #include "device/gemm/mainloop.cuh"
 #include "device/gemm/operands.cuh"
+#include "device/l2_prefetch.cuh"
 #include "device/pipeline.cuh"
 #include "device/ptx/grid_dependency.cuh"
 #include "device/ptx/sync.cuh"
@@ -101,7 +102,16 @@ __device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUte
       if (tile.rows > 0) (void)p.ready.wait(tile.m_block);
     }
     loader.begin_tile(tile, ptid);
+    if constexpr (Cfg::kAct == GemmActivation::kSwiGLUBackward && device::kPrefetchEpilogueInput) {
+      device::for_each_h_box<Shape::kBN>(tile.n_idx * Shape::kBN, p.N, [&](int gate, int up) {
+        loader.prefetch_epilogue_boxes(tm_h, gate, up, tile.row0, ptid);
+      });
+    }
     for (int kt = 0; kt < tile.k_tiles; ++kt) {
+      if constexpr (device::kPrefetchGatheredRows) {
+        constexpr int kLead = device::kGatheredRowsLead;
+        if (kt % kLead == 0) loader.prefetch_gathered_a(kt + kLead, kLead, ptid);
+      }
       pipe.producer_acquire(st);
       refill.before_refill(st);
       loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, rank);
