@@ -8,6 +8,8 @@
 # MEGAMOE_AB_CMAKE_ARGS: extra CMake arguments for this tree's build only (a compile-time variant, say). With
 # BASE_COMMIT "-" the base is this tree built without them: a build option against the default, e.g.
 #   MEGAMOE_AB_CMAKE_ARGS=-DMEGAMOE_L2_PREFETCH=1 scripts/ab-layer.sh - OUTDIR
+# MEGAMOE_AB_PREBUILT=1 (with base "-"): no builds; build-ab-this/ and build-ab-base/ already hold bench_layer and
+# libmegamoe.so (built elsewhere and carried: each bench_layer runs with its own directory's library).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 base=${1:?usage: scripts/ab-layer.sh BASE_COMMIT OUTDIR [ROUNDS]}
@@ -30,6 +32,8 @@ build() {  # source dir, build dir, extra CMake arguments...
 }
 
 read -r -a extra <<<"${MEGAMOE_AB_CMAKE_ARGS:-}"
+prebuilt=${MEGAMOE_AB_PREBUILT:-0}
+[ "$prebuilt" = 1 ] && [ "$base" != - ] && { echo "MEGAMOE_AB_PREBUILT needs the base '-'"; exit 2; }
 if [ "$base" = - ]; then
   base_tree=$PWD
   base_build=$PWD/build-ab-base
@@ -39,15 +43,24 @@ else
   git worktree add -f --detach "$base_tree" "$base" >"$out/worktree.log" 2>&1 || { echo "no commit $base"; exit 2; }
   trap 'git worktree remove --force "$base_tree" >/dev/null 2>&1' EXIT
 fi
-build . build-ab-this "${extra[@]}" || { note "build of this tree failed (build-ab-this.log)"; exit 1; }
-build "$base_tree" "$base_build" || { note "build of the base failed"; cp "$base_build.log" "$out/"; exit 1; }
-note "built this tree (${MEGAMOE_AB_CMAKE_ARGS:-no extra arguments}) and the base ($base)"
+if [ "$prebuilt" = 1 ]; then
+  for dir in build-ab-this "$base_build"; do
+    [ -x "$dir/bench_layer" ] && [ -f "$dir/libmegamoe.so" ] || { echo "no bench_layer and libmegamoe.so in $dir"; exit 2; }
+  done
+  note "prebuilt: build-ab-this and build-ab-base"
+else
+  build . build-ab-this "${extra[@]}" || { note "build of this tree failed (build-ab-this.log)"; exit 1; }
+  build "$base_tree" "$base_build" || { note "build of the base failed"; cp "$base_build.log" "$out/"; exit 1; }
+  note "built this tree (${MEGAMOE_AB_CMAKE_ARGS:-no extra arguments}) and the base ($base)"
+fi
 
 for r in $(seq 1 "$rounds"); do
   for which in base this; do
     dir=build-ab-this
     [ "$which" = base ] && dir="$base_build"
-    timeout 200 "$dir/bench_layer" --fp8 --iters 10 >"$out/layer_${which}_$r.txt" 2>&1
+    dir=$(cd "$dir" && pwd)
+    LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 200 "$dir/bench_layer" --fp8 --iters 10 \
+      >"$out/layer_${which}_$r.txt" 2>&1
   done
   note "round $r"
 done
