@@ -5,7 +5,8 @@
 # times, each GEMM launch of the step and the GEMMs / everything else, per layer shape and precision.
 # A kernel change is kept only if it wins here, where both builds see the same machine and clocks.
 #   scripts/ab-layer.sh BASE_COMMIT OUTDIR [ROUNDS]
-# MEGAMOE_AB_CMAKE_ARGS: extra CMake arguments for this tree's build only (a compile-time variant, say). With
+# MEGAMOE_AB_CMAKE_ARGS: extra CMake arguments for this tree's build only (a compile-time variant, say; split at
+# whitespace, so no argument may contain a space). With
 # BASE_COMMIT "-" the base is this tree built without them: a build option against the default, e.g.
 #   MEGAMOE_AB_CMAKE_ARGS=-DMEGAMOE_L2_PREFETCH=1 scripts/ab-layer.sh - OUTDIR
 # MEGAMOE_AB_PREBUILT=1 (with base "-"): no builds; build-ab-this/ and build-ab-base/ already hold bench_layer and
@@ -27,6 +28,7 @@ jobs=$(nproc)
 build() {  # source dir, build dir, extra CMake arguments...
   local src=$1 dir=$2
   shift 2
+  rm -f "$dir/CMakeCache.txt"  # an earlier run's options must not stay in the cache
   cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_WERROR=OFF -DMEGAMOE_BUILD_TESTS=OFF \
     "${gtest[@]}" "$@" >"$dir.log" 2>&1 && cmake --build "$dir" -j "$jobs" --target bench_layer >>"$dir.log" 2>&1
 }
@@ -61,6 +63,8 @@ for r in $(seq 1 "$rounds"); do
     dir=$(cd "$dir" && pwd)
     LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 200 "$dir/bench_layer" --fp8 --iters 10 \
       >"$out/layer_${which}_$r.txt" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || note "bench_layer ($which, round $r) exited with $rc: see $out/layer_${which}_$r.txt"
   done
   note "round $r"
 done

@@ -17,28 +17,37 @@ GEMM_ROW = re.compile(r"^(\S.*?)\s+([\d.]+)\s+([\d.]+)$")
 
 
 def parse(path):
-    """{key: value}: '<H>/<I> step <precision>' (ms), '<H>/<I> <precision>: <kernel or total>' (ms)."""
+    """{key: value}: '<H>/<I> step <precision>' (ms), '<H>/<I> <breakdown>: <GEMM or total>' (ms). A breakdown is
+    named by the label line bench_layer prints before it ('fp8 forward + backward:' -> 'fp8', 'fp8 forward +
+    backward, plain loops:' -> 'fp8, plain loops', 'fused forward + fused backward:' ...), 'fp8 forward' for the
+    FP8 forward's, and 'bf16' (the modular step) where no label comes first."""
     figures, shape, label, kind, in_gemms = {}, "?", None, None, False
     for line in open(path, errors="replace"):
         text = line.strip()
+        if in_gemms:
+            m = GEMM_ROW.match(text)
+            if m:
+                figures.setdefault(f"{shape} {kind}: {m.group(1)}", float(m.group(2)))
+                continue
+            kind, in_gemms = None, False  # the breakdown ends with its GEMM table; this line is read below
         m = SHAPE.match(text)
         if m:
-            shape, label, kind, in_gemms = f"{m.group(1)}/{m.group(2)}", None, None, False
+            shape, label, kind = f"{m.group(1)}/{m.group(2)}", None, None
             continue
         m = STEPS.search(text)
         if m:
             figures.setdefault(f"{shape} step bf16", float(m.group(1)))
             figures.setdefault(f"{shape} step fp8", float(m.group(2)))
             continue
-        if text == "fp8 forward + backward:":  # the label bench_layer prints before the FP8 step's breakdown
-            label = "fp8"
-            continue
         m = HEADING.match(text)
         if m:
             kind = "fp8 forward" if m.group(1) == "FP8 forward" else (label or "bf16")
-            label, in_gemms = None, False
+            label = None
             continue
         if kind is None:
+            # Between breakdowns a line ending in ':' names the next one (inside one, such lines are its gaps).
+            if text.endswith(":"):
+                label = text[:-1].replace("fp8 forward + backward", "fp8")
             continue
         m = TOTAL.match(text)
         if m:
@@ -46,31 +55,34 @@ def parse(path):
             continue
         if re.match(r"^GEMM\s+ms\s+TFLOP/s$", text):
             in_gemms = True
-            continue
-        if in_gemms:
-            m = GEMM_ROW.match(text)
-            if m:
-                figures.setdefault(f"{shape} {kind}: {m.group(1)}", float(m.group(2)))
-            else:
-                kind, in_gemms = None, False  # the breakdown ends with its GEMM table
     return figures
 
 
 def compare(out, rounds):
+    """Medians over the rounds of each figure, base and this side by side; a figure missing from some rounds (a
+    run that failed or timed out) is named with the rounds it has. Exit status 1 if nothing could be compared."""
     runs = {w: [parse(f"{out}/layer_{w}_{r}.txt") for r in range(1, rounds + 1)] for w in ("base", "this")}
-    keys = [k for k in runs["base"][0] if all(k in d for w in runs for d in runs[w])]
+    keys = list(dict.fromkeys(k for w in ("base", "this") for d in runs[w] for k in d))
     print(f"\nbench_layer --fp8: median over {rounds} rounds (ms; this / base)")
+    compared = 0
     for k in keys:
-        b = statistics.median(d[k] for d in runs["base"])
-        t = statistics.median(d[k] for d in runs["this"])
-        print(f"  {k[:76]:76s} base {b:8.3f}  this {t:8.3f}  x {t / b:.3f}")
-    if not keys:
+        b = [d[k] for d in runs["base"] if k in d]
+        t = [d[k] for d in runs["this"] if k in d]
+        note = "" if len(b) == len(t) == rounds else f"  (rounds with it: base {len(b)}, this {len(t)})"
+        if b and t:
+            mb, mt = statistics.median(b), statistics.median(t)
+            print(f"  {k[:76]:76s} base {mb:8.3f}  this {mt:8.3f}  x {mt / mb:.3f}{note}")
+            compared += 1
+        else:
+            print(f"  {k[:76]:76s} only in {'base' if b else 'this'}{note}")
+    if compared == 0:
         print("  nothing to compare (a build or a run failed: see the layer_*.txt files)")
+    return 0 if compared else 1
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--compare":
-        compare(sys.argv[2], int(sys.argv[3]))
+        sys.exit(compare(sys.argv[2], int(sys.argv[3])))
     elif len(sys.argv) == 2:
         for key, value in parse(sys.argv[1]).items():
             print(f"{key}: {value}")

@@ -2,7 +2,8 @@
 // bit mask, 0 by default) until they are measured against the build without them (docs/PERF.md run 154):
 //   bit 0: the SwiGLU backward's h boxes of a tile, asked for at the tile's first K stage (modular kernel and
 //          fused backward), so that their DRAM reads overlap the main loop instead of its last stages;
-//   bit 1: each row of a gathered A operand (modular M-grouped GEMMs), eight K stages ahead of its copies.
+//   bit 1: each row of a gathered A operand (modular M-grouped GEMMs), ahead of its copies: at K stages 0, 8,
+//          16, ... the row's next eight stages (8-15 stages ahead; a tile's first eight are not prefetched).
 // A prefetch moves nothing into shared memory and changes no value.
 #pragma once
 

@@ -1,5 +1,5 @@
-// Tensor-memory-accelerator (bulk tensor) copies between global and shared memory, and the bulk-group
-// protocol of TMA stores. The tensor maps are built on the host (src/host/tensor_map.hpp) and passed as
+// Tensor-memory-accelerator (bulk tensor) copies between global and shared memory, the bulk-group
+// protocol of TMA stores, and bulk prefetches from global memory into L2. The tensor maps are built on the host (src/host/tensor_map.hpp) and passed as
 // __grid_constant__ kernel parameters.
 #pragma once
 
@@ -56,13 +56,12 @@ __device__ __forceinline__ void tma_store_wait_all() {
 // Global -> L2 only: the box that a later tma_load_2d of the same coordinates reads, fetched from DRAM ahead
 // of it (no shared memory, no barrier, nothing to wait for).
 __device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int c0, int c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(map), "r"(c0), "r"(c1)
-               : "memory");
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(map), "r"(c0), "r"(c1));
 }
 
 // Global -> L2 only: `bytes` (a multiple of 16) from a 16-byte-aligned address.
 __device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes));
 }
 
 }  // namespace megamoe::device
