@@ -22,15 +22,6 @@
 
 namespace megamoe::device {
 
-// The SwiGLU backward's h boxes of a tile whose accumulator columns start at n0 (I: the activation width):
-// one per 64 columns, gate columns at n0 + 64 b and up columns at I + n0 + 64 b. f(gate column, up column).
-// The L2 prefetches walk them through this; the producers' loads of the same boxes keep their own loop (the
-// default build's code as measured), so a change to one must be made to the other.
-template <int kBN, class F>
-__device__ __forceinline__ void for_each_h_box(int n0, int I, F&& f) {
-  for (int box = 0; box < kBN / 64 && n0 + box * 64 < I; ++box) f(n0 + box * 64, I + n0 + box * 64);
-}
-
 // kEachReaderArrives: the producer is the whole gathering warpgroup and waits on the read barriers.
 template <class Shape, bool kEachReaderArrives>
 struct EpilogueStages {

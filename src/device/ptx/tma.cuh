@@ -1,6 +1,6 @@
-// Tensor-memory-accelerator (bulk tensor) copies between global and shared memory, the bulk-group
-// protocol of TMA stores, and bulk prefetches from global memory into L2. The tensor maps are built on the host (src/host/tensor_map.hpp) and passed as
-// __grid_constant__ kernel parameters.
+// Tensor-memory-accelerator (bulk tensor) copies between global and shared memory, the bulk-group protocol of
+// TMA stores, and bulk prefetches from global memory into L2. The tensor maps are built on the host
+// (src/host/tensor_map.hpp) and passed as __grid_constant__ kernel parameters.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
