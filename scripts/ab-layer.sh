@@ -13,46 +13,23 @@
 # libmegamoe.so (built elsewhere and carried: each bench_layer runs with its own directory's library).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-base=${1:?usage: scripts/ab-layer.sh BASE_COMMIT OUTDIR [ROUNDS]}
-out=${2:?usage: scripts/ab-layer.sh BASE_COMMIT OUTDIR [ROUNDS]}
-rounds=${3:-3}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-export PATH=/usr/local/cuda/bin:$PATH
-start=$(date +%s)
-note() { printf '[ab-layer %4ss] %s\n' "$(( $(date +%s) - start ))" "$*"; }
-gtest=()
-[ -f .deps/googletest/CMakeLists.txt ] && gtest=(-DMEGAMOE_GTEST_SOURCE="$PWD/.deps/googletest")
-jobs=$(nproc)
-
-build() {  # source dir, build dir, extra CMake arguments...
-  local src=$1 dir=$2
-  shift 2
-  rm -f "$dir/CMakeCache.txt"  # an earlier run's options must not stay in the cache
-  cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_WERROR=OFF -DMEGAMOE_BUILD_TESTS=OFF \
-    "${gtest[@]}" "$@" >"$dir.log" 2>&1 && cmake --build "$dir" -j "$jobs" --target bench_layer >>"$dir.log" 2>&1
-}
-
+source scripts/ab_builds.sh
+ab_init ab-layer "$@"
 read -r -a extra <<<"${MEGAMOE_AB_CMAKE_ARGS:-}"
 prebuilt=${MEGAMOE_AB_PREBUILT:-0}
 [ "$prebuilt" = 1 ] && [ "$base" != - ] && { echo "MEGAMOE_AB_PREBUILT needs the base '-'"; exit 2; }
-if [ "$base" = - ]; then
-  base_tree=$PWD
-  base_build=$PWD/build-ab-base
-else
-  base_tree=$(mktemp -d /tmp/ab-layer-base.XXXXXX)
-  base_build=$base_tree/build
-  git worktree add -f --detach "$base_tree" "$base" >"$out/worktree.log" 2>&1 || { echo "no commit $base"; exit 2; }
-  trap 'git worktree remove --force "$base_tree" >/dev/null 2>&1' EXIT
-fi
+ab_base_tree
 if [ "$prebuilt" = 1 ]; then
   for dir in build-ab-this "$base_build"; do
-    [ -x "$dir/bench_layer" ] && [ -f "$dir/libmegamoe.so" ] || { echo "no bench_layer and libmegamoe.so in $dir"; exit 2; }
+    [ -x "$dir/bench_layer" ] && [ -f "$dir/libmegamoe.so" ] ||
+      { echo "no bench_layer and libmegamoe.so in $dir"; exit 2; }
   done
   note "prebuilt: build-ab-this and build-ab-base"
 else
-  build . build-ab-this "${extra[@]}" || { note "build of this tree failed (build-ab-this.log)"; exit 1; }
-  build "$base_tree" "$base_build" || { note "build of the base failed"; cp "$base_build.log" "$out/"; exit 1; }
+  ab_build . build-ab-this bench_layer "${extra[@]}" ||
+    { note "build of this tree failed (build-ab-this.log)"; exit 1; }
+  ab_build "$base_tree" "$base_build" bench_layer ||
+    { note "build of the base failed"; cp "$base_build.log" "$out/"; exit 1; }
   note "built this tree (${MEGAMOE_AB_CMAKE_ARGS:-no extra arguments}) and the base ($base)"
 fi
 

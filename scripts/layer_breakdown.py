@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Reads `bench_layer --fp8` output: the step times and, from each CUPTI breakdown, every GEMM launch of the step
-and the GEMMs / everything else, keyed by layer shape and precision.
+"""Reads `bench_layer` output (any mode; `--fp8` is the short one): the step times and, from each CUPTI
+breakdown, every GEMM launch of the step and the GEMMs / everything else, keyed by layer shape and breakdown.
 
   layer_breakdown.py FILE                 the figures of one output, one per line
   layer_breakdown.py --compare DIR ROUNDS medians over DIR/layer_{base,this}_{1..ROUNDS}.txt side by side
@@ -63,7 +63,7 @@ def compare(out, rounds):
     run that failed or timed out) is named with the rounds it has. Exit status 1 if nothing could be compared."""
     runs = {w: [parse(f"{out}/layer_{w}_{r}.txt") for r in range(1, rounds + 1)] for w in ("base", "this")}
     keys = list(dict.fromkeys(k for w in ("base", "this") for d in runs[w] for k in d))
-    print(f"\nbench_layer --fp8: median over {rounds} rounds (ms; this / base)")
+    print(f"\nbench_layer: median over {rounds} rounds (ms; this / base)")
     compared = 0
     for k in keys:
         b = [d[k] for d in runs["base"] if k in d]
