@@ -245,6 +245,19 @@ TEST(Fp8WgradGemmGpuTest, OverlappedPromotionAndClusterPairsAreBitwiseThePlainLo
   }
 }
 
+// The single-CTA loop forms besides the cluster pairs: the plain and the overlapped loop in 128-column tiles,
+// and 192-column tiles (the forms a transposed or a bf16 D runs in).
+struct SingleCtaForm {
+  bool overlap;
+  int tile_columns;
+};
+constexpr SingleCtaForm kSingleCtaForms[] = {{false, 128}, {true, 128}, {false, 192}};
+
+std::string form_trace(bool accumulate, int max_ctas, const SingleCtaForm& form) {
+  return std::string(accumulate ? "accumulating" : "storing") + ", max_ctas " + std::to_string(max_ctas) +
+         (form.overlap ? ", overlapped" : ", plain") + ", tile columns " + std::to_string(form.tile_columns);
+}
+
 // transpose_d: the operands swapped and D stored transposed (D^T = B^T A, the form the layer's dW13 takes) is
 // the plain D, bitwise (each product a scale pair's and each K block's partial the same, summed in the same
 // order), stored and accumulated, in 128-column tiles (plain and overlapped loop) and 192-column ones (N' =
@@ -257,15 +270,10 @@ TEST(Fp8WgradGemmGpuTest, TransposedOutputOfSwappedOperandsIsThePlainOutput) {
   ASSERT_FALSE(::testing::Test::HasFailure()) << "building the token-major operands failed";
   const TokenMajorOperands& ops = *pr.ops;
   using P = BitwiseFormProblem;
-  struct Form {
-    bool overlap;
-    int tile_columns;
-  };
   for (const int max_ctas : {0, 3})
   for (const bool accumulate : {false, true})
-  for (const Form form : {Form{false, 128}, Form{true, 128}, Form{false, 192}}) {
-    SCOPED_TRACE(std::string(accumulate ? "accumulating" : "storing") + ", max_ctas " + std::to_string(max_ctas) +
-                 (form.overlap ? ", overlapped" : ", plain") + ", tile columns " + std::to_string(form.tile_columns));
+  for (const SingleCtaForm form : kSingleCtaForms) {
+    SCOPED_TRACE(form_trace(accumulate, max_ctas, form));
     pr.expect_plain_bits(max_ctas, accumulate, "the transposed form", [&](float* d, bool acc) {
       return kernels::fp8_wgrad_gemm(ops.qb.get(), ops.sb.get(), P::kN, ops.qa.get(), ops.sa.get(), P::kM,
                                      pr.d_offsets.get(), P::kExperts, P::kCapacity, d, acc, nullptr, max_ctas,
@@ -290,21 +298,14 @@ TEST(Fp8WgradGemmGpuTest, Bf16OutputIsTheFp32OutputRoundedOnce) {
   // What a bf16 D holds before an accumulating call: the fp32 pattern rounded.
   std::vector<__nv_bfloat16> start16(count);
   for (size_t i = 0; i < count; ++i) start16[i] = __float2bfloat16_rn(pr.start[i]);
-  struct Form {
-    bool overlap;
-    int tile_columns;
-    bool transpose;
-  };
   for (const int max_ctas : {0, 3})
   for (const bool accumulate : {false, true})
-  for (const Form form : {Form{false, 128, false}, Form{true, 128, false}, Form{false, 192, false},
-                          Form{false, 128, true}, Form{true, 128, true}, Form{false, 192, true}}) {
-    SCOPED_TRACE(std::string(accumulate ? "accumulating" : "storing") + ", max_ctas " + std::to_string(max_ctas) +
-                 (form.overlap ? ", overlapped" : ", plain") + ", tile columns " + std::to_string(form.tile_columns) +
-                 (form.transpose ? ", D transposed" : ""));
+  for (const bool transpose : {false, true})
+  for (const SingleCtaForm form : kSingleCtaForms) {
+    SCOPED_TRACE(form_trace(accumulate, max_ctas, form) + (transpose ? ", D transposed" : ""));
     // The transposed form computes D^T = B^T A from the swapped operands, into the same [kExperts, kM, kN].
     const auto call = [&](auto* d, bool acc) {
-      return form.transpose
+      return transpose
                  ? kernels::fp8_wgrad_gemm(ops.qb.get(), ops.sb.get(), P::kN, ops.qa.get(), ops.sa.get(), P::kM,
                                            pr.d_offsets.get(), P::kExperts, P::kCapacity, d, acc, nullptr, max_ctas,
                                            form.overlap, 1, form.tile_columns, /*transpose_d=*/true)
