@@ -8,9 +8,11 @@
 // rank (E = 128, T = 16384), both paths.
 // The PyTorch baseline of the same configs (benchmarks/bench_layer_torch.py) runs just before in the same
 // gpu-check call; its CSV, given with --baseline, is printed next to ours with the ratios.
-//   bench_layer [--out PATH.json] [--baseline PATH.csv] [--iters N] [--no-ep] [--fp8]
+//   bench_layer [--out PATH.json] [--baseline PATH.csv] [--iters N] [--no-ep] [--fp8] [--bf16-grads]
 // --no-ep leaves out the expert-parallel comparison; --fp8 times only the blockwise FP8 layer against the bf16
 // modular one (no fused kernels, no settings that earlier runs settled), for a short device call.
+// --bf16-grads: the weight gradients in bf16 (BackwardArgs::d_w13_bf16, d_w2_bf16, what the Python layer asks
+// for by default), instead of fp32.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -261,7 +263,8 @@ constexpr const char* kBackwardPhases[kPhases] = {
     "entry", "(the forward's layout)", "d_out dispatched", "offsets, work numbered",
     "arrivals counted", "dgrad items done", "d_x combined", "end"};
 
-bool g_fp8_only = false;  // --fp8
+bool g_fp8_only = false;    // --fp8
+bool g_bf16_grads = false;  // --bf16-grads
 
 Result run(int64_t H, int64_t I, int iters) {
   megamoe::LayerConfig c;
@@ -324,8 +327,11 @@ Result run(int64_t H, int64_t I, int iters) {
   auto* out = device_alloc<__nv_bfloat16>(T * H);
   auto* d_x = device_alloc<__nv_bfloat16>(T * H);
   auto* d_weights = device_alloc<float>(T * K);
-  auto* d_w13 = device_alloc<float>(E * 2 * I * H);
-  auto* d_w2 = device_alloc<float>(E * H * I);
+  // The weight gradients in the precision asked for; the other pair stays null.
+  float* d_w13 = g_bf16_grads ? nullptr : device_alloc<float>(E * 2 * I * H);
+  float* d_w2 = g_bf16_grads ? nullptr : device_alloc<float>(E * H * I);
+  __nv_bfloat16* d_w13_bf16 = g_bf16_grads ? device_alloc<__nv_bfloat16>(E * 2 * I * H) : nullptr;
+  __nv_bfloat16* d_w2_bf16 = g_bf16_grads ? device_alloc<__nv_bfloat16>(E * H * I) : nullptr;
   BENCH_CHECK_CUDA(cudaDeviceSynchronize());
 
   auto forward_on = [&](megamoe::VirtualRankGroup& g, int s) {
@@ -347,6 +353,8 @@ Result run(int64_t H, int64_t I, int iters) {
     b.d_topk_weights = d_weights;
     b.d_w13 = d_w13;
     b.d_w2 = d_w2;
+    b.d_w13_bf16 = d_w13_bf16;
+    b.d_w2_bf16 = d_w2_bf16;
     return g.layer(0).backward(b);
   };
   auto backward_on = [&](megamoe::VirtualRankGroup& g, int s) { BENCH_CHECK_OK(try_backward_on(g, s)); };
@@ -618,6 +626,8 @@ Result run(int64_t H, int64_t I, int iters) {
   cudaFree(d_weights);
   cudaFree(d_w13);
   cudaFree(d_w2);
+  cudaFree(d_w13_bf16);
+  cudaFree(d_w2_bf16);
   return r;
 }
 
@@ -770,6 +780,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--no-ep")) with_ep = false;
     else if (!std::strcmp(argv[i], "--fp8")) g_fp8_only = true, with_ep = false;
+    else if (!std::strcmp(argv[i], "--bf16-grads")) g_bf16_grads = true;
   }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
@@ -778,8 +789,8 @@ int main(int argc, char** argv) {
   }
   std::vector<Result> results;
   for (auto [H, I] : {std::pair<int64_t, int64_t>{2048, 768}, {4096, 1536}}) {
-    std::printf("bench_layer: H=%lld I=%lld E=16 K=8 T=16384 R=1 ...\n", static_cast<long long>(H),
-                static_cast<long long>(I));
+    std::printf("bench_layer: H=%lld I=%lld E=16 K=8 T=16384 R=1, weight gradients in %s ...\n",
+                static_cast<long long>(H), static_cast<long long>(I), g_bf16_grads ? "bf16" : "fp32");
     std::fflush(stdout);
     results.push_back(run(H, I, iters));
   }

@@ -9,6 +9,7 @@
 # whitespace, so no argument may contain a space). With
 # BASE_COMMIT "-" the base is this tree built without them: a build option against the default, e.g.
 #   MEGAMOE_AB_CMAKE_ARGS=-DMEGAMOE_L2_PREFETCH=1 scripts/ab-layer.sh - OUTDIR
+# MEGAMOE_AB_BENCH_ARGS: extra bench_layer arguments for both builds (e.g. --bf16-grads; split at whitespace).
 # MEGAMOE_AB_PREBUILT=1 (with base "-"): no builds; build-ab-this/ and build-ab-base/ already hold bench_layer and
 # libmegamoe.so (built elsewhere and carried: each bench_layer runs with its own directory's library).
 set -uo pipefail
@@ -16,6 +17,7 @@ cd "$(dirname "$0")/.."
 source scripts/ab_builds.sh
 ab_init ab-layer "$@"
 read -r -a extra <<<"${MEGAMOE_AB_CMAKE_ARGS:-}"
+read -r -a bench_args <<<"${MEGAMOE_AB_BENCH_ARGS:-}"
 prebuilt=${MEGAMOE_AB_PREBUILT:-0}
 [ "$prebuilt" = 1 ] && [ "$base" != - ] && { echo "MEGAMOE_AB_PREBUILT needs the base '-'"; exit 2; }
 ab_base_tree
@@ -39,7 +41,7 @@ for r in $(seq 1 "$rounds"); do
     [ "$which" = base ] && dir="$base_build"
     dir=$(cd "$dir" && pwd)
     LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 200 "$dir/bench_layer" --fp8 --iters 10 \
-      >"$out/layer_${which}_$r.txt" 2>&1
+      "${bench_args[@]}" >"$out/layer_${which}_$r.txt" 2>&1
     rc=$?
     [ $rc -eq 0 ] || note "bench_layer ($which, round $r) exited with $rc: see $out/layer_${which}_$r.txt"
   done
