@@ -12,6 +12,8 @@
 # MEGAMOE_AB_BENCH_ARGS: extra bench_layer arguments for both builds (e.g. --bf16-grads; split at whitespace).
 # MEGAMOE_AB_PREBUILT=1 (with base "-"): no builds; build-ab-this/ and build-ab-base/ already hold bench_layer and
 # libmegamoe.so (built elsewhere and carried: each bench_layer runs with its own directory's library).
+# MEGAMOE_AB_THIS_DIR: this side's build directory instead of build-ab-this (several prebuilt variants, each in a
+# directory of its own, timed one after another against the same base).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/ab_builds.sh
@@ -19,17 +21,18 @@ ab_init ab-layer "$@"
 read -r -a extra <<<"${MEGAMOE_AB_CMAKE_ARGS:-}"
 read -r -a bench_args <<<"${MEGAMOE_AB_BENCH_ARGS:-}"
 prebuilt=${MEGAMOE_AB_PREBUILT:-0}
+this_build=${MEGAMOE_AB_THIS_DIR:-build-ab-this}
 [ "$prebuilt" = 1 ] && [ "$base" != - ] && { echo "MEGAMOE_AB_PREBUILT needs the base '-'"; exit 2; }
 ab_base_tree
 if [ "$prebuilt" = 1 ]; then
-  for dir in build-ab-this "$base_build"; do
+  for dir in "$this_build" "$base_build"; do
     [ -x "$dir/bench_layer" ] && [ -f "$dir/libmegamoe.so" ] ||
       { echo "no bench_layer and libmegamoe.so in $dir"; exit 2; }
   done
-  note "prebuilt: build-ab-this and build-ab-base"
+  note "prebuilt: $this_build and build-ab-base"
 else
-  ab_build . build-ab-this bench_layer "${extra[@]}" ||
-    { note "build of this tree failed (build-ab-this.log)"; exit 1; }
+  ab_build . "$this_build" bench_layer "${extra[@]}" ||
+    { note "build of this tree failed ($this_build.log)"; exit 1; }
   ab_build "$base_tree" "$base_build" bench_layer ||
     { note "build of the base failed"; cp "$base_build.log" "$out/"; exit 1; }
   note "built this tree (${MEGAMOE_AB_CMAKE_ARGS:-no extra arguments}) and the base ($base)"
@@ -37,7 +40,7 @@ fi
 
 for r in $(seq 1 "$rounds"); do
   for which in base this; do
-    dir=build-ab-this
+    dir=$this_build
     [ "$which" = base ] && dir="$base_build"
     dir=$(cd "$dir" && pwd)
     LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 200 "$dir/bench_layer" --fp8 --iters 10 \
