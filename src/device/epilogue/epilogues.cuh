@@ -327,10 +327,10 @@ __device__ __forceinline__ void epilogue_fp32_transposed(const float (&acc)[kBN 
 
 // The same values as epilogue_fp32_transposed, stored straight from the fragment, without staging: a warp's
 // store writes four rows n of C (the tile's columns in the lanes' pair slots), eight consecutive m in each,
-// one 32-byte sector apiece. Short code and no barriers: the FP8 weight gradient's loop lost 7-11% to the
-// staged form (docs/PERF.md run 136).
-template <int kBN, bool kAccumulate>
-__device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[kBN / 2], float* C, int M, int N,
+// one 32-byte sector apiece (fp32; half of one for bf16, Out). Short code and no barriers: the FP8 weight
+// gradient's loop lost 7-11% to the staged form (docs/PERF.md run 136).
+template <int kBN, bool kAccumulate, class Out>
+__device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[kBN / 2], Out* C, int M, int N,
                                                              int m0, int n0, int lt) {
   const int warp = lt >> 5, lane = lt & 31;
   const int64_t column_step = static_cast<int64_t>(M);  // one column of the tile: the next row of C
@@ -338,7 +338,7 @@ __device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[
   for (int h = 0; h < 2; ++h) {
     const int m = m0 + Fragment::row(warp, lane, h);
     if (m >= M) continue;
-    float* const first = C + static_cast<int64_t>(n0 + Fragment::col(lane, 0)) * column_step + m;
+    Out* const first = C + static_cast<int64_t>(n0 + Fragment::col(lane, 0)) * column_step + m;
 #pragma unroll
     for (int j = 0; j < kBN / 8; ++j) {
       if (n0 + 8 * j >= N) break;  // N is a multiple of 8: a column group is whole or past the end
@@ -346,32 +346,6 @@ __device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[
       for (int e = 0; e < 2; ++e) {
         store_output(first + (8 * j + e) * column_step, acc[Fragment::reg(j, h, e)], kAccumulate);
       }
-    }
-  }
-}
-// In bf16 the fp32 form's eight m a row would fill half a sector (run 153: dW13 0.08-0.09 ms longer than with
-// fp32 D). A lane's two row halves (m and m + 8) are not neighbours in C, but lane l and lane l ^ 4 hold the
-// neighbouring rows q and q ^ 1 of both halves: they trade one value, and each lane stores one bf16 pair, rows
-// q, q + 1 (q even, low half) or q + 7, q + 8 (q odd, high half). A warp store then writes sixteen consecutive
-// m, one 32-byte sector, in each of four rows of C. The same values, each rounded once. M a multiple of 16.
-template <int kBN, bool kAccumulate>
-__device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[kBN / 2], __nv_bfloat16* C, int M,
-                                                             int N, int m0, int n0, int lt) {
-  const int warp = lt >> 5, lane = lt & 31;
-  if (m0 + 16 * warp >= M) return;  // the warp's sixteen rows are whole or past the end
-  const bool low_pair = ((lane >> 2) & 1) == 0;
-  const int m = m0 + Fragment::row(warp, lane, 0) + (low_pair ? 0 : 7);
-  const int64_t column_step = static_cast<int64_t>(M);
-  __nv_bfloat16* const first = C + static_cast<int64_t>(n0 + Fragment::col(lane, 0)) * column_step + m;
-#pragma unroll
-  for (int j = 0; j < kBN / 8; ++j) {
-    if (n0 + 8 * j >= N) break;  // uniform: N is a multiple of 8
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float low = acc[Fragment::reg(j, 0, e)], high = acc[Fragment::reg(j, 1, e)];
-      const float traded = __shfl_xor_sync(0xffffffffu, low_pair ? high : low, 4);
-      store_output2(first + (8 * j + e) * column_step, low_pair ? low : traded, low_pair ? traded : high,
-                    kAccumulate);
     }
   }
 }
