@@ -27,8 +27,9 @@ for r in $(seq 1 "$rounds"); do
 done
 
 python3 - "$out" "$rounds" <<'PY'
-import re, statistics, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
+import re, sys
+sys.path.insert(0, "scripts")
+from layer_breakdown import compare_runs
 
 def gemm(path):
     # "<shape> <ms> ms <TFLOP/s> TFLOP/s | ..." : ours in single CTAs, the first figure of each row.
@@ -39,12 +40,6 @@ def gemm(path):
             rows.setdefault(m.group(1), float(m.group(3)))
     return rows
 
-runs = {w: [gemm(f"{out}/gemm_{w}_{r}.txt") for r in range(1, rounds + 1)] for w in ("base", "this")}
-keys = [k for k in runs["base"][0] if all(k in d for w in runs for d in runs[w])]
-print(f"\ngemm: median over {rounds} rounds (TFLOP/s; this / base)")
-for k in keys:
-    b = statistics.median(d[k] for d in runs["base"])
-    t = statistics.median(d[k] for d in runs["this"])
-    print(f"  {k[:70]:70s} base {b:9.3f}  this {t:9.3f}  x {t / b:.3f}")
+compare_runs(sys.argv[1], "gemm", int(sys.argv[2]), gemm, "TFLOP/s")
 PY
 python3 scripts/layer_breakdown.py --compare "$out" "$rounds"

@@ -29,7 +29,7 @@ if [ "$prebuilt" = 1 ]; then
     [ -x "$dir/bench_layer" ] && [ -f "$dir/libmegamoe.so" ] ||
       { echo "no bench_layer and libmegamoe.so in $dir"; exit 2; }
   done
-  note "prebuilt: $this_build and build-ab-base"
+  note "prebuilt: $this_build and $base_build"
 else
   ab_build . "$this_build" bench_layer "${extra[@]}" ||
     { note "build of this tree failed ($this_build.log)"; exit 1; }

@@ -14,6 +14,7 @@ STEPS = re.compile(r"steps back to back [^:]*: bf16 ([\d.]+) ms, fp8 ([\d.]+) ms
 HEADING = re.compile(r"^kernel time per (.+) \(CUPTI")
 TOTAL = re.compile(r"^(GEMMs|everything else)\s+([\d.]+)$")
 GEMM_ROW = re.compile(r"^(\S.*?)\s+([\d.]+)\s+([\d.]+)$")
+GEMM_TABLE = re.compile(r"^GEMM\s+ms\s+TFLOP/s$")
 
 
 def parse(path):
@@ -53,17 +54,18 @@ def parse(path):
         if m:
             figures.setdefault(f"{shape} {kind}: {m.group(1)}", float(m.group(2)))
             continue
-        if re.match(r"^GEMM\s+ms\s+TFLOP/s$", text):
+        if GEMM_TABLE.match(text):
             in_gemms = True
     return figures
 
 
-def compare(out, rounds):
-    """Medians over the rounds of each figure, base and this side by side; a figure missing from some rounds (a
-    run that failed or timed out) is named with the rounds it has. Exit status 1 if nothing could be compared."""
-    runs = {w: [parse(f"{out}/layer_{w}_{r}.txt") for r in range(1, rounds + 1)] for w in ("base", "this")}
+def compare_runs(out, name, rounds, read, unit):
+    """Medians over the rounds of each figure that `read` finds in OUT/<name>_{base,this}_<round>.txt, base and
+    this side by side; a figure missing from some rounds (a run that failed or timed out) is named with the
+    rounds it has. Exit status 1 if nothing could be compared. scripts/ab-fp8.sh reads its GEMM runs with it."""
+    runs = {w: [read(f"{out}/{name}_{w}_{r}.txt") for r in range(1, rounds + 1)] for w in ("base", "this")}
     keys = list(dict.fromkeys(k for w in ("base", "this") for d in runs[w] for k in d))
-    print(f"\nbench_layer: median over {rounds} rounds (ms; this / base)")
+    print(f"\n{name}: median over {rounds} rounds ({unit}; this / base)")
     compared = 0
     for k in keys:
         b = [d[k] for d in runs["base"] if k in d]
@@ -76,8 +78,12 @@ def compare(out, rounds):
         else:
             print(f"  {k[:76]:76s} only in {'base' if b else 'this'}{note}")
     if compared == 0:
-        print("  nothing to compare (a build or a run failed: see the layer_*.txt files)")
+        print(f"  nothing to compare (a build or a run failed: see the {name}_*.txt files)")
     return 0 if compared else 1
+
+
+def compare(out, rounds):
+    return compare_runs(out, "layer", rounds, parse, "ms")
 
 
 if __name__ == "__main__":
