@@ -19,9 +19,9 @@
 // single CTAs only, else refused; bitwise the same D; 1-2.5% faster on three of the four benchmark shapes, run
 // 125). transpose_d: D is [experts, N, M], each D[e] stored transposed (the same values: D^T = B^T A, so
 // that the layer's dW13 = dh^T x can be formed as x^T dh, whose N = 2I 192-column tiles can cover whole; each
-// value stored straight from the accumulators, a warp's store one 32-byte sector in each of four rows of D[e],
-// in bf16 through a lane-pair trade (device/epilogue/epilogues.cuh, epilogue_fp32_transposed_direct); single
-// CTAs only, else refused).
+// value stored straight from the accumulators, a warp's store one 32-byte sector (half of one in bf16) in each
+// of four rows of D[e] (device/epilogue/epilogues.cuh, epilogue_fp32_transposed_direct); single CTAs only,
+// else refused).
 // offsets: device int32 [experts + 1] (clamped into [0, capacity]). Sm_90 only. Asynchronous on `stream`.
 // The overload with a bf16 D rounds each value once (to nearest even) where it stores it; with accumulate, the
 // fp32 sum of the bf16 value D holds and the fp32 gradient, rounded once. Single CTAs only (cluster 1, else

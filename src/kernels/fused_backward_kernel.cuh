@@ -173,7 +173,7 @@ __device__ void backward_consumer(const CUtensorMap* tm_dh_store, const CUtensor
       // dh and w * a are contiguous: whole slices leave through TMA, a partial one through the threads.
       store.begin_tile(s.valid >= 64, p.dgrad1_epi.c, p.dgrad1_epi.aux, s.slice0, s.valid);
       device::EpilogueStages<Shape, true> hstages{pipe, st, smem.stages[0], smem.epilogue_read, 2 + cwg, lt, 0};
-      device::epilogue_swiglu_grad<kBN, false>(acc, p.dgrad1_epi, s, cwg, tm_dh_store, tm_wa_store, store, hstages);
+      device::epilogue_swiglu_grad<kBN>(acc, p.dgrad1_epi, s, cwg, tm_dh_store, tm_wa_store, store, hstages);
       // dh, for dgrad2; the rows' routing-gradient partials of this tile's columns
       pending.defer(store, ep::at<uint32_t>(L.local, L.layout.act_ready) + waves.block_of(tile.e, tile.row0), &s,
                     lt);

@@ -179,7 +179,7 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
       } else if constexpr (Cfg::kAct == GemmActivation::kSwiGLUBackward) {
         device::EpilogueStages<Shape, Cfg::kEachReaderArrives> hstages{
             pipe, st, smem.stages[0], smem.epilogue_read, 2 + cwg, lt, static_cast<uint32_t>(rank)};
-        device::epilogue_swiglu_grad<kBN, true>(acc, p.epi, s, cwg, tm_c, tm_aux, store, hstages);
+        device::epilogue_swiglu_grad<kBN>(acc, p.epi, s, cwg, tm_c, tm_aux, store, hstages);
       } else {
         device::epilogue_plain<kBN>(acc, p.epi, s, tm_c, store);
       }

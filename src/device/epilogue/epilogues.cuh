@@ -109,9 +109,7 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kBN / 2], con
 // acquire() waits for the next box's stage and returns it (gate columns of the tile's 128 rows in the
 // first 16 KB, up columns in the next 16 KB, 128-byte swizzled as TMA writes them); release() hands it
 // back once the warpgroup has read it.
-// kReleaseEarly: boxes 1.. are read into registers and their stages handed back at once (below); a kernel
-// whose consumers have no 32 registers to spare at box 1 passes false.
-template <int kBN, bool kReleaseEarly, class Store, class HStages>
+template <int kBN, class Store, class HStages>
 __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2], const EpilogueArgs& e,
                                                      const SliceCoord& s, int cwg, const CUtensorMap* map_c,
                                                      const CUtensorMap* map_aux, Store& store, HStages& hstages) {
@@ -121,35 +119,12 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
   // box loop, it costs a register the loop needs (it spilled in the fused backward).
   const bool has_aux = e.aux.base != nullptr || e.aux.pointers != nullptr;
   float dot[2] = {0.0f, 0.0f};
-  // g and u of a fragment pair: row cwg * 64 + r of the box's 128 rows, column group jj, from the box's stage
-  // (128-byte swizzled) or from registers. From box 1 on, a box's pairs are all read into registers at once
-  // and its stage handed back before the arithmetic and the stores, so that the ring (the main loop's too)
-  // refills while the box is worked on: the next tile's first K stages load during this tile's epilogue
-  // instead of after it. Box 0 is read where it is used and its stage held to its end: while it runs, every
-  // accumulator is still live and 32 more registers spill. That costs nothing, since box 3 is the only
-  // stage its release lets in.
-  __nv_bfloat162 hg[8][2], hu[8][2];
-  auto stage_pair_offset = [&](int jj, int h) {
+  // g and u of a fragment pair, from the box's stage: row cwg * 64 + r of the 128-row boxes, column group jj.
+  auto load_gu = [&](const uint8_t* stage, int jj, int h, float (&g)[2], float (&u)[2]) {
     const int row = cwg * 64 + Fragment::row(s.warp, s.lane, h);
-    return row * 128 + ((jj ^ (row & 7)) << 4) + 4 * (s.lane & 3);
-  };
-  auto read_box = [&](const uint8_t* stage) {
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int offset = stage_pair_offset(jj, h);
-        hg[jj][h] = *reinterpret_cast<const __nv_bfloat162*>(stage + offset);
-        hu[jj][h] = *reinterpret_cast<const __nv_bfloat162*>(stage + 128 * 128 + offset);
-      }
-  };
-  auto load_gu = [&](const uint8_t* stage, bool held, int jj, int h, float (&g)[2], float (&u)[2]) {
-    __nv_bfloat162 g2 = hg[jj][h], u2 = hu[jj][h];
-    if (held) {
-      const int offset = stage_pair_offset(jj, h);
-      g2 = *reinterpret_cast<const __nv_bfloat162*>(stage + offset);
-      u2 = *reinterpret_cast<const __nv_bfloat162*>(stage + 128 * 128 + offset);
-    }
+    const int offset = row * 128 + ((jj ^ (row & 7)) << 4) + 4 * (s.lane & 3);
+    const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(stage + offset);
+    const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(stage + 128 * 128 + offset);
     g[0] = __low2float(g2), g[1] = __high2float(g2);
     u[0] = __low2float(u2), u[1] = __high2float(u2);
   };
@@ -162,11 +137,6 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
     if (s.n0 + box * 64 >= N) break;  // uniform: N % 64 == 0
     const int col0 = s.n0 + box * 64;
     const uint8_t* stage = hstages.acquire();
-    const bool held = !kReleaseEarly || box == 0;  // known at compile time: the loop is unrolled
-    if (!held) {
-      read_box(stage);
-      hstages.release();
-    }
     int b;
     if constexpr (kOnePass) {
       b = store.template reserve<3>();
@@ -181,7 +151,7 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float g[2], u[2], dg[2], du[2], aw[2];
-          load_gu(stage, held, jj + d, h, g, u);
+          load_gu(stage, jj + d, h, g, u);
 #pragma unroll
           for (int k = 0; k < 2; ++k) {
             const float da = acc[Fragment::reg(box * 8 + jj + d, h, k)];
@@ -213,7 +183,7 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             float g[2], u[2], aw[2];
-            load_gu(stage, held, jj + d, h, g, u);
+            load_gu(stage, jj + d, h, g, u);
 #pragma unroll
             for (int k = 0; k < 2; ++k) {
               const float a = swiglu(g[k], u[k]);
@@ -226,7 +196,7 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
       }
       if (has_aux) store.commit(ba, map_aux, kOutputAux, s.slice0, col0, e.aux_cols);
     }
-    if (held) hstages.release();
+    hstages.release();
   }
   if (e.dot_rows == nullptr) return;
   // The four lanes of a quad hold a row's columns: a fixed butterfly makes the row's tile partial.
@@ -357,10 +327,10 @@ __device__ __forceinline__ void epilogue_fp32_transposed(const float (&acc)[kBN 
 
 // The same values as epilogue_fp32_transposed, stored straight from the fragment, without staging: a warp's
 // store writes four rows n of C (the tile's columns in the lanes' pair slots), eight consecutive m in each,
-// one 32-byte sector apiece. Short code and no barriers: the FP8 weight gradient's loop lost 7-11% to the
-// staged form (docs/PERF.md run 136).
-template <int kBN, bool kAccumulate>
-__device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[kBN / 2], float* C, int M, int N,
+// one 32-byte sector apiece (fp32; half of one for bf16, Out). Short code and no barriers: the FP8 weight
+// gradient's loop lost 7-11% to the staged form (docs/PERF.md run 136).
+template <int kBN, bool kAccumulate, class Out>
+__device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[kBN / 2], Out* C, int M, int N,
                                                              int m0, int n0, int lt) {
   const int warp = lt >> 5, lane = lt & 31;
   const int64_t column_step = static_cast<int64_t>(M);  // one column of the tile: the next row of C
@@ -368,7 +338,7 @@ __device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[
   for (int h = 0; h < 2; ++h) {
     const int m = m0 + Fragment::row(warp, lane, h);
     if (m >= M) continue;
-    float* const first = C + static_cast<int64_t>(n0 + Fragment::col(lane, 0)) * column_step + m;
+    Out* const first = C + static_cast<int64_t>(n0 + Fragment::col(lane, 0)) * column_step + m;
 #pragma unroll
     for (int j = 0; j < kBN / 8; ++j) {
       if (n0 + 8 * j >= N) break;  // N is a multiple of 8: a column group is whole or past the end
@@ -376,32 +346,6 @@ __device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[
       for (int e = 0; e < 2; ++e) {
         store_output(first + (8 * j + e) * column_step, acc[Fragment::reg(j, h, e)], kAccumulate);
       }
-    }
-  }
-}
-// In bf16 the fp32 form's eight m a row would fill half a sector (run 153: dW13 0.08-0.09 ms longer than with
-// fp32 D). A lane's two row halves (m and m + 8) are not neighbours in C, but lane l and lane l ^ 4 hold the
-// neighbouring rows q and q ^ 1 of both halves: they trade one value, and each lane stores one bf16 pair, rows
-// q, q + 1 (q even, low half) or q + 7, q + 8 (q odd, high half). A warp store then writes sixteen consecutive
-// m, one 32-byte sector, in each of four rows of C. The same values, each rounded once. M a multiple of 16.
-template <int kBN, bool kAccumulate>
-__device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[kBN / 2], __nv_bfloat16* C, int M,
-                                                             int N, int m0, int n0, int lt) {
-  const int warp = lt >> 5, lane = lt & 31;
-  if (m0 + 16 * warp >= M) return;  // the warp's sixteen rows are whole or past the end
-  const bool low_pair = ((lane >> 2) & 1) == 0;
-  const int m = m0 + Fragment::row(warp, lane, 0) + (low_pair ? 0 : 7);
-  const int64_t column_step = static_cast<int64_t>(M);
-  __nv_bfloat16* const first = C + static_cast<int64_t>(n0 + Fragment::col(lane, 0)) * column_step + m;
-#pragma unroll
-  for (int j = 0; j < kBN / 8; ++j) {
-    if (n0 + 8 * j >= N) break;  // uniform: N is a multiple of 8
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float low = acc[Fragment::reg(j, 0, e)], high = acc[Fragment::reg(j, 1, e)];
-      const float traded = __shfl_xor_sync(0xffffffffu, low_pair ? high : low, 4);
-      store_output2(first + (8 * j + e) * column_step, low_pair ? low : traded, low_pair ? traded : high,
-                    kAccumulate);
     }
   }
 }

@@ -22,15 +22,6 @@ __device__ __forceinline__ void store_output(float* dst, float v, bool accumulat
 __device__ __forceinline__ void store_output(__nv_bfloat16* dst, float v, bool accumulate) {
   *dst = __float2bfloat16_rn(accumulate ? v + __bfloat162float(*dst) : v);
 }
-// Two consecutive bf16 elements, 4-byte aligned, each rounded once as store_output rounds it.
-__device__ __forceinline__ void store_output2(__nv_bfloat16* dst, float lo, float hi, bool accumulate) {
-  if (accumulate) {
-    const __nv_bfloat162 old = *reinterpret_cast<const __nv_bfloat162*>(dst);
-    lo += __low2float(old);
-    hi += __high2float(old);
-  }
-  *reinterpret_cast<uint32_t*>(dst) = pack_bf16x2(lo, hi);
-}
 __device__ __forceinline__ void store_output4(float* dst, float4 v, bool accumulate) {
   if (accumulate) {
     const float4 old = *reinterpret_cast<const float4*>(dst);
