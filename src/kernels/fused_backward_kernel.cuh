@@ -122,7 +122,6 @@ __device__ void backward_producer(const CUtensorMap* tm_w2, const CUtensorMap* t
                     return;
                   }
                   dgrad1.begin_tile(tile, ptid);
-                  if constexpr (device::kPrefetchEpilogueInput) dgrad1.prefetch_epilogue_boxes(tm_h, tile, I, ptid);
                   load_k_stages<false>(dgrad1, pipe, st, smem.stages, refill, tile, ptid);
                   // The epilogue's h, one stage per 64-column box of the tile (gate and up columns).
                   const int n0 = tile.n_idx * kBN;

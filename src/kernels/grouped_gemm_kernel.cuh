@@ -102,8 +102,6 @@ __device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUte
       if (tile.rows > 0) (void)p.ready.wait(tile.m_block);
     }
     loader.begin_tile(tile, ptid);
-    if constexpr (Cfg::kAct == GemmActivation::kSwiGLUBackward && device::kPrefetchEpilogueInput)
-      loader.prefetch_epilogue_boxes(tm_h, tile, p.N, ptid);
     for (int kt = 0; kt < tile.k_tiles; ++kt) {
       if constexpr (device::kPrefetchGatheredRows) {
         constexpr int kLead = device::kGatheredRowsLead;

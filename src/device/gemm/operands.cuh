@@ -226,20 +226,6 @@ struct TileLoader {
     if constexpr (kGatherA && !Shape::kKGrouped) rows_a.prefetch(src.a, kt * Shape::kBK, stages * Shape::kBK, ptid);
   }
 
-  // The boxes the tile's epilogue stages will load (load_epilogue_boxes: one per 64 of the tile's columns below
-  // `width`, at column c and at width + c, as the SwiGLU backward's gate and up columns of h), into L2 now
-  // (thread 0). The producers' loads walk the same boxes in a loop of their own, so that the default build
-  // keeps its measured code: a change to one is a change to the other.
-  __device__ __forceinline__ void prefetch_epilogue_boxes(const CUtensorMap* map, const TileCoord& tile, int width,
-                                                          int ptid) const {
-    if (ptid != 0) return;
-    const int n0 = tile.n_idx * Shape::kBN;
-    for (int box = 0; box < Shape::kBN / 64 && n0 + box * 64 < width; ++box) {
-      tma_prefetch_2d(map, n0 + box * 64, tile.row0);
-      tma_prefetch_2d(map, width + n0 + box * 64, tile.row0);
-    }
-  }
-
   // An epilogue input streamed through the ring after the tile's K stages: the boxes of 64 columns x 128
   // rows at (col_lo, row0) and (col_hi, row0) of `map` into the first two box areas of the stage (every
   // stage holds at least 32 KB). Every producer thread arrives, so the stage counts its usual arrivals.

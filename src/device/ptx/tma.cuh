@@ -53,12 +53,6 @@ __device__ __forceinline__ void tma_store_wait_all() {
   ptx::cp_async_bulk_wait_group(ptx::n32_t<kPending>{});
 }
 
-// Global -> L2 only: the box that a later tma_load_2d of the same coordinates reads, fetched from DRAM ahead
-// of it (no shared memory, no barrier, nothing to wait for).
-__device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int c0, int c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(map), "r"(c0), "r"(c1));
-}
-
 // Global -> L2 only: `bytes` (a multiple of 16) from a 16-byte-aligned address.
 __device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes));
