@@ -37,7 +37,6 @@
 #include "device/epilogue/epilogues.cuh"
 #include "device/gemm/mainloop.cuh"
 #include "device/gemm/operands.cuh"
-#include "device/l2_prefetch.cuh"
 #include "device/pipeline.cuh"
 #include "device/ptx/sync.cuh"
 #include "device/ptx/tma.cuh"
