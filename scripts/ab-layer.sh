@@ -8,7 +8,7 @@
 # MEGAMOE_AB_CMAKE_ARGS: extra CMake arguments for this tree's build only (a compile-time variant, say; split at
 # whitespace, so no argument may contain a space). With
 # BASE_COMMIT "-" the base is this tree built without them: a build option against the default, e.g.
-#   MEGAMOE_AB_CMAKE_ARGS=-DMEGAMOE_L2_PREFETCH=2 scripts/ab-layer.sh - OUTDIR
+#   MEGAMOE_AB_CMAKE_ARGS=-DCMAKE_CUDA_FLAGS=-DSOME_MACRO=1 scripts/ab-layer.sh - OUTDIR
 # MEGAMOE_AB_BENCH_ARGS: extra bench_layer arguments for both builds (e.g. --bf16-grads; split at whitespace).
 # MEGAMOE_AB_PREBUILT=1 (with base "-"): no builds; build-ab-this/ and build-ab-base/ already hold bench_layer and
 # libmegamoe.so (built elsewhere and carried: each bench_layer runs with its own directory's library).

@@ -16,7 +16,6 @@
 #include "device/epilogue/epilogues.cuh"
 #include "device/gemm/mainloop.cuh"
 #include "device/gemm/operands.cuh"
-#include "device/l2_prefetch.cuh"
 #include "device/pipeline.cuh"
 #include "device/ptx/grid_dependency.cuh"
 #include "device/ptx/sync.cuh"
@@ -103,10 +102,6 @@ __device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUte
     }
     loader.begin_tile(tile, ptid);
     for (int kt = 0; kt < tile.k_tiles; ++kt) {
-      if constexpr (device::kPrefetchGatheredRows) {
-        constexpr int kLead = device::kGatheredRowsLead;
-        if (kt % kLead == 0) loader.prefetch_gathered_a(kt + kLead, kLead, ptid);
-      }
       pipe.producer_acquire(st);
       refill.before_refill(st);
       loader.load(pipe, st, smem.stages[st.index], tile, kt, ptid, rank);

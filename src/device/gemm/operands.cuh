@@ -53,18 +53,6 @@ struct GatheredKMajorTile {
       src[i] = r < valid ? gather_row(g, row0 + r) : -1;
     }
   }
-  // Columns [k0, k0 + cols) of this thread's rows into L2 ahead of the stages that copy them: one thread of
-  // each row's eight (piece 0) asks for the row's whole segment.
-  __device__ __forceinline__ void prefetch(const GatherOperand& g, int k0, int cols, int ptid) const {
-    const int n = min(cols, g.cols - k0);
-    if ((ptid & 7) != 0 || n <= 0) return;
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      if (src[i] >= 0) {
-        bulk_prefetch_l2(g.base + static_cast<int64_t>(src[i]) * g.ld + k0, static_cast<uint32_t>(n) * 2u);
-      }
-    }
-  }
   __device__ __forceinline__ void load(uint32_t dst, const GatherOperand& g, int k0, int ptid) const {
     const int piece = ptid & 7;
     const int col = k0 + 8 * piece;
@@ -219,11 +207,6 @@ struct TileLoader {
       }
       pipe.producer_commit_copies(st);
     }
-  }
-
-  // K stages [kt, kt + stages) of the gathered A rows (M-grouped forms) into L2.
-  __device__ __forceinline__ void prefetch_gathered_a(int kt, int stages, int ptid) const {
-    if constexpr (kGatherA && !Shape::kKGrouped) rows_a.prefetch(src.a, kt * Shape::kBK, stages * Shape::kBK, ptid);
   }
 
   // An epilogue input streamed through the ring after the tile's K stages: the boxes of 64 columns x 128

@@ -1,6 +1,6 @@
-// Tensor-memory-accelerator (bulk tensor) copies between global and shared memory, the bulk-group protocol of
-// TMA stores, and bulk prefetches from global memory into L2. The tensor maps are built on the host
-// (src/host/tensor_map.hpp) and passed as __grid_constant__ kernel parameters.
+// Tensor-memory-accelerator (bulk tensor) copies between global and shared memory and the bulk-group protocol
+// of TMA stores. The tensor maps are built on the host (src/host/tensor_map.hpp) and passed as
+// __grid_constant__ kernel parameters.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -51,11 +51,6 @@ __device__ __forceinline__ void tma_store_wait_read() {
 template <int kPending>
 __device__ __forceinline__ void tma_store_wait_all() {
   ptx::cp_async_bulk_wait_group(ptx::n32_t<kPending>{});
-}
-
-// Global -> L2 only: `bytes` (a multiple of 16) from a 16-byte-aligned address.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes));
 }
 
 }  // namespace megamoe::device
