@@ -567,6 +567,8 @@ TEST(GroupedGemm, SwiGLUBackwardNMajor) {
   dScale.upload(scale);
   const auto da = run_ref_m(dDy, dW2, dOff, E, rows, I, H, false);
   const auto fh = to_float(h);
+  // dh and w * a of the first tile width, per scatter mode: every tile width computes the same bits.
+  std::vector<bf16> first_dh[2], first_a[2];
   for (int tile_n : {256, 128}) {
     for (bool scattered : {false, true}) {
       GemmTuning t;
@@ -623,6 +625,15 @@ TEST(GroupedGemm, SwiGLUBackwardNMajor) {
       EXPECT_LE(e2.rel, kTol);
       EXPECT_LE(e3.rel, kTol);
       EXPECT_EQ(overwritten, 0);
+      if (first_dh[scattered].empty()) {
+        first_dh[scattered] = got_dh;
+        first_a[scattered] = got_a;
+      } else {
+        EXPECT_EQ(0, std::memcmp(first_dh[scattered].data(), got_dh.data(), got_dh.size() * sizeof(bf16)))
+            << "dh, tile_n=" << tile_n << " scatter=" << scattered;
+        EXPECT_EQ(0, std::memcmp(first_a[scattered].data(), got_a.data(), got_a.size() * sizeof(bf16)))
+            << "w*a, tile_n=" << tile_n << " scatter=" << scattered;
+      }
       std::printf("[gemm_test] SwiGLU bwd tile_n=%d scatter=%d rows=%d I=%d H=%d: dh %.3e, w*a %.3e, <da,a> %.3e\n",
                   tile_n, scattered, rows, I, H, e1.rel, e2.rel, e3.rel);
       if (scattered) continue;

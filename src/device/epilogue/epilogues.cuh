@@ -6,7 +6,8 @@
 //   epilogue_swiglu_grad    acc = da (unweighted), reads h (streamed through the pipeline): C = dh = SwiGLU'(row_scale * da) (gate part at
 //                           column c, up part at c + N), aux = row_scale * a, and per row the partial
 //                           <da, a> over the tile's columns, for the routing-weight gradient
-//   epilogue_fp32           C (+)= acc, stored in fp32, or rounded once to bf16 (the weight gradients)
+//   epilogue_fp32           C (+)= acc, stored in fp32, or rounded once to bf16 (the weight gradients);
+//                           epilogue_fp32_transposed_direct: the same into C transposed
 // Column groups of the fragment are walked through Fragment (fragment.cuh).
 #pragma once
 
@@ -300,35 +301,11 @@ __device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], Out* 
   epilogue_fp32<kBN, TileColumns, Out>(acc, C, M, N, m0, TileColumns{n0}, accumulate, staging, bar_id, lt);
 }
 
-// The same tile stored transposed: C is [N, M] and gets C[n, m] = acc(m, n). A warp reads 32 consecutive
-// rows of one staged column and stores them as 32 contiguous elements of C's row n.
-template <int kBN, class Out>
-__device__ __forceinline__ void epilogue_fp32_transposed(const float (&acc)[kBN / 2], Out* C, int M, int N, int m0,
-                                                         int n0, bool accumulate, uint8_t* staging, int bar_id,
-                                                         int lt) {
-#pragma unroll
-  for (int pass = 0; pass < kBN / 32; ++pass) {
-    if (n0 + pass * 32 >= N) break;  // uniform over the warpgroup
-    stage_fp32_pass<kBN>(acc, pass, staging, lt);
-    named_barrier_sync(bar_id, 128);
-#pragma unroll 4
-    for (int it = 0; it < 64 * 32 / 128; ++it) {
-      const int unit = lt + 128 * it;
-      const int row = unit & 63, col = unit >> 6;  // row of the slice (m), column of the pass (n)
-      const int m = m0 + row, n = n0 + pass * 32 + col;
-      if (m < M && n < N) {
-        const float v = *reinterpret_cast<const float*>(staging + fp32_staged(row, col));
-        store_output(C + static_cast<int64_t>(n) * M + m, v, accumulate);
-      }
-    }
-    named_barrier_sync(bar_id, 128);
-  }
-}
-
-// The same values as epilogue_fp32_transposed, stored straight from the fragment, without staging: a warp's
-// store writes four rows n of C (the tile's columns in the lanes' pair slots), eight consecutive m in each,
-// one 32-byte sector apiece (fp32; half of one for bf16, Out). Short code and no barriers: the FP8 weight
-// gradient's loop lost 7-11% to the staged form (docs/PERF.md run 136).
+// The same tile stored transposed (C is [N, M] and gets C[n, m] = acc(m, n), the values epilogue_fp32 stores),
+// straight from the fragment, without staging: a warp's store writes four rows n of C (the tile's columns in
+// the lanes' pair slots), eight consecutive m in each, one 32-byte sector apiece (fp32; half of one for bf16,
+// Out). Short code and no barriers: the weight gradients' loops lost 7-11% (FP8, docs/PERF.md run 136) and
+// 4-6% (bf16, run 160) to a staged form.
 template <int kBN, bool kAccumulate, class Out>
 __device__ __forceinline__ void store_fp32_transposed_direct(const float (&acc)[kBN / 2], Out* C, int M, int N,
                                                              int m0, int n0, int lt) {
