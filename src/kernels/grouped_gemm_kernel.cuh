@@ -149,9 +149,8 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
       const int64_t group = static_cast<int64_t>(tile.e) * p.M * p.N;
       const int m0 = tile.m_idx * Shape::kBM + cwg * 64;
       const auto store = [&](auto* C) {
-        // The transposed tile (dW13) goes straight from the fragment, a sector per row of C a store, with no
-        // staging and no barriers: 4-6% faster than through the staging boxes. The row-major one (dW2) stays
-        // staged: from the fragment its stores are half sectors, and it was 7% slower (docs/PERF.md run 160).
+        // Only the transposed tile (dW13) is stored from the fragment: the row-major one's stores from there are
+        // half sectors, 7% slower than through the staging boxes (docs/PERF.md run 160).
         if (p.transpose_c != 0) {
           device::epilogue_fp32_transposed_direct<kBN>(acc, C, p.M, p.N, m0, n0, p.accumulate != 0, lt);
         } else {

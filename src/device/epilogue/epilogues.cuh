@@ -214,8 +214,8 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
 }
 
 // One pass of the fp32 epilogues: the warpgroup's 64 rows x 32 columns (columns 32 pass ..) of the
-// accumulators into a 128-byte-swizzled staging box of 64 rows x 128 bytes, (row, col) at
-// fp32_staged(row, col).
+// accumulators into a 128-byte-swizzled staging box of 64 rows x 128 bytes (16-byte chunk col / 4 of the row,
+// box_chunk_offset).
 template <int kBN>
 __device__ __forceinline__ void stage_fp32_pass(const float (&acc)[kBN / 2], int pass, uint8_t* staging, int lt) {
   const int warp = lt >> 5, lane = lt & 31, q = lane & 3;
@@ -229,9 +229,6 @@ __device__ __forceinline__ void stage_fp32_pass(const float (&acc)[kBN / 2], int
           make_float2(acc[Fragment::reg(j, h, 0)], acc[Fragment::reg(j, h, 1)]);
     }
   }
-}
-__device__ __forceinline__ int fp32_staged(int row, int col) {
-  return box_chunk_offset(row, col >> 2) + 4 * (col & 3);
 }
 
 // Where pass `pass` (32 accumulator columns) of a tile goes in C: column n0 + 32 pass (TileColumns), or for a
