@@ -46,9 +46,12 @@ struct EngineConfig {
   static_assert(!kBf16C || kForm == GemmForm::kTN, "only form 3 stores fp32, or bf16 instead");
   static constexpr bool kTmaStore = kStore == GemmStoreMode::kTmaTile;
   static_assert(!kTmaStore || kForm != GemmForm::kTN, "form 3 stores fp32 through the threads");
+  // The SwiGLU backward in 256-wide tiles writes its outputs over the h stages they come from (three 64-column
+  // boxes fit a stage: epilogue_swiglu_grad_in_place), so it keeps one staging box and takes a fourth stage.
+  static constexpr bool kGradInPlace = kAct == GemmActivation::kSwiGLUBackward && kBN == 256;
   // TMA stores keep the warpgroup's whole 64 x BN slice in flight (BN / 64 boxes) and pay with a stage.
-  static constexpr int kSlots = kTmaStore ? kBN / 64 : 1;
-  static constexpr int kStages = kBN == 256 ? (kTmaStore ? 3 : 4) : (kTmaStore ? 5 : 6);
+  static constexpr int kSlots = kTmaStore && !kGradInPlace ? kBN / 64 : 1;
+  static constexpr int kStages = kBN == 256 ? (kTmaStore && !kGradInPlace ? 3 : 4) : (kTmaStore ? 5 : 6);
   using Shape = device::MainloopShape<kForm, kBN, kStages, kCluster>;
   using Loader = device::TileLoader<Shape, kGatherA, kGatherB>;
   using Tiles = device::GroupedTiles<Shape::kBM, kBN, Shape::kBK, kCluster, Shape::kKGrouped>;
@@ -149,10 +152,12 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
       const int64_t group = static_cast<int64_t>(tile.e) * p.M * p.N;
       const int m0 = tile.m_idx * Shape::kBM + cwg * 64;
       const auto store = [&](auto* C) {
-        // Only the transposed tile (dW13) is stored from the fragment: the row-major one's stores from there are
-        // half sectors, 7% slower than through the staging boxes (docs/PERF.md run 160).
+        // From the fragment where its stores are whole 32-byte sectors: transposed (dW13), or row-major in fp32
+        // (dW2); a row-major bf16 tile goes through the staging box.
         if (p.transpose_c != 0) {
           device::epilogue_fp32_transposed_direct<kBN>(acc, C, p.M, p.N, m0, n0, p.accumulate != 0, lt);
+        } else if constexpr (!Cfg::kBf16C) {
+          device::epilogue_fp32_direct<kBN>(acc, C, p.M, p.N, m0, n0, p.accumulate != 0, lt);
         } else {
           device::epilogue_fp32<kBN>(acc, C, p.M, p.N, m0, n0, p.accumulate != 0, smem.staging[cwg][0], 2 + cwg,
                                      lt);
@@ -171,9 +176,16 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
       if constexpr (Cfg::kAct == GemmActivation::kSwiGLU) {
         device::epilogue_swiglu<kBN>(acc, p.epi, s, tm_c, tm_aux, store);
       } else if constexpr (Cfg::kAct == GemmActivation::kSwiGLUBackward) {
-        device::EpilogueStages<Shape, Cfg::kEachReaderArrives> hstages{
-            pipe, st, smem.stages[0], smem.epilogue_read, 2 + cwg, lt, static_cast<uint32_t>(rank)};
-        device::epilogue_swiglu_grad<kBN>(acc, p.epi, s, cwg, tm_c, tm_aux, store, hstages);
+        if constexpr (Cfg::kGradInPlace) {
+          static_assert(3 * Shape::kABytes <= Shape::kStageBytes, "the gate, up and w * a boxes fit a stage");
+          device::EpilogueStagesInPlace<Shape, Cfg::kEachReaderArrives> hstages{
+              pipe, st, smem.stages[0], smem.epilogue_read, lt, static_cast<uint32_t>(rank)};
+          device::epilogue_swiglu_grad_in_place<kBN>(acc, p.epi, s, cwg, tm_c, tm_aux, store, hstages);
+        } else {
+          device::EpilogueStages<Shape, Cfg::kEachReaderArrives> hstages{
+              pipe, st, smem.stages[0], smem.epilogue_read, 2 + cwg, lt, static_cast<uint32_t>(rank)};
+          device::epilogue_swiglu_grad<kBN>(acc, p.epi, s, cwg, tm_c, tm_aux, store, hstages);
+        }
       } else {
         device::epilogue_plain<kBN>(acc, p.epi, s, tm_c, store);
       }

@@ -135,25 +135,37 @@ struct BoxStore {
   // Box `box` leaves: columns [col0, col0 + 64) of output `which` (`ncols` wide). `map`: its TMA store target,
   // used only on the TMA path (whose output is contiguous, so the box lands at row slice0).
   __device__ void commit(int box, const CUtensorMap* map, BoxOutput which, int slice0, int col0, int ncols) {
-    const int slot = box % kSlots;
+    publish();
+    send(staging + (box % kSlots) * kBoxBytes, map, which, slice0, col0, ncols);
+    sent();
+  }
+
+  // A batch of boxes in this layout anywhere in shared memory (the slots, or an input's stage the epilogue
+  // wrote over): publish() once the warpgroup has written them, send() each, then sent(). On the TMA path the
+  // batch is one bulk group (lt 0's); on the threads' path every thread has read the boxes when sent() returns.
+  __device__ __forceinline__ void publish() const {
+    if (kTma && tma_slice) fence_proxy_async_smem();  // the warpgroup's writes become visible to TMA
+    barrier();
+  }
+  __device__ void send(const uint8_t* src, const CUtensorMap* map, BoxOutput which, int slice0, int col0,
+                       int ncols) const {
     if (kTma && tma_slice) {
-      fence_proxy_async_smem();  // the stmatrix writes become visible to TMA
-      barrier();
-      if (lt == 0) {
-        tma_store_2d(map, col0, slice0, staging + slot * kBoxBytes);
-        tma_store_commit();
+      if (lt == 0) tma_store_2d(map, col0, slice0, src);
+      return;
+    }
+    for_each_box_chunk(lt, [&](int row, int chunk, int offset) {
+      const int col = col0 + chunk * 8;
+      __nv_bfloat16* dst = rows->row[which][row];
+      if (dst != nullptr && col < ncols) {
+        const uint4 val = *reinterpret_cast<const uint4*>(src + offset);
+        *reinterpret_cast<uint4*>(dst + col) = val;
       }
+    });
+  }
+  __device__ __forceinline__ void sent() const {
+    if (kTma && tma_slice) {
+      if (lt == 0) tma_store_commit();
     } else {
-      barrier();
-      const uint8_t* src = staging + slot * kBoxBytes;
-      for_each_box_chunk(lt, [&](int row, int chunk, int offset) {
-        const int col = col0 + chunk * 8;
-        __nv_bfloat16* dst = rows->row[which][row];
-        if (dst != nullptr && col < ncols) {
-          const uint4 val = *reinterpret_cast<const uint4*>(src + offset);
-          *reinterpret_cast<uint4*>(dst + col) = val;
-        }
-      });
       barrier();
     }
   }

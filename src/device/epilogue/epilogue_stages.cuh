@@ -19,6 +19,7 @@
 #include "device/pipeline.cuh"
 #include "device/ptx/mbarrier.cuh"
 #include "device/ptx/sync.cuh"
+#include "device/ptx/tma.cuh"
 
 namespace megamoe::device {
 
@@ -44,6 +45,60 @@ struct EpilogueStages {
     }
     pipe.template consumer_release<Shape::kCluster>(st, lt, rank);
     st.advance();
+  }
+};
+
+// The same stages when the epilogue writes its outputs over them (epilogue_swiglu_grad_in_place): a stage goes
+// back only once its outputs have left. On the threads' path that is when the warpgroup's read-out ends; on the
+// TMA path thread 0, which issued the stores, keeps the latest stage and hands it back once the next box's
+// stores are issued (bulk groups are read in order: all but the newest) or at the end of the tile (all), so
+// that TMA reads a box while the next one is computed. The stage state advances at acquire().
+template <class Shape, bool kEachReaderArrives>
+struct EpilogueStagesInPlace {
+  const StagePipeline<Shape::kStages>& pipe;
+  PipeState<Shape::kStages>& st;
+  uint8_t* stages;
+  uint64_t* read;  // [kStages]: as EpilogueStages
+  int lt;          // thread in the warpgroup
+  uint32_t rank;   // CTA in the cluster
+  int current = 0;  // the stage of the box in hand
+  int held = -1;    // thread 0: a stage TMA may still be reading outputs from
+
+  __device__ __forceinline__ uint8_t* acquire() {
+    pipe.consumer_wait(st);
+    current = st.index;
+    st.advance();
+    return stages + current * Shape::kStageBytes;
+  }
+  // After BoxStore::sent() for the box in hand (by_tma: its outputs left through TMA).
+  __device__ __forceinline__ void release_sent(bool by_tma) {
+    if constexpr (kEachReaderArrives) mbarrier_arrive(&read[current]);  // this thread's accesses are done
+    if (!by_tma) {
+      give_back(current);
+    } else if (lt == 0) {
+      if (held >= 0) {
+        tma_store_wait_read<1>();
+        give_back(held);
+      }
+      held = current;
+    }
+  }
+  // At the end of the tile's epilogue.
+  __device__ __forceinline__ void finish() {
+    if (lt == 0 && held >= 0) {
+      tma_store_wait_read<0>();
+      give_back(held);
+      held = -1;
+    }
+  }
+
+ private:
+  // For the warpgroup (thread 0), to this CTA's producer and, in a 2-CTA cluster, to the peer's, whose TMA
+  // multicasts into the stage too.
+  __device__ __forceinline__ void give_back(int stage) const {
+    if (lt != 0) return;
+    mbarrier_arrive(&pipe.empty[stage]);
+    if constexpr (Shape::kCluster > 1) mbarrier_arrive_cluster_peer(&pipe.empty[stage], rank ^ 1);
   }
 };
 

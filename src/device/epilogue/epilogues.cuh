@@ -5,9 +5,11 @@
 //                           C = a = row_scale * silu(g) * u, aux = h (unscaled)   (bf16)
 //   epilogue_swiglu_grad    acc = da (unweighted), reads h (streamed through the pipeline): C = dh = SwiGLU'(row_scale * da) (gate part at
 //                           column c, up part at c + N), aux = row_scale * a, and per row the partial
-//                           <da, a> over the tile's columns, for the routing-weight gradient
+//                           <da, a> over the tile's columns, for the routing-weight gradient;
+//                           epilogue_swiglu_grad_in_place: the same, its outputs written over h's stage
 //   epilogue_fp32           C (+)= acc, stored in fp32, or rounded once to bf16 (the weight gradients);
-//                           epilogue_fp32_transposed_direct: the same into C transposed
+//                           epilogue_fp32_direct / epilogue_fp32_transposed_direct: the same from the
+//                           fragment, into C row-major (fp32) / transposed
 // Column groups of the fragment are walked through Fragment (fragment.cuh).
 #pragma once
 
@@ -105,6 +107,43 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kBN / 2], con
   }
 }
 
+// A fragment pair of the SwiGLU backward (columns c and c + 1 of one row; da unweighted, sc the row's weight):
+// dh's gate and up parts and sc * a, each pair rounded to bf16x2. With kDot, `dot` gets da * a, column by column,
+// so that the row's partial sums the same way every run.
+struct SwiGLUGradPair {
+  uint32_t dg, du, aw;
+};
+template <bool kDot>
+__device__ __forceinline__ SwiGLUGradPair swiglu_grad_pair(const float (&da)[2], const float (&g)[2],
+                                                           const float (&u)[2], float sc, float& dot) {
+  float dg[2], du[2], aw[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const SwiGLUGrad grad = swiglu_backward(da[k] * sc, g[k], u[k]);
+    dg[k] = grad.dg;
+    du[k] = grad.du;
+    aw[k] = grad.a * sc;
+    if constexpr (kDot) dot += da[k] * grad.a;
+  }
+  return {pack_bf16x2(dg[0], dg[1]), pack_bf16x2(du[0], du[1]), pack_bf16x2(aw[0], aw[1])};
+}
+
+// The row partials of <da, a> over a tile's columns (the routing-weight gradient), from a consumer thread's two
+// rows: the four lanes of a quad hold a row's columns, and a fixed butterfly sums them.
+__device__ __forceinline__ void store_row_dots(float (&dot)[2], const EpilogueArgs& e, const SliceCoord& s) {
+  if (e.dot_rows == nullptr) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 1);
+    dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 2);
+    const int r = Fragment::row(s.warp, s.lane, h);
+    if ((s.lane & 3) == 0 && r < s.valid) {
+      float* dst = e.dot_rows[s.slice0 + r];
+      if (dst != nullptr) dst[s.n_idx] = dot[h];
+    }
+  }
+}
+
 // hstages: where the tile's h arrives, one stage per 64-column box, through the main-loop pipeline (the
 // producer streams them in right after the tile's K stages, so their loads overlap the last K stages):
 // acquire() waits for the next box's stage and returns it (gate columns of the tile's 128 rows in the
@@ -151,20 +190,14 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
       for (int d = 0; d < 2; ++d)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          float g[2], u[2], dg[2], du[2], aw[2];
+          float g[2], u[2];
           load_gu(stage, jj + d, h, g, u);
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const float da = acc[Fragment::reg(box * 8 + jj + d, h, k)];
-            const SwiGLUGrad grad = swiglu_backward(da * sc[h], g[k], u[k]);
-            dg[k] = grad.dg;
-            du[k] = grad.du;
-            aw[k] = grad.a * sc[h];
-            if constexpr (kOnePass) dot[h] += da * grad.a;  // in column order: the same sum every run
-          }
-          vg[d][h] = pack_bf16x2(dg[0], dg[1]);
-          vu[d][h] = pack_bf16x2(du[0], du[1]);
-          va[d][h] = pack_bf16x2(aw[0], aw[1]);
+          const int j = box * 8 + jj + d;
+          const SwiGLUGradPair out = swiglu_grad_pair<kOnePass>(
+              {acc[Fragment::reg(j, h, 0)], acc[Fragment::reg(j, h, 1)]}, g, u, sc[h], dot[h]);
+          vg[d][h] = out.dg;
+          vu[d][h] = out.du;
+          va[d][h] = out.aw;
         }
       store.stage_pair(b, jj, vg);
       store.stage_pair(b + 1, jj, vu);
@@ -199,18 +232,58 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
     }
     hstages.release();
   }
-  if (e.dot_rows == nullptr) return;
-  // The four lanes of a quad hold a row's columns: a fixed butterfly makes the row's tile partial.
+  store_row_dots(dot, e, s);
+}
+
+// The SwiGLU backward with its outputs written over the h stage they come from (the 256-wide tile: the
+// engine's configuration without staging slots, grouped_gemm_kernel.cuh). Each thread reads g and u of its
+// fragment pairs and writes dh's gate and up parts in their place and w * a into the stage's free last third
+// (the same 128-byte-swizzled 64 x 64 boxes per warpgroup that stmatrix would stage), so that a box's three
+// outputs leave at once (one bulk group) and the next box's arithmetic runs while TMA reads them;
+// hstages.release_sent() hands the stage back once they have left (EpilogueStagesInPlace). The same values
+// as epilogue_swiglu_grad, in the same order.
+template <int kBN, class Store, class HStages>
+__device__ __forceinline__ void epilogue_swiglu_grad_in_place(const float (&acc)[kBN / 2], const EpilogueArgs& e,
+                                                              const SliceCoord& s, int cwg, const CUtensorMap* map_c,
+                                                              const CUtensorMap* map_aux, Store& store,
+                                                              HStages& hstages) {
+  constexpr int kBoxPlane = 128 * 128;  // one 128-row box of the stage: gate, then up, then the free third
+  const int N = e.up_offset;
+  const float sc[2] = {row_scale_of(e, s, 0), row_scale_of(e, s, 1)};
+  const bool has_aux = e.aux.base != nullptr || e.aux.pointers != nullptr;
+  float dot[2] = {0.0f, 0.0f};
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 1);
-    dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 2);
-    const int r = Fragment::row(s.warp, s.lane, h);
-    if ((s.lane & 3) == 0 && r < s.valid) {
-      float* dst = e.dot_rows[s.slice0 + r];
-      if (dst != nullptr) dst[s.n_idx] = dot[h];
-    }
+  for (int box = 0; box < kBN / 64; ++box) {
+    if (s.n0 + box * 64 >= N) break;  // uniform: N % 64 == 0
+    const int col0 = s.n0 + box * 64;
+    uint8_t* const gate = hstages.acquire() + cwg * kBoxBytes;  // this warpgroup's 64 rows of the gate box
+    uint8_t* const up = gate + kBoxPlane;
+    uint8_t* const aw = gate + 2 * kBoxPlane;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int offset = box_chunk_offset(Fragment::row(s.warp, s.lane, h), jj) + 4 * (s.lane & 3);
+        const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(gate + offset);
+        const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(up + offset);
+        const float g[2] = {__low2float(g2), __high2float(g2)};
+        const float u[2] = {__low2float(u2), __high2float(u2)};
+        const int j = box * 8 + jj;
+        const SwiGLUGradPair out = swiglu_grad_pair<true>({acc[Fragment::reg(j, h, 0)], acc[Fragment::reg(j, h, 1)]},
+                                                          g, u, sc[h], dot[h]);
+        *reinterpret_cast<uint32_t*>(gate + offset) = out.dg;
+        *reinterpret_cast<uint32_t*>(up + offset) = out.du;
+        *reinterpret_cast<uint32_t*>(aw + offset) = out.aw;
+      }
+    store.publish();
+    store.send(gate, map_c, kOutputC, s.slice0, col0, 2 * N);
+    store.send(up, map_c, kOutputC, s.slice0, N + col0, 2 * N);
+    if (has_aux) store.send(aw, map_aux, kOutputAux, s.slice0, col0, e.aux_cols);
+    store.sent();
+    hstages.release_sent(store.tma_slice);
   }
+  hstages.finish();
+  store_row_dots(dot, e, s);
 }
 
 // One pass of the fp32 epilogues: the warpgroup's 64 rows x 32 columns (columns 32 pass ..) of the
@@ -296,6 +369,42 @@ template <int kBN, class Out>
 __device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], Out* C, int M, int N, int m0, int n0,
                                               bool accumulate, uint8_t* staging, int bar_id, int lt) {
   epilogue_fp32<kBN, TileColumns, Out>(acc, C, M, N, m0, TileColumns{n0}, accumulate, staging, bar_id, lt);
+}
+
+// The tile stored row-major straight from the fragment, fp32 only: a lane's pair of columns leaves as one 8-byte
+// store, so the four lanes of a quad write a whole 32-byte sector of a row (bf16 pairs would fill half of one,
+// and 4-byte fp32 stores half of one: 7% slower than staging, docs/PERF.md run 160). The values epilogue_fp32
+// stores, without staging or barriers.
+template <int kBN, bool kAccumulate>
+__device__ __forceinline__ void store_fp32_direct(const float (&acc)[kBN / 2], float* C, int M, int N, int m0, int n0,
+                                                  int lt) {
+  const int warp = lt >> 5, lane = lt & 31;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = m0 + Fragment::row(warp, lane, h);
+    if (m >= M) continue;
+    float* const row = C + static_cast<int64_t>(m) * N + n0 + Fragment::col(lane, 0);
+#pragma unroll
+    for (int j = 0; j < kBN / 8; ++j) {
+      if (n0 + 8 * j >= N) break;  // N is a multiple of 8: a column group is whole or past the end
+      float2 v = make_float2(acc[Fragment::reg(j, h, 0)], acc[Fragment::reg(j, h, 1)]);
+      if constexpr (kAccumulate) {
+        const float2 old = *reinterpret_cast<const float2*>(row + 8 * j);
+        v.x += old.x;
+        v.y += old.y;
+      }
+      *reinterpret_cast<float2*>(row + 8 * j) = v;
+    }
+  }
+}
+template <int kBN>
+__device__ __forceinline__ void epilogue_fp32_direct(const float (&acc)[kBN / 2], float* C, int M, int N, int m0,
+                                                     int n0, bool accumulate, int lt) {
+  if (accumulate) {
+    store_fp32_direct<kBN, true>(acc, C, M, N, m0, n0, lt);
+  } else {
+    store_fp32_direct<kBN, false>(acc, C, M, N, m0, n0, lt);
+  }
 }
 
 // The same tile stored transposed (C is [N, M] and gets C[n, m] = acc(m, n), the values epilogue_fp32 stores),
