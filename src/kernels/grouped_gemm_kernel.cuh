@@ -152,12 +152,11 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
       const int64_t group = static_cast<int64_t>(tile.e) * p.M * p.N;
       const int m0 = tile.m_idx * Shape::kBM + cwg * 64;
       const auto store = [&](auto* C) {
-        // From the fragment where its stores are whole 32-byte sectors: transposed (dW13), or row-major in fp32
-        // (dW2); a row-major bf16 tile goes through the staging box.
+        // Only the transposed tile (dW13) is stored from the fragment: the row-major one's stores from there are
+        // half sectors, 7% slower than through the staging boxes (docs/PERF.md run 160); as whole sectors
+        // (8-byte fp32 pairs) they measured the same as staging (run 161).
         if (p.transpose_c != 0) {
           device::epilogue_fp32_transposed_direct<kBN>(acc, C, p.M, p.N, m0, n0, p.accumulate != 0, lt);
-        } else if constexpr (!Cfg::kBf16C) {
-          device::epilogue_fp32_direct<kBN>(acc, C, p.M, p.N, m0, n0, p.accumulate != 0, lt);
         } else {
           device::epilogue_fp32<kBN>(acc, C, p.M, p.N, m0, n0, p.accumulate != 0, smem.staging[cwg][0], 2 + cwg,
                                      lt);

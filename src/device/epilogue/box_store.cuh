@@ -135,32 +135,35 @@ struct BoxStore {
   // Box `box` leaves: columns [col0, col0 + 64) of output `which` (`ncols` wide). `map`: its TMA store target,
   // used only on the TMA path (whose output is contiguous, so the box lands at row slice0).
   __device__ void commit(int box, const CUtensorMap* map, BoxOutput which, int slice0, int col0, int ncols) {
-    publish();
-    send(staging + (box % kSlots) * kBoxBytes, map, which, slice0, col0, ncols);
-    sent();
+    const uint8_t* src = staging + (box % kSlots) * kBoxBytes;
+    if (kTma && tma_slice) {
+      fence_proxy_async_smem();  // the stmatrix writes become visible to TMA
+      barrier();
+      if (lt == 0) {
+        tma_store_2d(map, col0, slice0, src);
+        tma_store_commit();
+      }
+    } else {
+      barrier();
+      read_out(src, which, col0, ncols);
+      barrier();
+    }
   }
 
-  // A batch of boxes in this layout anywhere in shared memory (the slots, or an input's stage the epilogue
-  // wrote over): publish() once the warpgroup has written them, send() each, then sent(). On the TMA path the
-  // batch is one bulk group (lt 0's); on the threads' path every thread has read the boxes when sent() returns.
+  // Boxes in this layout elsewhere in shared memory (an epilogue input's stage the warpgroup wrote its outputs
+  // over): publish() once the warpgroup has written them, send() each, then sent(). On the TMA path they leave
+  // as one bulk group (thread 0's); on the threads' path every thread has read them when sent() returns.
   __device__ __forceinline__ void publish() const {
     if (kTma && tma_slice) fence_proxy_async_smem();  // the warpgroup's writes become visible to TMA
     barrier();
   }
-  __device__ void send(const uint8_t* src, const CUtensorMap* map, BoxOutput which, int slice0, int col0,
-                       int ncols) const {
+  __device__ __forceinline__ void send(const uint8_t* src, const CUtensorMap* map, BoxOutput which, int slice0,
+                                       int col0, int ncols) const {
     if (kTma && tma_slice) {
       if (lt == 0) tma_store_2d(map, col0, slice0, src);
-      return;
+    } else {
+      read_out(src, which, col0, ncols);
     }
-    for_each_box_chunk(lt, [&](int row, int chunk, int offset) {
-      const int col = col0 + chunk * 8;
-      __nv_bfloat16* dst = rows->row[which][row];
-      if (dst != nullptr && col < ncols) {
-        const uint4 val = *reinterpret_cast<const uint4*>(src + offset);
-        *reinterpret_cast<uint4*>(dst + col) = val;
-      }
-    });
   }
   __device__ __forceinline__ void sent() const {
     if (kTma && tma_slice) {
@@ -180,6 +183,18 @@ struct BoxStore {
       stage_pair(b, jj, pair);
     }
     commit(b, map, which, slice0, col0, ncols);
+  }
+
+  // The threads' path: the box at src leaves as 16-byte row-contiguous stores to the rows of the row table.
+  __device__ __forceinline__ void read_out(const uint8_t* src, BoxOutput which, int col0, int ncols) const {
+    for_each_box_chunk(lt, [&](int row, int chunk, int offset) {
+      const int col = col0 + chunk * 8;
+      __nv_bfloat16* dst = rows->row[which][row];
+      if (dst != nullptr && col < ncols) {
+        const uint4 val = *reinterpret_cast<const uint4*>(src + offset);
+        *reinterpret_cast<uint4*>(dst + col) = val;
+      }
+    });
   }
 
   // Before the kernel ends: the staging boxes must not be released while TMA may still read them.

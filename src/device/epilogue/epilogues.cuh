@@ -8,8 +8,7 @@
 //                           <da, a> over the tile's columns, for the routing-weight gradient;
 //                           epilogue_swiglu_grad_in_place: the same, its outputs written over h's stage
 //   epilogue_fp32           C (+)= acc, stored in fp32, or rounded once to bf16 (the weight gradients);
-//                           epilogue_fp32_direct / epilogue_fp32_transposed_direct: the same from the
-//                           fragment, into C row-major (fp32) / transposed
+//                           epilogue_fp32_transposed_direct: the same into C transposed
 // Column groups of the fragment are walked through Fragment (fragment.cuh).
 #pragma once
 
@@ -369,42 +368,6 @@ template <int kBN, class Out>
 __device__ __forceinline__ void epilogue_fp32(const float (&acc)[kBN / 2], Out* C, int M, int N, int m0, int n0,
                                               bool accumulate, uint8_t* staging, int bar_id, int lt) {
   epilogue_fp32<kBN, TileColumns, Out>(acc, C, M, N, m0, TileColumns{n0}, accumulate, staging, bar_id, lt);
-}
-
-// The tile stored row-major straight from the fragment, fp32 only: a lane's pair of columns leaves as one 8-byte
-// store, so the four lanes of a quad write a whole 32-byte sector of a row (bf16 pairs would fill half of one,
-// and 4-byte fp32 stores half of one: 7% slower than staging, docs/PERF.md run 160). The values epilogue_fp32
-// stores, without staging or barriers.
-template <int kBN, bool kAccumulate>
-__device__ __forceinline__ void store_fp32_direct(const float (&acc)[kBN / 2], float* C, int M, int N, int m0, int n0,
-                                                  int lt) {
-  const int warp = lt >> 5, lane = lt & 31;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int m = m0 + Fragment::row(warp, lane, h);
-    if (m >= M) continue;
-    float* const row = C + static_cast<int64_t>(m) * N + n0 + Fragment::col(lane, 0);
-#pragma unroll
-    for (int j = 0; j < kBN / 8; ++j) {
-      if (n0 + 8 * j >= N) break;  // N is a multiple of 8: a column group is whole or past the end
-      float2 v = make_float2(acc[Fragment::reg(j, h, 0)], acc[Fragment::reg(j, h, 1)]);
-      if constexpr (kAccumulate) {
-        const float2 old = *reinterpret_cast<const float2*>(row + 8 * j);
-        v.x += old.x;
-        v.y += old.y;
-      }
-      *reinterpret_cast<float2*>(row + 8 * j) = v;
-    }
-  }
-}
-template <int kBN>
-__device__ __forceinline__ void epilogue_fp32_direct(const float (&acc)[kBN / 2], float* C, int M, int N, int m0,
-                                                     int n0, bool accumulate, int lt) {
-  if (accumulate) {
-    store_fp32_direct<kBN, true>(acc, C, M, N, m0, n0, lt);
-  } else {
-    store_fp32_direct<kBN, false>(acc, C, M, N, m0, n0, lt);
-  }
 }
 
 // The same tile stored transposed (C is [N, M] and gets C[n, m] = acc(m, n), the values epilogue_fp32 stores),
