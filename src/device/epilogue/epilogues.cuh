@@ -234,8 +234,8 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
   store_row_dots(dot, e, s);
 }
 
-// The SwiGLU backward with its outputs written over the h stage they come from (the 256-wide tile: the
-// engine's configuration without staging slots, grouped_gemm_kernel.cuh). Each thread reads g and u of its
+// The SwiGLU backward with its outputs written over the h stage they come from (the engine's 256-wide
+// configuration, which gives its staging slots up for a fourth stage: grouped_gemm_kernel.cuh). Each thread reads g and u of its
 // fragment pairs and writes dh's gate and up parts in their place and w * a into the stage's free last third
 // (the same 128-byte-swizzled 64 x 64 boxes per warpgroup that stmatrix would stage), so that a box's three
 // outputs leave at once (one bulk group) and the next box's arithmetic runs while TMA reads them;
