@@ -16,6 +16,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "gpu/gpu_test_util.hpp"
@@ -567,12 +568,14 @@ TEST(GroupedGemm, SwiGLUBackwardNMajor) {
   dScale.upload(scale);
   const auto da = run_ref_m(dDy, dW2, dOff, E, rows, I, H, false);
   const auto fh = to_float(h);
-  // dh and w * a of the first tile width, per scatter mode: every tile width computes the same bits.
+  // dh and w * a of the first launch shape, per scatter mode: every tile width (256 wide: written over the h
+  // stages; 128 wide: staged) and 2-CTA pairs compute the same bits.
   std::vector<bf16> first_dh[2], first_a[2];
-  for (int tile_n : {256, 128}) {
+  for (const auto& [tile_n, cluster] : {std::pair{256, 1}, std::pair{128, 1}, std::pair{256, 2}}) {
     for (bool scattered : {false, true}) {
       GemmTuning t;
       t.tile_n = tile_n;
+      t.cluster_size = cluster;
       const int parts = grouped_gemm_n_tiles(I, t);
       DeviceBuffer<float> dDots(size_t(rows) * parts);
       std::vector<float*> dot_rows(rows);
@@ -630,13 +633,14 @@ TEST(GroupedGemm, SwiGLUBackwardNMajor) {
         first_a[scattered] = got_a;
       } else {
         EXPECT_EQ(0, std::memcmp(first_dh[scattered].data(), got_dh.data(), got_dh.size() * sizeof(bf16)))
-            << "dh, tile_n=" << tile_n << " scatter=" << scattered;
+            << "dh, tile_n=" << tile_n << " cluster=" << cluster << " scatter=" << scattered;
         EXPECT_EQ(0, std::memcmp(first_a[scattered].data(), got_a.data(), got_a.size() * sizeof(bf16)))
-            << "w*a, tile_n=" << tile_n << " scatter=" << scattered;
+            << "w*a, tile_n=" << tile_n << " cluster=" << cluster << " scatter=" << scattered;
       }
-      std::printf("[gemm_test] SwiGLU bwd tile_n=%d scatter=%d rows=%d I=%d H=%d: dh %.3e, w*a %.3e, <da,a> %.3e\n",
-                  tile_n, scattered, rows, I, H, e1.rel, e2.rel, e3.rel);
-      if (scattered) continue;
+      std::printf(
+          "[gemm_test] SwiGLU bwd tile_n=%d cluster=%d scatter=%d rows=%d I=%d H=%d: dh %.3e, w*a %.3e, <da,a> %.3e\n",
+          tile_n, cluster, scattered, rows, I, H, e1.rel, e2.rel, e3.rel);
+      if (scattered || cluster != 1) continue;  // gathered rows need single CTAs
       // A's rows gathered by index from a shuffled source, as the layer reads d_out: bitwise the same outputs
       // (the gathering producer warpgroup then waits for the h stages' readers on their read barriers).
       const DeviceGatheredRows gd = upload_rows_randomly(dy, rows, H, 7);
