@@ -133,8 +133,9 @@ Status m_grouped(MForm form, const __nv_bfloat16* A, const __nv_bfloat16* B, __n
       if (form != MForm::kNN) return Status::invalid("SwiGLU backward epilogue is for grouped_gemm_nn");
       if (N % 64 != 0) return Status::invalid("SwiGLU backward: N (= I) must be a multiple of 64");
       if (epi.h_in == nullptr || !aligned16(epi.h_in)) return Status::invalid("SwiGLU backward needs an aligned h_in");
-      // Its epilogue stages w * a with dh in every box and commits all three (BoxStore::reserve counts on it):
-      // without an aux output a staging slot could be rewritten while a store still reads it.
+      // Its staged form (128-wide tiles) stages w * a with dh in every box and commits all three
+      // (BoxStore::reserve counts on it): without an aux output a staging slot could be rewritten while a
+      // store still reads it.
       if (epi.aux_out == nullptr) return Status::invalid("SwiGLU backward needs aux_out (w * a)");
       ldc = 2 * int64_t{N};
       e.up_offset = N;

@@ -265,9 +265,9 @@ Status preload_config() {
 // either store mode; tile 128 with single CTAs; gathered operands with single CTAs. `Visit` receives each
 // configuration type and whether it matches the launch; the first match launches (or, for preloading,
 // every configuration is visited).
-// The SwiGLU backward epilogue runs in the TMA-tile configurations only: it stages several boxes at once,
-// which the single staging box of the thread-store configurations cannot hold (the TMA configurations
-// also serve outputs that take the thread path).
+// The SwiGLU backward epilogue runs in the TMA-tile configurations only: 128 wide it stages several boxes at
+// once, which the single staging box of the thread-store configurations cannot hold, and 256 wide it trades
+// the slots for a stage (kGradInPlace); the TMA configurations also serve outputs that take the thread path.
 template <GemmForm kForm, GemmActivation kAct, bool kGatherA, bool kGatherB, bool kBf16C, class Visit>
 Status for_each_config_with(Visit&& visit) {
   constexpr bool kBf16 = kForm != GemmForm::kTN;

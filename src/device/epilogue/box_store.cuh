@@ -1,8 +1,9 @@
 // The stores of a bf16 epilogue: a consumer warpgroup's output leaves in boxes of 64 rows x 64 columns. A box
 // is packed from the accumulator fragment into a shared-memory staging box (stmatrix, 16-byte chunks
 // XOR-swizzled by row: conflict-free, and exactly the 128-byte swizzle of a TMA box), then leaves either
-//   * through TMA (one thread, asynchronous: the epilogue never waits for its own stores, they drain while
-//     the next tile's main loop runs), when every row of the slice is a row of a contiguous output, or
+//   * through TMA (one thread, asynchronous: the epilogue does not wait for its own stores, they drain while
+//     the next tile's main loop runs; boxes sent from an input's stage are waited for before the stage goes
+//     back), when every row of the slice is a row of a contiguous output, or
 //   * through the threads, as 16-byte row-contiguous stores to a destination address per row: a row of a
 //     contiguous output, a scattered row index, or a row pointer (a peer's buffer, for instance).
 #pragma once
@@ -153,8 +154,10 @@ struct BoxStore {
   // Boxes in this layout elsewhere in shared memory (an epilogue input's stage the warpgroup wrote its outputs
   // over): publish() once the warpgroup has written them, send() each, then sent(). On the TMA path they leave
   // as one bulk group (thread 0's); on the threads' path every thread has read them when sent() returns.
+  // The fence on both paths: the writes must also be ordered before the async proxy's next writes to the same
+  // bytes (a TMA refill of the stage, or a cluster peer's multicast into it).
   __device__ __forceinline__ void publish() const {
-    if (kTma && tma_slice) fence_proxy_async_smem();  // the warpgroup's writes become visible to TMA
+    fence_proxy_async_smem();
     barrier();
   }
   __device__ __forceinline__ void send(const uint8_t* src, const CUtensorMap* map, BoxOutput which, int slice0,

@@ -1,17 +1,18 @@
 // An epilogue input streamed through the main loop's ring: the producer loads it into the stages that follow
 // a tile's K stages (TileLoader::load_epilogue_boxes), so its loads overlap the last K stages. The consumer
 // warpgroup takes one stage at a time (acquire) and hands it back once all its threads have read it
-// (release). Used by the SwiGLU backward epilogue for h (epilogue_swiglu_grad).
+// (release). Used by the SwiGLU backward epilogue for h (epilogue_swiglu_grad); EpilogueStagesInPlace is the
+// form whose stages the epilogue also writes its outputs over, handed back once those have left.
 //
-// Handing such a stage back. The consumers read it with plain loads, and with a gathering loader the next
-// fill of the stage is the producer threads' cp.async copies, plain shared-memory writes too. The stage's
-// empty mbarrier alone orders them (every reader, the warpgroup's named barrier, one thread's release
-// arrival, the producer's acquire), but compute-sanitizer's racecheck does not follow an arrival made for
-// other threads and reports every such refill as a hazard; it does follow arrivals each thread makes for
-// its own accesses (docs/PERF.md, run 33). So with a gathering loader every reader also arrives on the
-// stage's read barrier, and each producer thread waits there before it refills a stage that held an
-// epilogue input (EpilogueStageRefill). The readers then no longer wait for each other either. With a
-// TMA-only loader the refill is TMA's and the producer is one thread, so the stage is handed back as before.
+// Handing such a stage back. The consumers read it (and, in place, write it) with plain accesses, and with a
+// gathering loader the next fill of the stage is the producer threads' cp.async copies, plain shared-memory writes
+// too. The stage's empty mbarrier alone orders them (every reader, the warpgroup's named barrier, one thread's
+// release arrival, the producer's acquire), but compute-sanitizer's racecheck does not follow an arrival made for
+// other threads and reports every such refill as a hazard; it does follow arrivals each thread makes for its own
+// accesses (docs/PERF.md, run 33). So with a gathering loader every reader also arrives on the stage's read barrier,
+// and each producer thread waits there before it refills a stage that held an epilogue input (EpilogueStageRefill).
+// The readers then no longer wait for each other either. With a TMA-only loader the refill is TMA's and the producer
+// is one thread, so the stage is handed back as before.
 #pragma once
 
 #include <cstdint>
@@ -61,8 +62,8 @@ struct EpilogueStagesInPlace {
   uint64_t* read;  // [kStages]: as EpilogueStages
   int lt;          // thread in the warpgroup
   uint32_t rank;   // CTA in the cluster
-  int current = 0;  // the stage of the box in hand
-  int held = -1;    // thread 0: a stage TMA may still be reading outputs from
+  int current = 0;     // the stage of the box in hand
+  int in_flight = -1;  // thread 0: a stage TMA may still be reading outputs from
 
   __device__ __forceinline__ uint8_t* acquire() {
     pipe.consumer_wait(st);
@@ -76,19 +77,19 @@ struct EpilogueStagesInPlace {
     if (!by_tma) {
       give_back(current);
     } else if (lt == 0) {
-      if (held >= 0) {
+      if (in_flight >= 0) {
         tma_store_wait_read<1>();
-        give_back(held);
+        give_back(in_flight);
       }
-      held = current;
+      in_flight = current;
     }
   }
   // At the end of the tile's epilogue.
   __device__ __forceinline__ void finish() {
-    if (lt == 0 && held >= 0) {
+    if (lt == 0 && in_flight >= 0) {
       tma_store_wait_read<0>();
-      give_back(held);
-      held = -1;
+      give_back(in_flight);
+      in_flight = -1;
     }
   }
 

@@ -246,7 +246,7 @@ __device__ __forceinline__ void epilogue_swiglu_grad_in_place(const float (&acc)
                                                               const SliceCoord& s, int cwg, const CUtensorMap* map_c,
                                                               const CUtensorMap* map_aux, Store& store,
                                                               HStages& hstages) {
-  constexpr int kBoxPlane = 128 * 128;  // one 128-row box of the stage: gate, then up, then the free third
+  constexpr int kBoxPlane = 128 * 128;  // one 128-row box of 64 bf16 columns (the shape's A bytes): gate, up, free
   const int N = e.up_offset;
   const float sc[2] = {row_scale_of(e, s, 0), row_scale_of(e, s, 1)};
   const bool has_aux = e.aux.base != nullptr || e.aux.pointers != nullptr;
