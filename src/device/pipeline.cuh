@@ -62,6 +62,13 @@ struct StagePipeline {
     __syncwarp();
     if (lane == 0) mbarrier_arrive(&empty[s.index]);
   }
+  // One thread for its consumer warpgroup, after it has waited for whatever else still reads the stage (TMA
+  // stores sent from it): both arrivals of consumer_release, this CTA's and a 2-CTA cluster peer's.
+  template <int kCluster>
+  __device__ __forceinline__ void consumer_release_by_one(const PipeState<kStages>& s, uint32_t cta_rank) const {
+    mbarrier_arrive(&empty[s.index]);
+    if constexpr (kCluster > 1) mbarrier_arrive_cluster_peer(&empty[s.index], cta_rank ^ 1);
+  }
   // Consumer warpgroup (lane_in_group = thread index in the warpgroup): releases the stage to this CTA's
   // producer and, in a 2-CTA cluster, to the peer's, whose TMA multicasts into it too.
   template <int kCluster>

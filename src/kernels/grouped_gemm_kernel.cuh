@@ -176,7 +176,8 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
         device::epilogue_swiglu<kBN>(acc, p.epi, s, tm_c, tm_aux, store);
       } else if constexpr (Cfg::kAct == GemmActivation::kSwiGLUBackward) {
         if constexpr (Cfg::kGradInPlace) {
-          static_assert(3 * Shape::kABytes <= Shape::kStageBytes, "the gate, up and w * a boxes fit a stage");
+          static_assert(Shape::kABytes == device::kHBoxBytes && 3 * device::kHBoxBytes <= Shape::kStageBytes,
+                        "the h boxes sit where the loader puts them, and the gate, up and w * a boxes fit a stage");
           device::EpilogueStagesInPlace<Shape, Cfg::kEachReaderArrives> hstages{
               pipe, st, smem.stages[0], smem.epilogue_read, lt, static_cast<uint32_t>(rank)};
           device::epilogue_swiglu_grad_in_place<kBN>(acc, p.epi, s, cwg, tm_c, tm_aux, store, hstages);

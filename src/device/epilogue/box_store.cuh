@@ -155,7 +155,8 @@ struct BoxStore {
   // over): publish() once the warpgroup has written them, send() each, then sent(). On the TMA path they leave
   // as one bulk group (thread 0's); on the threads' path every thread has read them when sent() returns.
   // The fence on both paths: the writes must also be ordered before the async proxy's next writes to the same
-  // bytes (a TMA refill of the stage, or a cluster peer's multicast into it).
+  // bytes (a TMA refill of the stage, or a cluster peer's multicast into it). commit() fences for TMA only: the
+  // staging slots are never written by the async proxy.
   __device__ __forceinline__ void publish() const {
     fence_proxy_async_smem();
     barrier();

@@ -62,44 +62,38 @@ struct EpilogueStagesInPlace {
   uint64_t* read;  // [kStages]: as EpilogueStages
   int lt;          // thread in the warpgroup
   uint32_t rank;   // CTA in the cluster
-  int current = 0;     // the stage of the box in hand
-  int in_flight = -1;  // thread 0: a stage TMA may still be reading outputs from
+  PipeState<Shape::kStages> current;  // the stage of the box in hand
+  PipeState<Shape::kStages> sending;  // thread 0: a stage TMA may still be reading outputs from (if in_flight)
+  bool in_flight = false;
 
   __device__ __forceinline__ uint8_t* acquire() {
     pipe.consumer_wait(st);
-    current = st.index;
+    current = st;
     st.advance();
-    return stages + current * Shape::kStageBytes;
+    return stages + current.index * Shape::kStageBytes;
   }
   // After BoxStore::sent() for the box in hand (by_tma: its outputs left through TMA).
   __device__ __forceinline__ void release_sent(bool by_tma) {
-    if constexpr (kEachReaderArrives) mbarrier_arrive(&read[current]);  // this thread's accesses are done
+    if constexpr (kEachReaderArrives) mbarrier_arrive(&read[current.index]);  // this thread's accesses are done
+    if (lt != 0) return;  // thread 0 releases for the warpgroup
     if (!by_tma) {
-      give_back(current);
-    } else if (lt == 0) {
-      if (in_flight >= 0) {
-        tma_store_wait_read<1>();
-        give_back(in_flight);
-      }
-      in_flight = current;
+      pipe.template consumer_release_by_one<Shape::kCluster>(current, rank);
+      return;
     }
+    if (in_flight) {
+      tma_store_wait_read<1>();
+      pipe.template consumer_release_by_one<Shape::kCluster>(sending, rank);
+    }
+    sending = current;
+    in_flight = true;
   }
   // At the end of the tile's epilogue.
   __device__ __forceinline__ void finish() {
-    if (lt == 0 && in_flight >= 0) {
+    if (lt == 0 && in_flight) {
       tma_store_wait_read<0>();
-      give_back(in_flight);
-      in_flight = -1;
+      pipe.template consumer_release_by_one<Shape::kCluster>(sending, rank);
+      in_flight = false;
     }
-  }
-
- private:
-  // For the warpgroup (thread 0), to this CTA's producer and, in a 2-CTA cluster, to the peer's, whose TMA
-  // multicasts into the stage too.
-  __device__ __forceinline__ void give_back(int stage) const {
-    if (lt != 0) return;
-    mbarrier_arrive(&pipe.empty[stage]);
-    if constexpr (Shape::kCluster > 1) mbarrier_arrive_cluster_peer(&pipe.empty[stage], rank ^ 1);
   }
 };
 

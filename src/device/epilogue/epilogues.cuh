@@ -106,6 +106,10 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kBN / 2], con
   }
 }
 
+// An h stage of the SwiGLU backward: the tile's gate columns as one 128-row box of 64 bf16 columns, its up
+// columns in the next (as TileLoader::load_epilogue_boxes loads them); in place, w * a in a third.
+inline constexpr int kHBoxBytes = 128 * 128;
+
 // A fragment pair of the SwiGLU backward (columns c and c + 1 of one row; da unweighted, sc the row's weight):
 // dh's gate and up parts and sc * a, each pair rounded to bf16x2. With kDot, `dot` gets da * a, column by column,
 // so that the row's partial sums the same way every run.
@@ -163,7 +167,7 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
     const int row = cwg * 64 + Fragment::row(s.warp, s.lane, h);
     const int offset = row * 128 + ((jj ^ (row & 7)) << 4) + 4 * (s.lane & 3);
     const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(stage + offset);
-    const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(stage + 128 * 128 + offset);
+    const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(stage + kHBoxBytes + offset);
     g[0] = __low2float(g2), g[1] = __high2float(g2);
     u[0] = __low2float(u2), u[1] = __high2float(u2);
   };
@@ -246,7 +250,6 @@ __device__ __forceinline__ void epilogue_swiglu_grad_in_place(const float (&acc)
                                                               const SliceCoord& s, int cwg, const CUtensorMap* map_c,
                                                               const CUtensorMap* map_aux, Store& store,
                                                               HStages& hstages) {
-  constexpr int kBoxPlane = 128 * 128;  // one 128-row box of 64 bf16 columns (the shape's A bytes): gate, up, free
   const int N = e.up_offset;
   const float sc[2] = {row_scale_of(e, s, 0), row_scale_of(e, s, 1)};
   const bool has_aux = e.aux.base != nullptr || e.aux.pointers != nullptr;
@@ -256,8 +259,8 @@ __device__ __forceinline__ void epilogue_swiglu_grad_in_place(const float (&acc)
     if (s.n0 + box * 64 >= N) break;  // uniform: N % 64 == 0
     const int col0 = s.n0 + box * 64;
     uint8_t* const gate = hstages.acquire() + cwg * kBoxBytes;  // this warpgroup's 64 rows of the gate box
-    uint8_t* const up = gate + kBoxPlane;
-    uint8_t* const aw = gate + 2 * kBoxPlane;
+    uint8_t* const up = gate + kHBoxBytes;
+    uint8_t* const aw = gate + 2 * kHBoxBytes;
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
