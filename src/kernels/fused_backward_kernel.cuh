@@ -15,7 +15,8 @@
 //      their 128-row blocks' rows_ready.
 //   4. GEMM roles (every CTA, items drawn in increasing order from a shared counter):
 //      dgrad1: da = d_out W2 (d_out rows gathered from recv_dout, W2 N-major); the SwiGLU backward epilogue
-//        (h streamed through the pipeline after the K stages) stores dh and w * a (TMA), and each row's
+//        (h streamed through the pipeline after the K stages, the outputs written over it) stores dh and
+//        w * a (TMA), and each row's
 //        routing-gradient partial of the tile's columns into its slot on the source; then act_ready[block]
 //        += 1 per 64-row slice, and per row token_done += 1 on the source (its partial is home).
 //      dgrad2: dx = dh W13 (dh through TMA once every dgrad1 slice of its block stored it, W13 N-major); each
@@ -65,6 +66,9 @@ struct FusedBackwardParams {
 };
 
 using FusedBackwardConfig = FusedGemmConfig<device::GemmForm::kNN>;
+static_assert(FusedBackwardConfig::Shape::kABytes == device::kHBoxBytes &&
+                  3 * device::kHBoxBytes <= FusedBackwardConfig::Shape::kStageBytes,
+              "dgrad1's h boxes sit where the loader puts them, and its gate, up and w * a boxes fit a stage");
 
 // ---------------------------------------------------------------- roles
 
@@ -170,8 +174,8 @@ __device__ void backward_consumer(const CUtensorMap* tm_dh_store, const CUtensor
       device::mma_tile<Shape, true>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, 0);
       // dh and w * a are contiguous: whole slices leave through TMA, a partial one through the threads.
       store.begin_tile(s.valid >= 64, p.dgrad1_epi.c, p.dgrad1_epi.aux, s.slice0, s.valid);
-      device::EpilogueStages<Shape, true> hstages{pipe, st, smem.stages[0], smem.epilogue_read, 2 + cwg, lt, 0};
-      device::epilogue_swiglu_grad<kBN>(acc, p.dgrad1_epi, s, cwg, tm_dh_store, tm_wa_store, store, hstages);
+      device::EpilogueStagesInPlace<Shape, true> hstages{pipe, st, smem.stages[0], smem.epilogue_read, lt, 0};
+      device::epilogue_swiglu_grad_in_place<kBN>(acc, p.dgrad1_epi, s, cwg, tm_dh_store, tm_wa_store, store, hstages);
       // dh, for dgrad2; the rows' routing-gradient partials of this tile's columns
       pending.defer(store, ep::at<uint32_t>(L.local, L.layout.act_ready) + waves.block_of(tile.e, tile.row0), &s,
                     lt);

@@ -90,14 +90,17 @@ struct PendingHandover {
 };
 
 // The GEMM configuration of both fused kernels, by the form of their GEMMs (the forward's are NT, the
-// backward's dgrads NN): 128 x 256 tiles, 3 stages, the first GEMM's A gathered, the second's through TMA,
-// one ring for both, and the shared memory both kernels lay out the same way.
+// backward's dgrads NN): 128 x 256 tiles, the first GEMM's A gathered, the second's through TMA, one ring for
+// both, and the shared memory both kernels lay out the same way. The forward sends a whole 64 x BN slice of a
+// and h through TMA stores from its staging boxes (four a warpgroup) and keeps three stages; the backward's
+// dgrad1 writes its outputs over the h stages they come from (epilogue_swiglu_grad_in_place) and its dgrad2
+// sends rows home through the threads, so it keeps one staging box a warpgroup and takes a fourth stage.
 template <device::GemmForm kForm>
 struct FusedGemmConfig {
   static constexpr int kBN = 256;
-  static constexpr int kStages = 3;
-  static constexpr int kSlots = kBN / 64;  // a whole 64 x BN slice through TMA stores (also the SwiGLU
-                                           // backward's three boxes at once)
+  static constexpr bool kBackward = kForm == device::GemmForm::kNN;
+  static constexpr int kStages = kBackward ? 4 : 3;
+  static constexpr int kSlots = kBackward ? 1 : kBN / 64;
   static constexpr int kScheduleRing = 8;
   using Shape = device::MainloopShape<kForm, kBN, kStages, 1>;
   using GatherLoader = device::TileLoader<Shape, true, false>;  // the first GEMM
