@@ -16,9 +16,9 @@
 //   4. GEMM roles (every CTA, items drawn in increasing order from a shared counter):
 //      dgrad1: da = d_out W2 (d_out rows gathered from recv_dout, W2 N-major); the SwiGLU backward epilogue
 //        (h streamed through the pipeline after the K stages, the outputs written over it) stores dh and
-//        w * a (TMA), and each row's
-//        routing-gradient partial of the tile's columns into its slot on the source; then act_ready[block]
-//        += 1 per 64-row slice, and per row token_done += 1 on the source (its partial is home).
+//        w * a (TMA), and each row's routing-gradient partial of the tile's columns into its slot on the
+//        source; then act_ready[block] += 1 per 64-row slice, and per row token_done += 1 on the source (its
+//        partial is home).
 //      dgrad2: dx = dh W13 (dh through TMA once every dgrad1 slice of its block stored it, W13 N-major); each
 //        row stored into its combine slot on the source, then token_done += 1 there.
 //   5. combine (every CTA): a token once each routed slot has its dgrad1 partials and dgrad2 rows home:
