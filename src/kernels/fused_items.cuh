@@ -91,10 +91,10 @@ struct PendingHandover {
 
 // The GEMM configuration of both fused kernels, by the form of their GEMMs (the forward's are NT, the
 // backward's dgrads NN): 128 x 256 tiles, the first GEMM's A gathered, the second's through TMA, one ring for
-// both, and one shared-memory layout for both kernels (sized by the form). The forward sends a whole 64 x BN slice of a
-// and h through TMA stores from its staging boxes (four a warpgroup) and keeps three stages; the backward's
-// dgrad1 writes its outputs over the h stages they come from (epilogue_swiglu_grad_in_place) and its dgrad2
-// sends rows home through the threads, so it keeps one staging box a warpgroup and takes a fourth stage.
+// both, and one shared-memory layout for both kernels (sized by the form). The forward sends a whole 64 x BN
+// slice of a and h through TMA stores from its staging boxes (four a warpgroup) and keeps three stages; the
+// backward's dgrad1 writes its outputs over the h stages they come from (epilogue_swiglu_grad_in_place) and its
+// dgrad2 sends rows home through the threads, so it keeps one staging box a warpgroup and takes a fourth stage.
 template <device::GemmForm kForm>
 struct FusedGemmConfig {
   static constexpr int kBN = 256;

@@ -110,6 +110,19 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kBN / 2], con
 // columns in the next (as TileLoader::load_epilogue_boxes loads them); in place, w * a in a third.
 inline constexpr int kHBoxBytes = 128 * 128;
 
+// g and u of a fragment pair from an h stage: row r of the warpgroup's 64 rows, column group jj, the lane's pair,
+// from the warpgroup's part of the gate box at `gate` (the up box kHBoxBytes further on). Returns the pair's byte
+// offset within the box (where the in-place epilogue writes its outputs).
+__device__ __forceinline__ int load_h_pair(const uint8_t* gate, int r, int jj, int lane, float (&g)[2],
+                                           float (&u)[2]) {
+  const int offset = box_chunk_offset(r, jj) + 4 * (lane & 3);
+  const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(gate + offset);
+  const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(gate + kHBoxBytes + offset);
+  g[0] = __low2float(g2), g[1] = __high2float(g2);
+  u[0] = __low2float(u2), u[1] = __high2float(u2);
+  return offset;
+}
+
 // A fragment pair of the SwiGLU backward (columns c and c + 1 of one row; da unweighted, sc the row's weight):
 // dh's gate and up parts and sc * a, each pair rounded to bf16x2. With kDot, `dot` gets da * a, column by column,
 // so that the row's partial sums the same way every run.
@@ -164,12 +177,7 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
   float dot[2] = {0.0f, 0.0f};
   // g and u of a fragment pair, from the box's stage: row cwg * 64 + r of the 128-row boxes, column group jj.
   auto load_gu = [&](const uint8_t* stage, int jj, int h, float (&g)[2], float (&u)[2]) {
-    const int row = cwg * 64 + Fragment::row(s.warp, s.lane, h);
-    const int offset = row * 128 + ((jj ^ (row & 7)) << 4) + 4 * (s.lane & 3);
-    const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(stage + offset);
-    const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(stage + kHBoxBytes + offset);
-    g[0] = __low2float(g2), g[1] = __high2float(g2);
-    u[0] = __low2float(u2), u[1] = __high2float(u2);
+    load_h_pair(stage + cwg * kBoxBytes, Fragment::row(s.warp, s.lane, h), jj, s.lane, g, u);
   };
   // With three staging slots to spare, dh, w * a and the dot products come out of one pass over the box
   // (one sigmoid per element); with fewer, a second pass recomputes a. Column groups go two at a time
@@ -238,13 +246,13 @@ __device__ __forceinline__ void epilogue_swiglu_grad(const float (&acc)[kBN / 2]
   store_row_dots(dot, e, s);
 }
 
-// The SwiGLU backward with its outputs written over the h stage they come from (the engine's 256-wide
-// configuration, which gives its staging slots up for a fourth stage: grouped_gemm_kernel.cuh). Each thread reads g and u of its
-// fragment pairs and writes dh's gate and up parts in their place and w * a into the stage's free last third
-// (the same 128-byte-swizzled 64 x 64 boxes per warpgroup that stmatrix would stage), so that a box's three
-// outputs leave at once (one bulk group) and the next box's arithmetic runs while TMA reads them;
-// hstages.release_sent() hands the stage back once they have left (EpilogueStagesInPlace). The same values
-// as epilogue_swiglu_grad, in the same order.
+// The SwiGLU backward with its outputs written over the h stage they come from (the 256-wide configurations,
+// which give their staging slots up for a fourth stage: grouped_gemm_kernel.cuh, fused_items.cuh). Each thread
+// reads g and u of its fragment pairs and writes dh's gate and up parts in their place and w * a into the
+// stage's free last third (the same 128-byte-swizzled 64 x 64 boxes per warpgroup that stmatrix would stage),
+// so that a box's three outputs leave at once (one bulk group) and the next box's arithmetic runs while TMA
+// reads them; hstages.release_sent() hands the stage back once they have left (EpilogueStagesInPlace). The same
+// values as epilogue_swiglu_grad, in the same order.
 template <int kBN, class Store, class HStages>
 __device__ __forceinline__ void epilogue_swiglu_grad_in_place(const float (&acc)[kBN / 2], const EpilogueArgs& e,
                                                               const SliceCoord& s, int cwg, const CUtensorMap* map_c,
@@ -265,11 +273,8 @@ __device__ __forceinline__ void epilogue_swiglu_grad_in_place(const float (&acc)
     for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int offset = box_chunk_offset(Fragment::row(s.warp, s.lane, h), jj) + 4 * (s.lane & 3);
-        const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(gate + offset);
-        const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(up + offset);
-        const float g[2] = {__low2float(g2), __high2float(g2)};
-        const float u[2] = {__low2float(u2), __high2float(u2)};
+        float g[2], u[2];
+        const int offset = load_h_pair(gate, Fragment::row(s.warp, s.lane, h), jj, s.lane, g, u);
         const int j = box * 8 + jj;
         const SwiGLUGradPair out = swiglu_grad_pair<true>({acc[Fragment::reg(j, h, 0)], acc[Fragment::reg(j, h, 1)]},
                                                           g, u, sc[h], dot[h]);
