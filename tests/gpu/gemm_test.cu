@@ -371,6 +371,9 @@ TEST(GroupedGemm, MGroupedKMajorPlain) {
     run_m_grouped_plain(true, {9, 400, 384, 200, false, false}, t);
     run_m_grouped_plain(true, {4, 700, 512, 512, false, false}, t);
     run_m_grouped_plain(true, {3, 300, 264, 136, true, false}, t);  // last n-tile: one 8-column box
+    // Tiles of fewer stages than boxes: the previous tile's held boxes (deferred stores) go after the loop.
+    run_m_grouped_plain(true, {6, 300, 512, 64, false, false}, t);
+    run_m_grouped_plain(true, {5, 300, 520, 128, true, true}, t);
   }
 }
 
@@ -387,6 +390,7 @@ TEST(GroupedGemm, MGroupedNMajorPlain) {
   for (const GemmTuning& t : all_tunings()) {
     run_m_grouped_plain(false, {9, 400, 320, 200, false, false}, t);
     run_m_grouped_plain(false, {5, 600, 768, 264, true, true}, t);
+    run_m_grouped_plain(false, {4, 300, 512, 64, true, false}, t);  // one stage, four held boxes
   }
 }
 
