@@ -22,6 +22,7 @@
 #include <algorithm>
 
 #include "device/epilogue/box_store.cuh"
+#include "device/epilogue/deferred_read_out.cuh"
 #include "device/epilogue/epilogues.cuh"
 #include "device/epilogue/swiglu_fp8.cuh"
 #include "device/gemm/block_scales.cuh"
@@ -101,6 +102,7 @@ struct Fp8GemmConfig {
     uint64_t full[kStages];
     uint64_t empty[kStages];
     device::SliceRows slice_rows[2];
+    device::HeldSlice held_slices[8];  // DeferredReadOut: one per consumer warp
     int dense_offsets[2];
     device::TileSlots<8> tile_slots;  // decoded tiles, producer to consumers (at least kStages slots)
     typename Tiles::Storage tiles;
@@ -161,22 +163,23 @@ __device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const 
 }
 
 // The K loop of one tile (fp8_mainloop.cuh) in the configuration's form; up_b_scales: gate-up tiles only.
-template <class Cfg, int kCwg>
+template <class Cfg, int kCwg, class StageWork = device::NoStageWork>
 __device__ __forceinline__ void fp8_tile_mainloop(float (&acc)[Cfg::Shape::kBN / 2],
                                                   const device::StagePipeline<Cfg::Shape::kStages>& pipe,
                                                   device::PipeState<Cfg::Shape::kStages>& st,
                                                   typename Cfg::SharedStorage& smem, const float* b_scales,
                                                   const float* up_b_scales, const device::TileCoord& tile, int lt,
-                                                  int rank) {
+                                                  int rank, StageWork&& stage_work = StageWork{}) {
   using Shape = typename Cfg::Shape;
   if constexpr (Cfg::kOverlap) {
     device::mma_tile_fp8_blockwise_overlapped<Shape, Cfg::kGatherA, Cfg::kGateUp>(
         acc, pipe, st, smem.stages[0], smem.scales, b_scales, tile, kCwg, lt, static_cast<uint32_t>(rank),
-        up_b_scales);
+        up_b_scales, stage_work);
   } else {
     device::mma_tile_fp8_blockwise<Shape, Cfg::kGatherA, Cfg::kGateUp>(acc, pipe, st, smem.stages[0], smem.scales,
                                                                        b_scales, tile, kCwg, lt,
-                                                                       static_cast<uint32_t>(rank), up_b_scales);
+                                                                       static_cast<uint32_t>(rank), up_b_scales,
+                                                                       stage_work);
   }
 }
 
@@ -270,7 +273,11 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
   constexpr int cwg = kCwg;
   const int lt = tid & 127;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
-  device::BoxStore<Cfg::kSlots, true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
+  using Store = device::BoxStore<Cfg::kSlots, true>;
+  Store store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
+  // bf16 D through the threads leaves during the next tile's K blocks (deferred_read_out.cuh).
+  device::DeferredReadOut<kBN, Store> deferred{&smem.held_slices[cwg * 4 + lt / 32], store, p.epi.c_cols};
+  if constexpr (!Cfg::kGateUp) deferred.begin(lt & 31);
   device::PipeState<Shape::kStages> st;
   float acc[kBN / 2];
   for (int j = 0;; ++j) {
@@ -285,7 +292,8 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
       fp8_run_gate_up_pair<Cfg, cwg>(acc, tm_d, p, smem, pipe, st, store, tile, lt, rank);
       continue;
     }
-    fp8_tile_mainloop<Cfg, cwg>(acc, pipe, st, smem, p.b_scales.of(tile), nullptr, tile, lt, rank);
+    fp8_tile_mainloop<Cfg, cwg>(acc, pipe, st, smem, p.b_scales.of(tile), nullptr, tile, lt, rank, deferred);
+    deferred.flush_from(tile.k_tiles);
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
     if (p.d32 != nullptr) {
@@ -294,9 +302,9 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     }
     // A TMA box is clipped only at the tensor's edge, and rows past an expert belong to the next one: TMA
     // stores need the whole slice inside the group (uniform over the warpgroup).
-    store.begin_tile(p.tma_store != 0 && s.valid >= 64, p.epi.c, p.epi.aux, s.slice0, s.valid);
-    device::epilogue_plain<kBN>(acc, p.epi, s, tm_d, store);
+    deferred.take(acc, p.epi, s, p.tma_store != 0 && s.valid >= 64, tm_d);
   }
+  if constexpr (!Cfg::kGateUp) deferred.flush_from(0);
   store.finish();
 }
 
