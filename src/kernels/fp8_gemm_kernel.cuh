@@ -94,6 +94,8 @@ struct Fp8GemmConfig {
   static constexpr int kProducerRegs = kWidest ? 24 : kOverlap ? 40 : 56;
   static constexpr int kConsumerRegs = kWidest ? 240 : kOverlap ? 232 : 224;
   static_assert(device::kRegisterSplitFits<kFp8GemmThreads, kProducerRegs, kConsumerRegs>, "register budget");
+  // bf16 D through the threads leaves during the next tile's K blocks (deferred_read_out.cuh; a build option).
+  static constexpr bool kDeferReadOut = device::kDeferredStoresEnabled && !kGateUp;
 
   struct alignas(1024) SharedStorage {
     uint8_t stages[kStages][Shape::kStageBytes];  // each 1024-aligned: kStageBytes is a multiple of 1024
@@ -102,10 +104,10 @@ struct Fp8GemmConfig {
     uint64_t full[kStages];
     uint64_t empty[kStages];
     device::SliceRows slice_rows[2];
-    device::HeldSlice held_slices[8];  // DeferredReadOut: one per consumer warp
     int dense_offsets[2];
     device::TileSlots<8> tile_slots;  // decoded tiles, producer to consumers (at least kStages slots)
     typename Tiles::Storage tiles;
+    device::HeldSlice held_slices[8];  // kDeferReadOut: one per consumer warp
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + slack to align the base
   static_assert(sizeof(SharedStorage::tile_slots.tile) / sizeof(device::TileCoord) >= kStages,
@@ -275,9 +277,8 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
   using Store = device::BoxStore<Cfg::kSlots, true>;
   Store store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
-  // bf16 D through the threads leaves during the next tile's K blocks (deferred_read_out.cuh).
   device::DeferredReadOut<kBN, Store> deferred{&smem.held_slices[cwg * 4 + lt / 32], store, p.epi.c_cols};
-  if constexpr (!Cfg::kGateUp) deferred.begin(lt & 31);
+  if constexpr (Cfg::kDeferReadOut) deferred.begin(lt & 31);
   device::PipeState<Shape::kStages> st;
   float acc[kBN / 2];
   for (int j = 0;; ++j) {
@@ -292,8 +293,12 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
       fp8_run_gate_up_pair<Cfg, cwg>(acc, tm_d, p, smem, pipe, st, store, tile, lt, rank);
       continue;
     }
-    fp8_tile_mainloop<Cfg, cwg>(acc, pipe, st, smem, p.b_scales.of(tile), nullptr, tile, lt, rank, deferred);
-    deferred.flush_from(tile.k_tiles);
+    if constexpr (Cfg::kDeferReadOut) {
+      fp8_tile_mainloop<Cfg, cwg>(acc, pipe, st, smem, p.b_scales.of(tile), nullptr, tile, lt, rank, deferred);
+      deferred.flush_from(tile.k_tiles);
+    } else {
+      fp8_tile_mainloop<Cfg, cwg>(acc, pipe, st, smem, p.b_scales.of(tile), nullptr, tile, lt, rank);
+    }
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
     if (p.d32 != nullptr) {
@@ -302,9 +307,15 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     }
     // A TMA box is clipped only at the tensor's edge, and rows past an expert belong to the next one: TMA
     // stores need the whole slice inside the group (uniform over the warpgroup).
-    deferred.take(acc, p.epi, s, p.tma_store != 0 && s.valid >= 64, tm_d);
+    const bool tma = p.tma_store != 0 && s.valid >= 64;
+    if constexpr (Cfg::kDeferReadOut) {
+      deferred.take(acc, p.epi, s, tma, tm_d);
+    } else {
+      store.begin_tile(tma, p.epi.c, p.epi.aux, s.slice0, s.valid);
+      device::epilogue_plain<kBN>(acc, p.epi, s, tm_d, store);
+    }
   }
-  if constexpr (!Cfg::kGateUp) deferred.flush_from(0);
+  if constexpr (Cfg::kDeferReadOut) deferred.flush_from(0);
   store.finish();
 }
 

@@ -70,7 +70,8 @@ struct EngineConfig {
   static constexpr bool kEachReaderArrives = kAct == GemmActivation::kSwiGLUBackward && Loader::kGathers;
   // The plain epilogue's stores leave during the next tile's main loop (DeferredPlainEpilogue), where the
   // registers allow: not beside a gathering producer's budget, and not for the fp32 weight gradients.
-  static constexpr bool kDeferredStores = kAct == GemmActivation::kNone && !Loader::kGathers && !Shape::kKGrouped;
+  static constexpr bool kDeferredStores =
+      device::kDeferredStoresEnabled && kAct == GemmActivation::kNone && !Loader::kGathers && !Shape::kKGrouped;
 
   struct alignas(1024) SharedStorage {
     uint8_t stages[kStages][Shape::kStageBytes];  // each 1024-aligned: kStageBytes is a multiple of 1024
@@ -79,9 +80,9 @@ struct EngineConfig {
     uint64_t empty[kStages];
     uint64_t epilogue_read[kStages];  // kEachReaderArrives only
     device::SliceRows slice_rows[2];
-    device::HeldSlice held_slices[8];  // kDeferredStores: one per consumer warp
     typename Schedule::Storage schedule;
     typename Tiles::Storage tiles;
+    device::HeldSlice held_slices[8];  // kDeferredStores: one per consumer warp
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + slack to align the base
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");

@@ -14,7 +14,15 @@
 #include "device/epilogue/epilogues.cuh"
 #include "device/gemm/fragment.cuh"
 
+#ifndef MEGAMOE_DEFERRED_STORES
+#define MEGAMOE_DEFERRED_STORES 0
+#endif
+
 namespace megamoe::device {
+
+// Whether the kernels use the deferred stores (this file's and DeferredReadOut): a build option
+// (MEGAMOE_DEFERRED_STORES in CMake), off until they are measured on a GPU.
+inline constexpr bool kDeferredStoresEnabled = MEGAMOE_DEFERRED_STORES != 0;
 
 // Where the held slice goes, kept in shared memory (registers are all taken by the accumulators and the held
 // values), one copy per warp: lane 0 writes its warp's copy, the warp's lanes read it, and __syncwarp orders the
