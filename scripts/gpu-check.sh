@@ -4,6 +4,9 @@
 #   scripts/gpu-check.sh OUTDIR [--skip-bench] [--gtest-filter PATTERN] [--with-python]
 # --with-python also installs the Python package and runs its tests and benchmark
 # (scripts/python-gpu-check.sh OUTDIR/python), so one device call covers everything.
+# MEGAMOE_GPU_CHECK_CMAKE_ARGS: extra CMake arguments (split at whitespace), e.g. -DMEGAMOE_DEFERRED_STORES=ON to
+# test a build option that is off by default; the build directory is configured afresh on every call, so no
+# earlier call's options stay in its cache.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu-check.sh OUTDIR [--skip-bench] [--gtest-filter PATTERN] [--with-python]}
@@ -29,10 +32,12 @@ note() { printf '[gpu-check %4ss] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 
 gtest_args=()
 [ -f .deps/googletest/CMakeLists.txt ] && gtest_args=(-DMEGAMOE_GTEST_SOURCE="$PWD/.deps/googletest")
-note "configure + build ($(nproc) cores) -> $out/build.log"
+read -r -a extra_cmake <<<"${MEGAMOE_GPU_CHECK_CMAKE_ARGS:-}"
+note "configure + build ($(nproc) cores${extra_cmake[*]:+, ${extra_cmake[*]}}) -> $out/build.log"
+rm -f "$build_dir/CMakeCache.txt"
 # Warnings are errors in CI; here a newer host compiler's new warning must not cost a GPU run.
 if ! { cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_WERROR=OFF \
-         -DMEGAMOE_PTXAS_VERBOSE=ON "${gtest_args[@]}" &&
+         -DMEGAMOE_PTXAS_VERBOSE=ON "${gtest_args[@]}" "${extra_cmake[@]}" &&
        cmake --build "$build_dir" -j "$(nproc)"; } >"$out/build.log" 2>&1; then
   tail -40 "$out/build.log"
   echo "BUILD FAILED"

@@ -2,8 +2,9 @@
 // end of a tile the warpgroup only rounds its 64 x BN slice to bf16 pairs (BN / 4 registers, outside the
 // accumulators) and prepares the slice's row table; the slice's BN / 64 boxes then leave one per stage of the
 // next tile, each right after that stage's wgmma are issued (mma_tile's stage work), so that their staging,
-// read-out and global stores run while the tensor cores work instead of between two main loops. Boxes a short
-// next tile (fewer stages than boxes) or the end of the schedule leave no room for go at once (flush_from).
+// read-out and global stores run while the tensor cores work instead of between two main loops. Boxes that a
+// short next tile (fewer stages than boxes), or the end of the schedule, leaves no stage for go at once
+// (flush_from).
 //
 // The same values in the same places as epilogue_plain: only when they are stored changes.
 #pragma once
