@@ -141,6 +141,8 @@ __device__ __forceinline__ void run_consumer_deferred(const CUtensorMap* tm_c, c
                                                       const device::StaticSchedule& sched, bool dynamic, int rank,
                                                       int tid) {
   using Shape = typename Cfg::Shape;
+  static_assert(!Cfg::Loader::kGathers && !Shape::kKGrouped,
+                "the main loop below has no proxy fence for gathered rows and no zeroing of foreign K rows");
   constexpr int kBN = Shape::kBN;
   using Store = device::BoxStore<Cfg::kSlots, Cfg::kTmaStore>;
   const int cwg = tid / 128 - 1;

@@ -374,6 +374,14 @@ TEST(GroupedGemm, MGroupedKMajorPlain) {
     // Tiles of fewer stages than boxes: the previous tile's held boxes (deferred stores) go after the loop.
     run_m_grouped_plain(true, {6, 300, 512, 64, false, false}, t);
     run_m_grouped_plain(true, {5, 300, 520, 128, true, true}, t);
+    // A grid of one or two clusters: every CTA walks many tiles, so each tile's boxes leave during the next
+    // tile's main loop (deferred stores), after a short one, or at the end.
+    for (const int max_ctas : {1, 4}) {
+      GemmTuning few = t;
+      few.max_ctas = max_ctas * t.cluster_size;
+      run_m_grouped_plain(true, {6, 300, 512, 64, false, false}, few);
+      run_m_grouped_plain(true, {5, 300, 520, 200, true, true}, few);
+    }
   }
 }
 
@@ -391,6 +399,9 @@ TEST(GroupedGemm, MGroupedNMajorPlain) {
     run_m_grouped_plain(false, {9, 400, 320, 200, false, false}, t);
     run_m_grouped_plain(false, {5, 600, 768, 264, true, true}, t);
     run_m_grouped_plain(false, {4, 300, 512, 64, true, false}, t);  // one stage, four held boxes
+    GemmTuning few = t;  // every CTA walks many tiles
+    few.max_ctas = 2 * t.cluster_size;
+    run_m_grouped_plain(false, {5, 400, 520, 136, true, true}, few);
   }
 }
 
