@@ -13,7 +13,6 @@
 
 #include "device/epilogue/box_store.cuh"
 #include "device/epilogue/epilogues.cuh"
-#include "device/gemm/fragment.cuh"
 
 #ifndef MEGAMOE_DEFERRED_STORES
 #define MEGAMOE_DEFERRED_STORES 0
@@ -34,6 +33,31 @@ struct HeldSlice {
   int boxes;   // boxes of the tile inside C
 };
 
+// A warp's new held slice, once the warp's lanes have read the previous one.
+__device__ __forceinline__ void publish_held_slice(HeldSlice* slot, int lane, const HeldSlice& h) {
+  __syncwarp();
+  if (lane == 0) *slot = h;
+  __syncwarp();
+}
+
+// The walks of a held slice's kBoxes boxes: f(box) for the box that leaves during stage kt of the next tile, or
+// for every box from `first` on (after a tile of `first` stages, or 0 at the end). The loops unroll, so `box` is
+// a constant where f runs and register arrays indexed by it stay in registers.
+template <int kBoxes, class F>
+__device__ __forceinline__ void for_box_of_stage(int kt, F&& f) {
+#pragma unroll
+  for (int box = 0; box < kBoxes; ++box) {
+    if (kt == box) f(box);
+  }
+}
+template <int kBoxes, class F>
+__device__ __forceinline__ void for_boxes_from(int first, F&& f) {
+#pragma unroll
+  for (int box = 0; box < kBoxes; ++box) {
+    if (box >= first) f(box);
+  }
+}
+
 template <int kBN, class Store>
 struct DeferredPlainEpilogue {
   static constexpr int kBoxes = kBN / 64;
@@ -48,43 +72,25 @@ struct DeferredPlainEpilogue {
                                        bool tma) {
     const float sc[2] = {row_scale_of(e, s, 0), row_scale_of(e, s, 1)};
 #pragma unroll
-    for (int box = 0; box < kBoxes; ++box)
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int j = box * 8 + jj;
-          held[box][jj][h] =
-              pack_bf16x2(acc[Fragment::reg(j, h, 0)] * sc[h], acc[Fragment::reg(j, h, 1)] * sc[h]);
-        }
-    __syncwarp();  // the warp's reads of the previous slice are done
-    if (s.lane == 0) {
-      const int inside = (c_cols - s.n0 + 63) / 64;
-      *slice = HeldSlice{s.slice0, s.n0, inside < kBoxes ? inside : kBoxes};
-    }
-    __syncwarp();
+    for (int box = 0; box < kBoxes; ++box) plain_box_pairs<kBN>(acc, sc, box, held[box]);
+    const int inside = (c_cols - s.n0 + 63) / 64;
+    publish_held_slice(slice, s.lane, HeldSlice{s.slice0, s.n0, inside < kBoxes ? inside : kBoxes});
     store.begin_tile(tma, e.c, e.aux, s.slice0, s.valid);
   }
 
   // mma_tile's stage work: box kt leaves during stage kt of the next tile.
   __device__ __forceinline__ void operator()(int kt) {
-#pragma unroll
-    for (int box = 0; box < kBoxes; ++box) {
-      if (kt == box) emit_box(box);
-    }
+    for_box_of_stage<kBoxes>(kt, [&](int box) { emit_box(box); });
   }
 
-  // Every box from `first` on that has not left yet (after a tile of `first` stages, or 0 at the end).
+  // Every box from `first` on that has not left yet.
   __device__ __forceinline__ void flush_from(int first) {
-#pragma unroll
-    for (int box = 0; box < kBoxes; ++box) {
-      if (box >= first) emit_box(box);
-    }
+    for_boxes_from<kBoxes>(first, [&](int box) { emit_box(box); });
   }
 
  private:
-  // Box `box` of the held slice, if it lies inside C (uniform over the warpgroup). `box` is a constant where
-  // this is inlined (the loops above unroll), so `held` stays in registers.
+  // Box `box` (a constant where this is inlined) of the held slice, if it lies inside C (uniform over the
+  // warpgroup).
   __device__ __forceinline__ void emit_box(int box) {
     const HeldSlice h = *slice;
     if (box >= h.boxes) return;

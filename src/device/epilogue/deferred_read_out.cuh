@@ -15,7 +15,6 @@
 #include "device/epilogue/box_store.cuh"
 #include "device/epilogue/deferred_plain.cuh"
 #include "device/epilogue/epilogues.cuh"
-#include "device/gemm/fragment.cuh"
 
 namespace megamoe::device {
 
@@ -28,10 +27,7 @@ struct DeferredReadOut {
   int c_cols;
 
   // Before the first tile: nothing is staged.
-  __device__ __forceinline__ void begin(int lane) {
-    if (lane == 0) *slice = HeldSlice{0, 0, 0};
-    __syncwarp();
-  }
+  __device__ __forceinline__ void begin(int lane) { publish_held_slice(slice, lane, HeldSlice{0, 0, 0}); }
 
   // The finished tile's slice. Whatever the previous tile staged must have left (flush_from first).
   __device__ __forceinline__ void take(const float (&acc)[kBN / 2], const EpilogueArgs& e, const SliceCoord& s,
@@ -45,41 +41,24 @@ struct DeferredReadOut {
 #pragma unroll
       for (int box = 0; box < kBoxes; ++box) {
         if (s.n0 + box * 64 >= c_cols) break;  // uniform over the warpgroup
-#pragma unroll
-        for (int jj = 0; jj < 8; jj += 2) {
-          uint32_t v[2][2];
-#pragma unroll
-          for (int d = 0; d < 2; ++d)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int j = box * 8 + jj + d;
-              v[d][h] = pack_bf16x2(acc[Fragment::reg(j, h, 0)] * sc[h], acc[Fragment::reg(j, h, 1)] * sc[h]);
-            }
-          store.stage_pair(box, jj, v);
-        }
+        uint32_t v[8][2];
+        plain_box_pairs<kBN>(acc, sc, box, v);
+        store.stage_box(box, v);
         boxes = box + 1;
       }
       store.barrier();  // every box is staged before any thread reads one out
     }
-    __syncwarp();  // the warp's reads of the previous slice's place are done
-    if (s.lane == 0) *slice = HeldSlice{s.slice0, s.n0, boxes};
-    __syncwarp();
+    publish_held_slice(slice, s.lane, HeldSlice{s.slice0, s.n0, boxes});
   }
 
   // The main loop's stage work: box kt leaves during K block kt of the next tile.
   __device__ __forceinline__ void operator()(int kt) {
-#pragma unroll
-    for (int box = 0; box < kBoxes; ++box) {
-      if (kt == box) read_out_box(box);
-    }
+    for_box_of_stage<kBoxes>(kt, [&](int box) { read_out_box(box); });
   }
 
-  // Every staged box from `first` on that has not left yet (after a tile of `first` K blocks, or 0 at the end).
+  // Every staged box from `first` on that has not left yet.
   __device__ __forceinline__ void flush_from(int first) {
-#pragma unroll
-    for (int box = 0; box < kBoxes; ++box) {
-      if (box >= first) read_out_box(box);
-    }
+    for_boxes_from<kBoxes>(first, [&](int box) { read_out_box(box); });
   }
 
  private:
