@@ -353,6 +353,23 @@ TEST(Fp8Gemm, GroupedByExpert) {
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0) << "2-CTA clusters differ from single CTAs";
 
+  // The plain loop on CTAs that take several tiles (max_ctas 3 and 4): a tile's slices that leave through the
+  // threads (the tile-straddling experts' partial slices) are then read out during the next tile's K blocks in
+  // the MEGAMOE_DEFERRED_STORES build, not only in the final flush. Bitwise the same; the rows outside every
+  // expert untouched.
+  for (const auto& [cluster, max_ctas] : {std::pair{1, 3}, std::pair{2, 4}}) {
+    dD.poison();
+    const Status few = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), doff.get(), E, max_rows,
+                                           N, K, nullptr, Fp8GemmTuning{cluster, max_ctas});
+    ASSERT_TRUE(few.is_ok()) << few.to_string();
+    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<bf16> few_out = dD.download();
+    EXPECT_EQ(count_bitwise_differences(got, few_out), 0)
+        << "the plain loop on " << max_ctas << " CTAs (cluster " << cluster << ") differs from the whole grid";
+    EXPECT_EQ(count_not_nan(few_out, rows * N, max_rows * N), 0)
+        << "the plain loop on " << max_ctas << " CTAs wrote rows outside every expert";
+  }
+
   // The overlapped promotion (empty experts; max_ctas 3: CTAs that take several tiles, each starting where
   // the previous one left the ring): bitwise the same.
   for (const auto& [cluster, max_ctas] : {std::pair{1, 0}, std::pair{2, 0}, std::pair{1, 3}, std::pair{2, 4}}) {
@@ -424,10 +441,12 @@ TEST(Fp8Gemm, GroupedByExpert) {
   }
   EXPECT_EQ(unnamed_written, 0) << "rows no pointer names were written";
 
-  // The call with the overlapped promotion, single CTAs, max_ctas of them (the layer's tuning), on A and sa.
-  const auto overlapped_call = [&](int max_ctas, const uint8_t* A, const float* sa, const Fp8GemmRows& rows_by) {
+  // The call with the overlapped promotion (or the plain loop), single CTAs, max_ctas of them (the layer's
+  // tuning), on A and sa.
+  const auto overlapped_call = [&](int max_ctas, const uint8_t* A, const float* sa, const Fp8GemmRows& rows_by,
+                                   bool overlap = true) {
     Fp8GemmTuning overlapped{1, max_ctas};
-    overlapped.overlap_promotion = true;
+    overlapped.overlap_promotion = overlap;
     return fp8_grouped_gemm_nt(A, sa, dB.get(), dsb.get(), nullptr, doff.get(), E, max_rows, N, K, nullptr, overlapped,
                                rows_by);
   };
@@ -445,25 +464,30 @@ TEST(Fp8Gemm, GroupedByExpert) {
         << "gathered rows with the overlapped promotion differ (max_ctas " << max_ctas << ")";
   }
 
-  // D rows through their pointers from the contiguous A, as the layer's GEMM2 and dgrad run it, with the
-  // overlapped promotion and with CTAs that take several tiles: bitwise the contiguous call's rows; rows no
-  // pointer names stay untouched.
-  for (const int max_ctas : {0, 3}) {
-    dOut.poison();
-    Fp8GemmRows rows_only;
-    rows_only.d_rows = dPointers.get();
-    const Status by_pointer = overlapped_call(max_ctas, dA.get(), dsa.get(), rows_only);
-    ASSERT_TRUE(by_pointer.is_ok()) << by_pointer.to_string();
-    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-    const std::vector<bf16> out_p = dOut.download();
-    for (int64_t r = 0; r < rows; ++r) std::copy_n(out_p.begin() + int64_t{dest[r]} * N, N, seen.begin() + r * N);
-    EXPECT_EQ(count_bitwise_differences(want, seen), 0)
-        << "D rows through pointers from the contiguous A differ (max_ctas " << max_ctas << ")";
-    int64_t unnamed = 0;
-    for (int64_t d = 0; d < source_rows; ++d) {
-      if (!named[d]) unnamed += count_not_nan(out_p, d * N, (d + 1) * N);
+  // D rows through their pointers from the contiguous A, as the layer's GEMM2 and dgrad run it, with either
+  // loop and with CTAs that take several tiles (every slice leaves through the threads, so in the
+  // MEGAMOE_DEFERRED_STORES build a tile's read-out runs during the next tile's K blocks): bitwise the
+  // contiguous call's rows; rows no pointer names stay untouched.
+  for (const bool overlap : {true, false}) {
+    for (const int max_ctas : {0, 3}) {
+      dOut.poison();
+      Fp8GemmRows rows_only;
+      rows_only.d_rows = dPointers.get();
+      const Status by_pointer = overlapped_call(max_ctas, dA.get(), dsa.get(), rows_only, overlap);
+      ASSERT_TRUE(by_pointer.is_ok()) << by_pointer.to_string();
+      MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+      const std::vector<bf16> out_p = dOut.download();
+      for (int64_t r = 0; r < rows; ++r) std::copy_n(out_p.begin() + int64_t{dest[r]} * N, N, seen.begin() + r * N);
+      EXPECT_EQ(count_bitwise_differences(want, seen), 0) << "D rows through pointers from the contiguous A differ ("
+                                                          << (overlap ? "overlapped" : "plain") << " loop, max_ctas "
+                                                          << max_ctas << ")";
+      int64_t unnamed = 0;
+      for (int64_t d = 0; d < source_rows; ++d) {
+        if (!named[d]) unnamed += count_not_nan(out_p, d * N, (d + 1) * N);
+      }
+      EXPECT_EQ(unnamed, 0) << "rows no pointer names were written (" << (overlap ? "overlapped" : "plain")
+                            << " loop, max_ctas " << max_ctas << ")";
     }
-    EXPECT_EQ(unnamed, 0) << "rows no pointer names were written (max_ctas " << max_ctas << ")";
   }
 
   // D in fp32 (gathered A as above): rounded to bf16 it gives the bf16 call's bits; rows outside every
