@@ -4,8 +4,8 @@
 #   scripts/gpu-check.sh OUTDIR [--skip-bench] [--gtest-filter PATTERN] [--with-python]
 # --with-python also installs the Python package and runs its tests and benchmark
 # (scripts/python-gpu-check.sh OUTDIR/python), so one device call covers everything.
-# MEGAMOE_GPU_CHECK_CMAKE_ARGS: extra CMake arguments (split at whitespace), e.g. -DMEGAMOE_DEFERRED_STORES=ON to
-# test a build option that is off by default; the build directory is configured afresh on every call, so no
+# MEGAMOE_GPU_CHECK_CMAKE_ARGS: extra CMake arguments (split at whitespace), e.g. -DMEGAMOE_PTXAS_VERBOSE=OFF or a
+# -DCMAKE_CUDA_FLAGS=-DSOME_MACRO=1 variant; the build directory is configured afresh on every call, so no
 # earlier call's options stay in its cache.
 set -uo pipefail
 cd "$(dirname "$0")/.."

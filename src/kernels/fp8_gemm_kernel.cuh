@@ -22,7 +22,6 @@
 #include <algorithm>
 
 #include "device/epilogue/box_store.cuh"
-#include "device/epilogue/deferred_read_out.cuh"
 #include "device/epilogue/epilogues.cuh"
 #include "device/epilogue/swiglu_fp8.cuh"
 #include "device/gemm/block_scales.cuh"
@@ -94,8 +93,6 @@ struct Fp8GemmConfig {
   static constexpr int kProducerRegs = kWidest ? 24 : kOverlap ? 40 : 56;
   static constexpr int kConsumerRegs = kWidest ? 240 : kOverlap ? 232 : 224;
   static_assert(device::kRegisterSplitFits<kFp8GemmThreads, kProducerRegs, kConsumerRegs>, "register budget");
-  // bf16 D through the threads leaves during the next tile's K blocks (deferred_read_out.cuh; a build option).
-  static constexpr bool kDeferReadOut = device::kDeferredStoresEnabled && !kGateUp;
 
   struct alignas(1024) SharedStorage {
     uint8_t stages[kStages][Shape::kStageBytes];  // each 1024-aligned: kStageBytes is a multiple of 1024
@@ -107,7 +104,6 @@ struct Fp8GemmConfig {
     int dense_offsets[2];
     device::TileSlots<8> tile_slots;  // decoded tiles, producer to consumers (at least kStages slots)
     typename Tiles::Storage tiles;
-    device::HeldSlice held_slices[8];  // kDeferReadOut: one per consumer warp
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + slack to align the base
   static_assert(sizeof(SharedStorage::tile_slots.tile) / sizeof(device::TileCoord) >= kStages,
@@ -165,23 +161,22 @@ __device__ __forceinline__ void fp8_run_producer(const CUtensorMap* tm_a, const 
 }
 
 // The K loop of one tile (fp8_mainloop.cuh) in the configuration's form; up_b_scales: gate-up tiles only.
-template <class Cfg, int kCwg, class StageWork = device::NoStageWork>
+template <class Cfg, int kCwg>
 __device__ __forceinline__ void fp8_tile_mainloop(float (&acc)[Cfg::Shape::kBN / 2],
                                                   const device::StagePipeline<Cfg::Shape::kStages>& pipe,
                                                   device::PipeState<Cfg::Shape::kStages>& st,
                                                   typename Cfg::SharedStorage& smem, const float* b_scales,
                                                   const float* up_b_scales, const device::TileCoord& tile, int lt,
-                                                  int rank, StageWork&& stage_work = StageWork{}) {
+                                                  int rank) {
   using Shape = typename Cfg::Shape;
   if constexpr (Cfg::kOverlap) {
     device::mma_tile_fp8_blockwise_overlapped<Shape, Cfg::kGatherA, Cfg::kGateUp>(
         acc, pipe, st, smem.stages[0], smem.scales, b_scales, tile, kCwg, lt, static_cast<uint32_t>(rank),
-        up_b_scales, stage_work);
+        up_b_scales);
   } else {
     device::mma_tile_fp8_blockwise<Shape, Cfg::kGatherA, Cfg::kGateUp>(acc, pipe, st, smem.stages[0], smem.scales,
                                                                        b_scales, tile, kCwg, lt,
-                                                                       static_cast<uint32_t>(rank), up_b_scales,
-                                                                       stage_work);
+                                                                       static_cast<uint32_t>(rank), up_b_scales);
   }
 }
 
@@ -275,10 +270,7 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
   constexpr int cwg = kCwg;
   const int lt = tid & 127;
   const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
-  using Store = device::BoxStore<Cfg::kSlots, true>;
-  Store store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
-  device::DeferredReadOut<kBN, Store> deferred{&smem.held_slices[cwg * 4 + lt / 32], store, p.epi.c_cols};
-  if constexpr (Cfg::kDeferReadOut) deferred.begin(lt & 31);
+  device::BoxStore<Cfg::kSlots, true> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
   device::PipeState<Shape::kStages> st;
   float acc[kBN / 2];
   for (int j = 0;; ++j) {
@@ -293,12 +285,7 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
       fp8_run_gate_up_pair<Cfg, cwg>(acc, tm_d, p, smem, pipe, st, store, tile, lt, rank);
       continue;
     }
-    if constexpr (Cfg::kDeferReadOut) {
-      fp8_tile_mainloop<Cfg, cwg>(acc, pipe, st, smem, p.b_scales.of(tile), nullptr, tile, lt, rank, deferred);
-      deferred.flush_from(tile.k_tiles);
-    } else {
-      fp8_tile_mainloop<Cfg, cwg>(acc, pipe, st, smem, p.b_scales.of(tile), nullptr, tile, lt, rank);
-    }
+    fp8_tile_mainloop<Cfg, cwg>(acc, pipe, st, smem, p.b_scales.of(tile), nullptr, tile, lt, rank);
     const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx,
                                lt, lt >> 5, lt & 31};
     if (p.d32 != nullptr) {
@@ -307,15 +294,9 @@ __device__ __forceinline__ void fp8_run_consumer(const CUtensorMap* tm_d, const 
     }
     // A TMA box is clipped only at the tensor's edge, and rows past an expert belong to the next one: TMA
     // stores need the whole slice inside the group (uniform over the warpgroup).
-    const bool tma = p.tma_store != 0 && s.valid >= 64;
-    if constexpr (Cfg::kDeferReadOut) {
-      deferred.take(acc, p.epi, s, tma, tm_d);
-    } else {
-      store.begin_tile(tma, p.epi.c, p.epi.aux, s.slice0, s.valid);
-      device::epilogue_plain<kBN>(acc, p.epi, s, tm_d, store);
-    }
+    store.begin_tile(p.tma_store != 0 && s.valid >= 64, p.epi.c, p.epi.aux, s.slice0, s.valid);
+    device::epilogue_plain<kBN>(acc, p.epi, s, tm_d, store);
   }
-  if constexpr (Cfg::kDeferReadOut) deferred.flush_from(0);
   store.finish();
 }
 

@@ -3,8 +3,7 @@
 //   warpgroup 0, the producer (setmaxnreg down): walks the schedule and fills pipeline stages (TileLoader:
 //     thread 0 issues the TMA boxes; with gathered operands all 128 threads copy rows by index);
 //   warpgroups 1 and 2, the consumers (setmaxnreg up): each owns 64 rows of the 128 x BN tile, runs the
-//     main loop (mma_tile) and then the epilogue of the activation (epilogues.cuh) through its boxes; the
-//     plain epilogue's boxes leave during the next tile's main loop instead (deferred_plain.cuh).
+//     main loop (mma_tile) and then the epilogue of the activation (epilogues.cuh) through its boxes.
 // Work items are numbered on the device (GroupedTiles) and every role walks the same schedule (static grid
 // stride, or dynamic through a shared-memory ring). This header is included by the per-form translation
 // units only.
@@ -13,7 +12,6 @@
 #include <algorithm>
 
 #include "device/epilogue/box_store.cuh"
-#include "device/epilogue/deferred_plain.cuh"
 #include "device/epilogue/epilogue_stages.cuh"
 #include "device/epilogue/epilogues.cuh"
 #include "device/gemm/mainloop.cuh"
@@ -68,10 +66,6 @@ struct EngineConfig {
   // The SwiGLU backward's h stages: with a gathering producer warpgroup every reader arrives on the stage's
   // read barrier, which the producer threads wait on before they refill it (device/epilogue/epilogue_stages.cuh).
   static constexpr bool kEachReaderArrives = kAct == GemmActivation::kSwiGLUBackward && Loader::kGathers;
-  // The plain epilogue's stores leave during the next tile's main loop (DeferredPlainEpilogue), where the
-  // registers allow: not beside a gathering producer's budget, and not for the fp32 weight gradients.
-  static constexpr bool kDeferredStores =
-      device::kDeferredStoresEnabled && kAct == GemmActivation::kNone && !Loader::kGathers && !Shape::kKGrouped;
 
   struct alignas(1024) SharedStorage {
     uint8_t stages[kStages][Shape::kStageBytes];  // each 1024-aligned: kStageBytes is a multiple of 1024
@@ -82,7 +76,6 @@ struct EngineConfig {
     device::SliceRows slice_rows[2];
     typename Schedule::Storage schedule;
     typename Tiles::Storage tiles;
-    device::HeldSlice held_slices[8];  // kDeferredStores: one per consumer warp
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;  // + slack to align the base
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget");
@@ -130,48 +123,6 @@ __device__ __forceinline__ void run_producer(const CUtensorMap* tm_a, const CUte
       }
     }
   }
-}
-
-// The consumers of the kDeferredStores configurations: a tile's accumulators are held as bf16 and its boxes
-// leave one per stage of the next tile's main loop; what a short tile or the end leaves is flushed.
-template <class Cfg>
-__device__ __forceinline__ void run_consumer_deferred(const CUtensorMap* tm_c, const GemmKernelParams& p,
-                                                      typename Cfg::SharedStorage& smem,
-                                                      const typename Cfg::Tiles& tiles,
-                                                      const device::StaticSchedule& sched, bool dynamic, int rank,
-                                                      int tid) {
-  using Shape = typename Cfg::Shape;
-  static_assert(!Cfg::Loader::kGathers && !Shape::kKGrouped,
-                "the main loop below has no proxy fence for gathered rows and no zeroing of foreign K rows");
-  constexpr int kBN = Shape::kBN;
-  using Store = device::BoxStore<Cfg::kSlots, Cfg::kTmaStore>;
-  const int cwg = tid / 128 - 1;
-  const int ctid = tid - 128;
-  const int lt = tid & 127;
-  const device::StagePipeline<Shape::kStages> pipe{smem.full, smem.empty};
-  const typename Cfg::Schedule schedule{&smem.schedule, p.work_counter};
-  Store store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
-  device::DeferredPlainEpilogue<kBN, Store> deferred{{}, &smem.held_slices[ctid / 32], store, tm_c, p.epi.c_cols};
-  device::PipeState<Shape::kStages> st;
-  float acc[kBN / 2];
-  int j = 0;
-  for (;; ++j) {
-    const int t = dynamic ? schedule.read(j) : sched.item(j);
-    if (t >= tiles.total_now()) break;
-    const device::TileCoord tile = tiles.decode(t, rank);
-    const bool holding = j > 0;
-    device::mma_tile<Shape, false>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt, static_cast<uint32_t>(rank),
-                                   device::NoSideWork{}, [&](int kt) {
-                                     if (holding) deferred(kt);
-                                   });
-    if (holding) deferred.flush_from(max(tile.k_tiles, 0));
-    const device::SliceCoord s{tile.row0 + cwg * 64, tile.rows - cwg * 64, tile.n_idx * kBN, tile.n_idx, lt, lt >> 5,
-                               lt & 31};
-    // As run_consumer: TMA stores need the whole slice inside the expert.
-    deferred.hold(acc, p.epi, s, p.tma_store != 0 && s.valid >= 64);
-  }
-  if (j > 0) deferred.flush_from(0);
-  store.finish();
 }
 
 template <class Cfg>
@@ -280,11 +231,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     run_producer<Cfg>(&tm_a, &tm_b, &tm_h, p, smem, tiles, sched, dynamic, rank, tid);
   } else {
     device::setmaxnreg_inc<Cfg::kConsumerRegs>();
-    if constexpr (Cfg::kDeferredStores) {
-      run_consumer_deferred<Cfg>(&tm_c, p, smem, tiles, sched, dynamic, rank, tid);
-    } else {
-      run_consumer<Cfg>(&tm_c, &tm_aux, p, smem, tiles, sched, dynamic, rank, tid);
-    }
+    run_consumer<Cfg>(&tm_c, &tm_aux, p, smem, tiles, sched, dynamic, rank, tid);
   }
   // No CTA may exit while its peer can still arrive on its barriers or multicast into its memory.
   if constexpr (Shape::kCluster > 1) device::cluster_sync();

@@ -353,10 +353,9 @@ TEST(Fp8Gemm, GroupedByExpert) {
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0) << "2-CTA clusters differ from single CTAs";
 
-  // The plain loop on CTAs that take several tiles (max_ctas 3 and 4): a tile's slices that leave through the
-  // threads (the tile-straddling experts' partial slices) are then read out during the next tile's K blocks in
-  // the MEGAMOE_DEFERRED_STORES build, not only in the final flush. Bitwise the same; the rows outside every
-  // expert untouched.
+  // The plain loop on CTAs that take several tiles (max_ctas 3 and 4), whose slices leave through TMA or, the
+  // tile-straddling experts' partial ones, through the threads, tile after tile through the same staging
+  // boxes. Bitwise the same; the rows outside every expert untouched.
   for (const auto& [cluster, max_ctas] : {std::pair{1, 3}, std::pair{2, 4}}) {
     dD.poison();
     const Status few = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), doff.get(), E, max_rows,
@@ -465,8 +464,7 @@ TEST(Fp8Gemm, GroupedByExpert) {
   }
 
   // D rows through their pointers from the contiguous A, as the layer's GEMM2 and dgrad run it, with either
-  // loop and with CTAs that take several tiles (every slice leaves through the threads, so in the
-  // MEGAMOE_DEFERRED_STORES build a tile's read-out runs during the next tile's K blocks): bitwise the
+  // loop and with CTAs that take several tiles (every slice leaves through the threads): bitwise the
   // contiguous call's rows; rows no pointer names stay untouched.
   for (const bool overlap : {true, false}) {
     for (const int max_ctas : {0, 3}) {

@@ -371,11 +371,10 @@ TEST(GroupedGemm, MGroupedKMajorPlain) {
     run_m_grouped_plain(true, {9, 400, 384, 200, false, false}, t);
     run_m_grouped_plain(true, {4, 700, 512, 512, false, false}, t);
     run_m_grouped_plain(true, {3, 300, 264, 136, true, false}, t);  // last n-tile: one 8-column box
-    // Tiles of fewer stages than boxes: the previous tile's held boxes (deferred stores) go after the loop.
+    // Tiles of one and two stages (fewer stages than the tile's output boxes).
     run_m_grouped_plain(true, {6, 300, 512, 64, false, false}, t);
     run_m_grouped_plain(true, {5, 300, 520, 128, true, true}, t);
-    // A grid of one or two clusters: every CTA walks many tiles, so each tile's boxes leave during the next
-    // tile's main loop (deferred stores), after a short one, or at the end.
+    // A grid of one or four clusters: every CTA walks many tiles, its staging boxes reused tile after tile.
     for (const int max_ctas : {1, 4}) {
       GemmTuning few = t;
       few.max_ctas = max_ctas * t.cluster_size;
@@ -398,7 +397,7 @@ TEST(GroupedGemm, MGroupedNMajorPlain) {
   for (const GemmTuning& t : all_tunings()) {
     run_m_grouped_plain(false, {9, 400, 320, 200, false, false}, t);
     run_m_grouped_plain(false, {5, 600, 768, 264, true, true}, t);
-    run_m_grouped_plain(false, {4, 300, 512, 64, true, false}, t);  // one stage, four held boxes
+    run_m_grouped_plain(false, {4, 300, 512, 64, true, false}, t);  // one stage a tile
     GemmTuning few = t;  // every CTA walks many tiles
     few.max_ctas = 2 * t.cluster_size;
     run_m_grouped_plain(false, {5, 400, 520, 136, true, true}, few);
@@ -911,8 +910,7 @@ TEST(GroupedGemm, DynamicSchedulingAgreesBitwise) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto got_y = dY.download();
   EXPECT_EQ(std::memcmp(ref_y.data(), got_y.data(), got_y.size() * sizeof(bf16)), 0);
-  // On three CTAs each draws many items in turn (in the MEGAMOE_DEFERRED_STORES build an item's boxes leave
-  // during the main loop of the next item it draws): bitwise the same.
+  // On three CTAs, each drawing many items in turn: bitwise the same.
   GemmTuning dynamic_few = dynamic;
   dynamic_few.max_ctas = 3;
   dY.poison();

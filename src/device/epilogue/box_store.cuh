@@ -177,20 +177,15 @@ struct BoxStore {
     }
   }
 
-  // Box `box` staged whole: v[jj][h] for the 8 column groups of the box.
-  __device__ __forceinline__ void stage_box(int box, const uint32_t (&v)[8][2]) const {
-#pragma unroll
-    for (int jj = 0; jj < 8; jj += 2) {
-      const uint32_t pair[2][2] = {{v[jj][0], v[jj][1]}, {v[jj + 1][0], v[jj + 1][1]}};
-      stage_pair(box, jj, pair);
-    }
-  }
-
-  // A whole box at once, staged and committed.
+  // A whole box at once: v[jj][h] for the 8 column groups of the box.
   __device__ __forceinline__ void emit(const uint32_t (&v)[8][2], const CUtensorMap* map, BoxOutput which, int slice0,
                                        int col0, int ncols) {
     const int b = reserve<1>();
-    stage_box(b, v);
+#pragma unroll
+    for (int jj = 0; jj < 8; jj += 2) {
+      const uint32_t pair[2][2] = {{v[jj][0], v[jj][1]}, {v[jj + 1][0], v[jj + 1][1]}};
+      stage_pair(b, jj, pair);
+    }
     commit(b, map, which, slice0, col0, ncols);
   }
 

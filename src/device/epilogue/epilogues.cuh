@@ -49,20 +49,6 @@ __device__ __forceinline__ float row_scale_of(const EpilogueArgs& e, const Slice
   return (e.row_scale != nullptr && r < s.valid) ? e.row_scale[s.slice0 + r] : 1.0f;
 }
 
-// Box `box` of the plain epilogue's slice: row_scale * acc rounded to bf16 pairs, v[jj][h] for column group jj
-// and row half h (sc: the thread's two rows' scales). `box` must be a constant where this is inlined.
-template <int kBN>
-__device__ __forceinline__ void plain_box_pairs(const float (&acc)[kBN / 2], const float (&sc)[2], int box,
-                                                uint32_t (&v)[8][2]) {
-#pragma unroll
-  for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int j = box * 8 + jj;
-      v[jj][h] = pack_bf16x2(acc[Fragment::reg(j, h, 0)] * sc[h], acc[Fragment::reg(j, h, 1)] * sc[h]);
-    }
-}
-
 template <int kBN, class Store>
 __device__ __forceinline__ void epilogue_plain(const float (&acc)[kBN / 2], const EpilogueArgs& e,
                                                const SliceCoord& s, const CUtensorMap* map_c, Store& store) {
@@ -71,7 +57,13 @@ __device__ __forceinline__ void epilogue_plain(const float (&acc)[kBN / 2], cons
   for (int box = 0; box < kBN / 64; ++box) {
     if (s.n0 + box * 64 >= e.c_cols) break;  // uniform over the warpgroup
     uint32_t v[8][2];
-    plain_box_pairs<kBN>(acc, sc, box, v);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = box * 8 + jj;
+        v[jj][h] = pack_bf16x2(acc[Fragment::reg(j, h, 0)] * sc[h], acc[Fragment::reg(j, h, 1)] * sc[h]);
+      }
     store.emit(v, map_c, kOutputC, s.slice0, s.n0 + box * 64, e.c_cols);
   }
 }

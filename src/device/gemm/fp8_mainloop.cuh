@@ -21,7 +21,6 @@
 
 #include "device/gemm/block_scales.cuh"
 #include "device/gemm/fp8_promotion.cuh"
-#include "device/gemm/mainloop.cuh"
 #include "device/gemm/shape.cuh"
 #include "device/pipeline.cuh"
 #include "device/ptx/sync.cuh"
@@ -106,15 +105,13 @@ __device__ __forceinline__ void release_fp8_stage(const StagePipeline<Shape::kSt
 // kGateUp: the tile's weight panel is a gate half and an up half from two weight blocks (GEMM1 of the FP8
 // layer with its SwiGLU epilogue); up_b_scales are the up block's scales, one per K block, and each half is
 // promoted with its own (promote_block_gate_up). Otherwise up_b_scales is not read.
-// stage_work(kt): as mma_tile's (mainloop.cuh), done while K block kt's wgmma run.
-template <class Shape, bool kGathered = false, bool kGateUp = false, class StageWork = NoStageWork>
+template <class Shape, bool kGathered = false, bool kGateUp = false>
 __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN / 2],
                                                        const StagePipeline<Shape::kStages>& pipe,
                                                        PipeState<Shape::kStages>& st, uint8_t* stages,
                                                        const StageScales* scales, const float* b_scales,
                                                        const TileCoord& tile, int cwg, int lt, uint32_t cta_rank,
-                                                       const float* up_b_scales = nullptr,
-                                                       StageWork&& stage_work = StageWork{}) {
+                                                       const float* up_b_scales = nullptr) {
   static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
@@ -127,7 +124,6 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
   const float* next_up_scale = kGateUp ? up_b_scales + 1 : nullptr;
   float up_scale = kGateUp ? __ldg(up_b_scales) : 0.0f;
   pipe.consumer_wait(st);
-  int kt = 0;
   for_each_ring_stage(st, k_tiles, [&](auto stage, uint32_t phase, bool last) {
     constexpr int s = decltype(stage)::value;
     const PipeState<Shape::kStages> here{s, phase};
@@ -140,7 +136,6 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise(float (&acc)[Shape::kBN /
       scale[0][h] = promotion_scale(a_scales, b_scale, cwg, warp, lane, h);
       if constexpr (kGateUp) scale[1][h] = promotion_scale(a_scales, up_scale, cwg, warp, lane, h);
     }
-    stage_work(kt++);
     // While the tensor cores run: the next block's stage and weight scale, so that after the promotion the
     // next wgmma can be issued at once.
     if (!last) {
@@ -217,16 +212,14 @@ __device__ __forceinline__ void run_overlapped_blocks(PipeState<kStages>& st, in
 // more registers per thread (the kernel's consumers get 232). ptxas keeps the wgmma unserialised only when it
 // sees the loop as uniform: the trip count is shuffled from lane 0 here, and the kernel's role branch is on
 // a shuffled warpgroup index.
-// stage_work(kt): as mma_tile_fp8_blockwise's, done once block kt's wgmma are issued (block kt - 1's may still run).
-template <class Shape, bool kGathered = false, bool kGateUp = false, class StageWork = NoStageWork>
+template <class Shape, bool kGathered = false, bool kGateUp = false>
 __device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[Shape::kBN / 2],
                                                                   const StagePipeline<Shape::kStages>& pipe,
                                                                   PipeState<Shape::kStages>& st, uint8_t* stages,
                                                                   const StageScales* scales, const float* b_scales,
                                                                   const TileCoord& tile, int cwg, int lt,
                                                                   uint32_t cta_rank,
-                                                                  const float* up_b_scales = nullptr,
-                                                                  StageWork&& stage_work = StageWork{}) {
+                                                                  const float* up_b_scales = nullptr) {
   static_assert(Shape::kBN == 128, "a tile column block is one 128-wide weight-scale block");
   constexpr int kN = Shape::kBN / 2;
   const int warp = lt >> 5, lane = lt & 31;
@@ -237,7 +230,6 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[S
   const float* next_b_scale = b_scales;
   const float* next_up_scale = up_b_scales;
   float scale[2][2][2];  // [buffer][weight block: gate or the only one, up][row half]
-  int issued = 0;
   run_overlapped_blocks(
       st, k_tiles,
       [&](auto buffer) {
@@ -254,7 +246,6 @@ __device__ __forceinline__ void mma_tile_fp8_blockwise_overlapped(float (&acc)[S
           scale[b][1][0] = promotion_scale(a_scales, up_scale, cwg, warp, lane, 0);
           scale[b][1][1] = promotion_scale(a_scales, up_scale, cwg, warp, lane, 1);
         }
-        stage_work(issued++);
       },
       [&](auto buffer, const PipeState<Shape::kStages>& done) {
         constexpr int b = decltype(buffer)::value;

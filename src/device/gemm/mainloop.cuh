@@ -35,9 +35,6 @@ __device__ __forceinline__ void zero_foreign_rows(uint8_t* stage, int valid, int
 struct NoSideWork {
   __device__ __forceinline__ void operator()() const {}
 };
-struct NoStageWork {
-  __device__ __forceinline__ void operator()(int) const {}
-};
 
 // acc = sum over the tile's K stages. cwg: consumer warpgroup (rows 64 cwg .. 64 cwg + 63 of the tile);
 // ctid: thread among all consumer threads; lt: thread in the warpgroup. kGathered: some operand of the
@@ -47,14 +44,11 @@ struct NoStageWork {
 // producer waits for before it loads): done while the first stage's wgmma run, or before the first wait
 // if that stage has not landed yet, or at the end if the tile has no stage. It may be called more than
 // once and must do its work once.
-// stage_work(kt): the calling warpgroup's own work (the previous tile's stores: DeferredPlainEpilogue), done
-// in the shadow of stage kt's wgmma, once they are issued and before the previous group is waited for. It
-// must not touch the accumulators.
-template <class Shape, bool kGathered, class SideWork = NoSideWork, class StageWork = NoStageWork>
+template <class Shape, bool kGathered, class SideWork = NoSideWork>
 __device__ __forceinline__ void mma_tile(float (&acc)[Shape::kBN / 2], const StagePipeline<Shape::kStages>& pipe,
                                          PipeState<Shape::kStages>& st, uint8_t* stages, const TileCoord& tile,
                                          int cwg, int ctid, int lt, uint32_t cta_rank,
-                                         SideWork&& side_work = SideWork{}, StageWork&& stage_work = StageWork{}) {
+                                         SideWork&& side_work = SideWork{}) {
   using Mma = WgmmaBf16<Shape::kBN>;
 #pragma unroll
   for (int i = 0; i < Shape::kBN / 2; ++i) acc[i] = 0.0f;
@@ -82,7 +76,6 @@ __device__ __forceinline__ void mma_tile(float (&acc)[Shape::kBN / 2], const Sta
     }
     wgmma_commit();
     if (kt == 0) side_work();
-    stage_work(kt);
     wgmma_wait<1>();
     if (kt > 0) pipe.template consumer_release<Shape::kCluster>(previous, lt, cta_rank);
     previous = st;
