@@ -20,6 +20,7 @@
 #include "device/ptx/grid_dependency.cuh"
 #include "device/ptx/sync.cuh"
 #include "device/sched/grouped_tiles.cuh"
+#include "device/tile_clocks.cuh"
 #include "device/sched/schedulers.cuh"
 #include "device/shared_storage.cuh"
 #include "kernels/cluster_launch.hpp"
@@ -139,14 +140,22 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
   const typename Cfg::Schedule schedule{&smem.schedule, p.work_counter};
   device::BoxStore<Cfg::kSlots, Cfg::kTmaStore> store(smem.staging[cwg][0], &smem.slice_rows[cwg], 2 + cwg, lt);
   device::PipeState<Shape::kStages> st;
+  device::TileClocks clocks;  // a diagnostic build's counts (tile_clocks.cuh); otherwise nothing
   float acc[kBN / 2];
   for (int j = 0;; ++j) {
     const int t = dynamic ? schedule.read(j) : sched.item(j);
     // Read from shared memory per item, not held across the epilogue (where every register counts).
     if (t >= tiles.total_now()) break;
     const device::TileCoord tile = tiles.decode(t, rank);
+    clocks.tile_start();
+    // The wait mma_tile begins with, timed apart: a stage waited for twice is full both times.
+    if constexpr (device::TileClocks::kEnabled) {
+      if (tile.k_tiles > 0) pipe.consumer_wait(st);
+    }
+    clocks.first_stage_ready();
     device::mma_tile<Shape, Cfg::Loader::kGathers>(acc, pipe, st, smem.stages[0], tile, cwg, ctid, lt,
                                                     static_cast<uint32_t>(rank));
+    clocks.main_loop_done(tile.k_tiles);
     const int n0 = tile.n_idx * kBN;
     if constexpr (Shape::kKGrouped) {
       const int64_t group = static_cast<int64_t>(tile.e) * p.M * p.N;
@@ -190,8 +199,12 @@ __device__ __forceinline__ void run_consumer(const CUtensorMap* tm_c, const CUte
         device::epilogue_plain<kBN>(acc, p.epi, s, tm_c, store);
       }
     }
+    clocks.epilogue_done();
   }
   store.finish();
+  clocks.report({static_cast<int>(Shape::kForm), static_cast<int>(Cfg::kAct), kBN, Shape::kCluster,
+                 Cfg::kTmaStore ? 1 : 0, Cfg::Loader::kGathers ? 1 : 0, p.N, p.K},
+                cwg, lt);
 }
 
 template <class Cfg>
@@ -249,6 +262,7 @@ Status launch_config(const GemmLaunch& l, cudaStream_t stream) {
   MEGAMOE_RETURN_IF_ERROR(prepare_cluster_launch<kCluster>(grouped_gemm_kernel<Cfg>, kGemmThreads, Cfg::kSmemBytes,
                                                            stream, num_sms, l.tuning.max_ctas, "grouped GEMM",
                                                            &launch));
+  device::register_tile_clock_dump();  // a diagnostic build only (tile_clocks.cuh)
   MEGAMOE_CUDA_RETURN_IF_ERROR(
       cudaLaunchKernelEx(&launch.config, grouped_gemm_kernel<Cfg>, l.a, l.b, l.c, l.aux, l.h, l.p));
   MEGAMOE_CHECK_LAUNCH(stream, "grouped_gemm_kernel");

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Per-tile clock counts of the grouped-GEMM engine's consumers in the layer's step (src/device/tile_clocks.cuh):
+# builds the library and bench_layer with MEGAMOE_TILE_CLOCKS=1 into BUILD_DIR (a build of its own: the counts
+# change the engine's kernels), runs one modular forward and one forward + backward of the benchmark layer
+# (bench_layer --iters 1 --no-ep) and prints, per GEMM configuration and problem, where a tile's cycles go:
+# before its first stage is waited for, waiting for it, the main loop (and its cycles per K stage), the epilogue.
+#   scripts/tile-clocks.sh OUTDIR [BUILD_DIR]      BUILD_DIR defaults to build-tile-clocks
+# MEGAMOE_TILE_CLOCKS_PREBUILT=1: BUILD_DIR already holds such a bench_layer and libmegamoe.so (built elsewhere).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+out=${1:?usage: scripts/tile-clocks.sh OUTDIR [BUILD_DIR]}
+build_dir=${2:-build-tile-clocks}
+mkdir -p "$out"
+export PATH=/usr/local/cuda/bin:$PATH
+if [ "${MEGAMOE_TILE_CLOCKS_PREBUILT:-0}" != 1 ]; then
+  rm -f "$build_dir/CMakeCache.txt"
+  # Warnings are not errors here: the build is a diagnostic, not a product.
+  if ! { cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_WERROR=OFF -DMEGAMOE_BUILD_TESTS=OFF \
+           -DCMAKE_CUDA_FLAGS=-DMEGAMOE_TILE_CLOCKS=1 &&
+         cmake --build "$build_dir" -j "$(nproc)" --target bench_layer; } >"$out/build.log" 2>&1; then
+    tail -20 "$out/build.log"; echo "build failed ($out/build.log)"; exit 1
+  fi
+  # A function call inside a wgmma kernel would serialise its wgmma and time another kernel.
+  if grep -q C7510 "$out/build.log"; then echo "ptxas serialised wgmma in this build (C7510): counts not valid"; exit 1; fi
+fi
+dir=$(cd "$build_dir" && pwd)
+LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout "${MEGAMOE_TILE_CLOCKS_TIMEOUT:-180}" \
+  "$dir/bench_layer" --iters 1 --no-ep >"$out/bench.txt" 2>&1
+rc=$?
+echo "bench_layer rc $rc ($out/bench.txt)"
+python3 scripts/tile_clocks.py "$out/bench.txt"
