@@ -72,8 +72,9 @@ struct TileClocks {
   }
 };
 
-// Host side: at the first launch, an exit handler that prints this translation unit's records.
-inline void print_tile_clock_records() {
+// Host side: at the first launch, an exit handler that prints this translation unit's records. Internal linkage,
+// as the ring's: each translation unit prints its own.
+[[maybe_unused]] static void print_tile_clock_records() {
   unsigned int count = 0;
   if (cudaMemcpyFromSymbol(&count, g_tile_clock_count, sizeof(count)) != cudaSuccess) return;
   static TileClocksRecord records[kTileClocksRecords];
@@ -89,7 +90,7 @@ inline void print_tile_clock_records() {
   if (count > n) std::printf("TILECLK dropped=%u\n", count - n);
   std::fflush(stdout);
 }
-inline void register_tile_clock_dump() {
+[[maybe_unused]] static void register_tile_clock_dump() {
   static const bool registered = (std::atexit(print_tile_clock_records), true);
   (void)registered;
 }
