@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Per-tile clock counts of the grouped-GEMM engine's consumers in the layer's step (src/device/tile_clocks.cuh):
-# builds the library and bench_layer with MEGAMOE_TILE_CLOCKS=1 into BUILD_DIR (a build of its own: the counts
-# change the engine's kernels), runs one modular forward and one forward + backward of the benchmark layer
-# (bench_layer --iters 1 --no-ep) and prints, per GEMM configuration and problem, where a tile's cycles go:
-# before its first stage is waited for, waiting for it, the main loop (and its cycles per K stage), the epilogue.
+# builds the library and bench_layer with MEGAMOE_TILE_CLOCKS=1 into BUILD_DIR (a directory of its own, whose
+# CMake cache is replaced: the counts change the engine's kernels), runs bench_layer --iters 1 --no-ep (every
+# mode it times, both layer shapes, warm-up launches included) and prints, per GEMM configuration and problem
+# (N, K), the sums over all its launches: where a tile's cycles go before its first stage is waited for,
+# waiting for it, the main loop (and its cycles per K stage), the epilogue.
 #   scripts/tile-clocks.sh OUTDIR [BUILD_DIR]      BUILD_DIR defaults to build-tile-clocks
 # MEGAMOE_TILE_CLOCKS_PREBUILT=1: BUILD_DIR already holds such a bench_layer and libmegamoe.so (built elsewhere).
 set -uo pipefail
@@ -14,6 +15,8 @@ mkdir -p "$out"
 export PATH=/usr/local/cuda/bin:$PATH
 if [ "${MEGAMOE_TILE_CLOCKS_PREBUILT:-0}" != 1 ]; then
   rm -f "$build_dir/CMakeCache.txt"
+  # The engine's objects compile every time, so that ptxas's report below is this build's.
+  rm -f "$build_dir"/CMakeFiles/megamoe.dir/src/kernels/grouped_gemm_*.cu.o
   # Warnings are not errors here: the build is a diagnostic, not a product.
   if ! { cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_WERROR=OFF -DMEGAMOE_BUILD_TESTS=OFF \
            -DCMAKE_CUDA_FLAGS=-DMEGAMOE_TILE_CLOCKS=1 &&
@@ -28,4 +31,6 @@ LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout "${MEGAMOE_T
   "$dir/bench_layer" --iters 1 --no-ep >"$out/bench.txt" 2>&1
 rc=$?
 echo "bench_layer rc $rc ($out/bench.txt)"
+# A timeout's signal or an abort skips the exit handler that prints the records.
+[ $rc -eq 0 ] || echo "bench_layer did not finish normally: records may be missing"
 python3 scripts/tile_clocks.py "$out/bench.txt"

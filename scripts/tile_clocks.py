@@ -27,7 +27,7 @@ def parse(lines):
 def summary(groups):
     """Rows (key, records, per-tile cycles of each part, loop cycles per stage, each part's share of the total)."""
     rows = []
-    for key, records in sorted(groups.items()):
+    for key, records in sorted(groups.items(), key=lambda item: tuple(int(v) for v in item[0])):
         tiles = sum(r["tiles"] for r in records)
         if tiles == 0:
             continue
@@ -48,7 +48,8 @@ def main(argv=None):
     dropped = [line.strip() for line in lines if line.startswith("TILECLK dropped=")]
     rows = summary(parse(lines))
     if not rows:
-        print("no TILECLK records (a build without MEGAMOE_TILE_CLOCKS=1?)")
+        print("no TILECLK records: a build without MEGAMOE_TILE_CLOCKS=1, a program that did not exit normally, or"
+              " records the process could not read (its stderr says so)")
         return 1
     print(f"{' '.join(KEY):<34} {'records':>7} | per tile (cycles): {'top':>7} {'wait':>7} {'loop':>8} {'epi':>7} |"
           f" loop / stage | share: top  wait  loop   epi")

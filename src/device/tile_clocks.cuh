@@ -2,8 +2,10 @@
 // the CUDA flags; scripts/tile-clocks.sh builds it, runs the layer's step and sums the counts up). Per tile, in
 // SM cycles: before the tile's first stage is waited for (the schedule, the decode, the previous epilogue's
 // tail), waiting for that stage (the producer behind), the main loop (its stages' wgmma and the waits between
-// them), the epilogue. Thread 0 of each consumer warpgroup of two CTAs appends its sums to a record ring in
-// device memory when the kernel ends, and the process prints the ring's records ("TILECLK ...") when it exits.
+// them), the epilogue (until its stores are issued). "total" spans the tile loop only (not the kernel's prologue
+// or the final wait for the stores). Thread 0 of each consumer warpgroup of CTA 0 and of a CTA past the grid's
+// middle (if the grid has more than two) appends its sums to a record ring in device memory when the kernel
+// ends, and the process prints the ring's records ("TILECLK ...") when it exits normally.
 // Not printf from the kernel: a function call in a wgmma kernel serialises its wgmma (ptxas C7510), which would
 // time another kernel. Without the macro every member is empty and the kernels are the same instruction for
 // instruction.
@@ -76,10 +78,14 @@ struct TileClocks {
 // as the ring's: each translation unit prints its own.
 [[maybe_unused]] static void print_tile_clock_records() {
   unsigned int count = 0;
-  if (cudaMemcpyFromSymbol(&count, g_tile_clock_count, sizeof(count)) != cudaSuccess) return;
   static TileClocksRecord records[kTileClocksRecords];
+  cudaError_t err = cudaMemcpyFromSymbol(&count, g_tile_clock_count, sizeof(count));
   const unsigned int n = count < kTileClocksRecords ? count : kTileClocksRecords;
-  if (n == 0 || cudaMemcpyFromSymbol(records, g_tile_clock_records, n * sizeof(TileClocksRecord)) != cudaSuccess) return;
+  if (err == cudaSuccess && n > 0) err = cudaMemcpyFromSymbol(records, g_tile_clock_records, n * sizeof(TileClocksRecord));
+  if (err != cudaSuccess) {
+    std::fprintf(stderr, "TILECLK: the records could not be read: %s\n", cudaGetErrorString(err));
+    return;
+  }
   for (unsigned int i = 0; i < n; ++i) {
     const TileClocksRecord& r = records[i];
     std::printf("TILECLK form=%d act=%d BN=%d cl=%d tma=%d gA=%d N=%d K=%d cta=%d cwg=%d tiles=%d kstages=%lld "
