@@ -197,8 +197,8 @@ def main(argv=None):
     if not oa or not ob:
         sys.exit(f"sass_diff: no objects in {args.a if not oa else args.b}")
     if pathlib.Path(args.a).is_file() and pathlib.Path(args.b).is_file():
-        pairs = [(f"{oa[next(iter(oa))].name} / {ob[next(iter(ob))].name}", next(iter(oa.values())),
-                  next(iter(ob.values())))]
+        (fa,), (fb,) = oa.values(), ob.values()
+        pairs = [(f"{fa.name} / {fb.name}", fa, fb)]
     else:
         pairs = [(name, oa[name], ob[name]) for name in sorted(set(oa) & set(ob))]
         for name in sorted(set(oa) ^ set(ob)):

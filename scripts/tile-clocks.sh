@@ -14,15 +14,14 @@ build_dir=${2:-build-tile-clocks}
 mkdir -p "$out"
 export PATH=/usr/local/cuda/bin:$PATH
 if [ "${MEGAMOE_TILE_CLOCKS_PREBUILT:-0}" != 1 ]; then
-  rm -f "$build_dir/CMakeCache.txt"
+  source scripts/ab_builds.sh
+  ab_gtest=()
   # The engine's objects compile every time, so that ptxas's report below is this build's.
   rm -f "$build_dir"/CMakeFiles/megamoe.dir/src/kernels/grouped_gemm_*.cu.o
-  # Warnings are not errors here: the build is a diagnostic, not a product.
-  if ! { cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMEGAMOE_WERROR=OFF -DMEGAMOE_BUILD_TESTS=OFF \
-           -DCMAKE_CUDA_FLAGS=-DMEGAMOE_TILE_CLOCKS=1 &&
-         cmake --build "$build_dir" -j "$(nproc)" --target bench_layer; } >"$out/build.log" 2>&1; then
-    tail -20 "$out/build.log"; echo "build failed ($out/build.log)"; exit 1
+  if ! ab_build . "$build_dir" bench_layer -DCMAKE_CUDA_FLAGS=-DMEGAMOE_TILE_CLOCKS=1; then
+    tail -20 "$build_dir.log"; echo "build failed ($build_dir.log)"; exit 1
   fi
+  cp "$build_dir.log" "$out/build.log"
   # A function call inside a wgmma kernel would serialise its wgmma and time another kernel.
   if grep -q C7510 "$out/build.log"; then echo "ptxas serialised wgmma in this build (C7510): counts not valid"; exit 1; fi
 fi

@@ -35,7 +35,8 @@ def summary(groups):
         total = sum(r["total"] for r in records)
         per_tile = {p: sum(r[p] for r in records) / tiles for p in PARTS}
         share = {p: sum(r[p] for r in records) / total if total else 0.0 for p in PARTS}
-        rows.append((key, len(records), per_tile, per_tile["loop"] * tiles / stages if stages else 0.0, share))
+        loop_per_stage = sum(r["loop"] for r in records) / stages if stages else 0.0
+        rows.append((key, len(records), per_tile, loop_per_stage, share))
     return rows
 
 
@@ -51,12 +52,11 @@ def main(argv=None):
         print("no TILECLK records: a build without MEGAMOE_TILE_CLOCKS=1, a program that did not exit normally, or"
               " records the process could not read (its stderr says so)")
         return 1
-    print(f"{' '.join(KEY):<34} {'records':>7} | per tile (cycles): {'top':>7} {'wait':>7} {'loop':>8} {'epi':>7} |"
-          f" loop / stage | share: top  wait  loop   epi")
+    print(f"{' '.join(KEY):<34} {'records':>7} | cycles per tile: " + " ".join(f"{p:>8}" for p in PARTS)
+          + " | per stage | share %: " + " ".join(f"{p:>5}" for p in PARTS))
     for key, n, per_tile, per_stage, share in rows:
-        print(f"{' '.join(key):<34} {n:>7} | {'':>18} " + " ".join(f"{per_tile[p]:>{8 if p == 'loop' else 7}.0f}"
-                                                              for p in PARTS)
-              + f" | {per_stage:>12.0f} | " + " ".join(f"{100 * share[p]:5.1f}" for p in PARTS))
+        print(f"{' '.join(key):<34} {n:>7} | {'':>17}" + " ".join(f"{per_tile[p]:8.0f}" for p in PARTS)
+              + f" | {per_stage:9.0f} | {'':>9}" + " ".join(f"{100 * share[p]:5.1f}" for p in PARTS))
     for d in dropped:
         print(d)
     return 0

@@ -353,38 +353,27 @@ TEST(Fp8Gemm, GroupedByExpert) {
   MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_EQ(count_bitwise_differences(got, dD.download()), 0) << "2-CTA clusters differ from single CTAs";
 
-  // The plain loop on CTAs that take several tiles (max_ctas 3 and 4), whose slices leave through TMA or, the
-  // tile-straddling experts' partial ones, through the threads, tile after tile through the same staging
-  // boxes. Bitwise the same; the rows outside every expert untouched.
-  for (const auto& [cluster, max_ctas] : {std::pair{1, 3}, std::pair{2, 4}}) {
-    dD.poison();
-    const Status few = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), doff.get(), E, max_rows,
-                                           N, K, nullptr, Fp8GemmTuning{cluster, max_ctas});
-    ASSERT_TRUE(few.is_ok()) << few.to_string();
-    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-    const std::vector<bf16> few_out = dD.download();
-    EXPECT_EQ(count_bitwise_differences(got, few_out), 0)
-        << "the plain loop on " << max_ctas << " CTAs (cluster " << cluster << ") differs from the whole grid";
-    EXPECT_EQ(count_not_nan(few_out, rows * N, max_rows * N), 0)
-        << "the plain loop on " << max_ctas << " CTAs wrote rows outside every expert";
-  }
-
-  // The overlapped promotion (empty experts; max_ctas 3: CTAs that take several tiles, each starting where
-  // the previous one left the ring): bitwise the same.
-  for (const auto& [cluster, max_ctas] : {std::pair{1, 0}, std::pair{2, 0}, std::pair{1, 3}, std::pair{2, 4}}) {
-    dD.poison();
-    Fp8GemmTuning overlapped{cluster, max_ctas};
-    overlapped.overlap_promotion = true;
-    const Status o = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), doff.get(), E, max_rows,
-                                         N, K, nullptr, overlapped);
-    ASSERT_TRUE(o.is_ok()) << o.to_string();
-    MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
-    const std::vector<bf16> o_out = dD.download();
-    EXPECT_EQ(count_bitwise_differences(got, o_out), 0)
-        << "overlapped promotion (cluster " << cluster << ", max_ctas " << max_ctas
-        << ") differs from the plain loop";
-    EXPECT_EQ(count_not_nan(o_out, rows * N, max_rows * N), 0)
-        << "overlapped promotion wrote rows outside every expert";
+  // The overlapped promotion (empty experts), and both loops on CTAs that take several tiles (max_ctas 3 and 4:
+  // each tile starts where the previous one left the ring, and its slices leave through TMA or, the
+  // tile-straddling experts' partial ones, through the threads, tile after tile through the same staging boxes):
+  // bitwise the whole grid's plain loop; the rows outside every expert untouched.
+  for (const bool overlap : {true, false}) {
+    for (const auto& [cluster, max_ctas] : {std::pair{1, 0}, std::pair{2, 0}, std::pair{1, 3}, std::pair{2, 4}}) {
+      if (!overlap && max_ctas == 0) continue;  // the calls above
+      dD.poison();
+      Fp8GemmTuning tuning{cluster, max_ctas};
+      tuning.overlap_promotion = overlap;
+      const Status o = fp8_grouped_gemm_nt(dA.get(), dsa.get(), dB.get(), dsb.get(), dD.get(), doff.get(), E,
+                                           max_rows, N, K, nullptr, tuning);
+      ASSERT_TRUE(o.is_ok()) << o.to_string();
+      MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
+      const std::vector<bf16> o_out = dD.download();
+      const char* loop = overlap ? "overlapped promotion" : "the plain loop";
+      EXPECT_EQ(count_bitwise_differences(got, o_out), 0)
+          << loop << " (cluster " << cluster << ", max_ctas " << max_ctas << ") differs from the whole grid's plain loop";
+      EXPECT_EQ(count_not_nan(o_out, rows * N, max_rows * N), 0)
+          << loop << " (cluster " << cluster << ", max_ctas " << max_ctas << ") wrote rows outside every expert";
+    }
   }
 
   // Rows by index, as the layer runs it: A's rows (and their scales, row-major) gathered from a shuffled,
@@ -440,13 +429,13 @@ TEST(Fp8Gemm, GroupedByExpert) {
   }
   EXPECT_EQ(unnamed_written, 0) << "rows no pointer names were written";
 
-  // The call with the overlapped promotion (or the plain loop), single CTAs, max_ctas of them (the layer's
-  // tuning), on A and sa.
-  const auto overlapped_call = [&](int max_ctas, const uint8_t* A, const float* sa, const Fp8GemmRows& rows_by,
+  // The call on single CTAs, max_ctas of them (the layer's tuning), with the overlapped promotion (or the plain
+  // loop), on A and sa.
+  const auto single_cta_call = [&](int max_ctas, const uint8_t* A, const float* sa, const Fp8GemmRows& rows_by,
                                    bool overlap = true) {
-    Fp8GemmTuning overlapped{1, max_ctas};
-    overlapped.overlap_promotion = overlap;
-    return fp8_grouped_gemm_nt(A, sa, dB.get(), dsb.get(), nullptr, doff.get(), E, max_rows, N, K, nullptr, overlapped,
+    Fp8GemmTuning tuning{1, max_ctas};
+    tuning.overlap_promotion = overlap;
+    return fp8_grouped_gemm_nt(A, sa, dB.get(), dsb.get(), nullptr, doff.get(), E, max_rows, N, K, nullptr, tuning,
                                rows_by);
   };
 
@@ -454,7 +443,7 @@ TEST(Fp8Gemm, GroupedByExpert) {
   // same rows.
   for (const int max_ctas : {0, 3}) {
     dOut.poison();
-    const Status gathered_o = overlapped_call(max_ctas, dSq.get(), dSs.get(), by_index);
+    const Status gathered_o = single_cta_call(max_ctas, dSq.get(), dSs.get(), by_index);
     ASSERT_TRUE(gathered_o.is_ok()) << gathered_o.to_string();
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<bf16> out_o = dOut.download();
@@ -471,7 +460,7 @@ TEST(Fp8Gemm, GroupedByExpert) {
       dOut.poison();
       Fp8GemmRows rows_only;
       rows_only.d_rows = dPointers.get();
-      const Status by_pointer = overlapped_call(max_ctas, dA.get(), dsa.get(), rows_only, overlap);
+      const Status by_pointer = single_cta_call(max_ctas, dA.get(), dsa.get(), rows_only, overlap);
       ASSERT_TRUE(by_pointer.is_ok()) << by_pointer.to_string();
       MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
       const std::vector<bf16> out_p = dOut.download();
@@ -515,7 +504,7 @@ TEST(Fp8Gemm, GroupedByExpert) {
     dD32.poison();
     Fp8GemmRows fp32_only;
     fp32_only.d_fp32 = dD32.get();
-    const Status contiguous = overlapped_call(max_ctas, dA.get(), dsa.get(), fp32_only);
+    const Status contiguous = single_cta_call(max_ctas, dA.get(), dsa.get(), fp32_only);
     ASSERT_TRUE(contiguous.is_ok()) << contiguous.to_string();
     MEGAMOE_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<float> d32_tma = dD32.download();
